@@ -1,0 +1,13 @@
+//! Wire types shared by the pdserve gateway, engine and bench.
+//!
+//! Every request and response type keeps the fields it does not model in an `extra`
+//! map, so a gateway built on these types passes vendor extensions through unchanged.
+
+pub mod error;
+pub mod kv;
+pub mod openai;
+pub mod sse;
+
+pub use error::{ApiError, ErrorBody, ErrorDetail};
+pub use kv::{BootstrapParams, KvTransferParams, RemoteBlockIds};
+pub use openai::*;
