@@ -1,0 +1,162 @@
+//! The pulling side: reads a peer's pinned blocks.
+
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::time::timeout;
+
+use crate::error::TransferError;
+use crate::frame::{read_frame, write_frame, FrameKind};
+use crate::message::{ErrorMessage, ReadAccepted, ReadRequest};
+
+/// Limits of the pulling side.
+#[derive(Debug, Clone)]
+pub struct PullConfig {
+    /// Longest wait to connect.
+    pub connect_timeout: Duration,
+    /// Longest wait for any one frame.
+    pub io_timeout: Duration,
+}
+
+impl Default for PullConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(3),
+            io_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Blocks received from a peer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PulledBlocks {
+    /// Leading tokens of the request's `token_ids` that the blocks hold.
+    pub matched_tokens: usize,
+    /// The blocks, in sequence order.
+    pub blocks: Vec<Vec<u8>>,
+    /// Payload bytes received.
+    pub bytes: usize,
+    /// Time from connect to the last block.
+    pub elapsed: Duration,
+}
+
+/// Pulls the blocks `request` names from the peer at `addr` (`host:port`); every block
+/// must be `block_bytes` long. Confirms receipt so the peer frees them.
+pub async fn pull(
+    addr: &str,
+    request: &ReadRequest,
+    block_bytes: usize,
+    config: &PullConfig,
+) -> Result<PulledBlocks, TransferError> {
+    let started = Instant::now();
+    let mut stream = timeout(config.connect_timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| TransferError::Timeout("connecting"))?
+        .map_err(|source| TransferError::Connect {
+            addr: addr.to_string(),
+            source,
+        })?;
+    let _ = stream.set_nodelay(true);
+    let json = serde_json::to_vec(request).map_err(|e| TransferError::Protocol(e.to_string()))?;
+    timeout(
+        config.io_timeout,
+        write_frame(&mut stream, FrameKind::ReadRequest, &[&json]),
+    )
+    .await
+    .map_err(|_| TransferError::Timeout("sending the read request"))??;
+
+    let header = timeout(config.io_timeout, read_frame(&mut stream, 64 << 10))
+        .await
+        .map_err(|_| TransferError::Timeout("waiting for the read header"))??;
+    let accepted: ReadAccepted = match header.kind {
+        FrameKind::ReadAccepted => serde_json::from_slice(&header.payload)
+            .map_err(|e| TransferError::Protocol(format!("invalid read header: {e}")))?,
+        FrameKind::Error => return Err(remote_error(&header.payload)),
+        other => {
+            return Err(TransferError::Protocol(format!(
+                "expected a read header, got {other:?}"
+            )))
+        }
+    };
+    if accepted.block_bytes != block_bytes {
+        return Err(TransferError::Protocol(format!(
+            "peer sends blocks of {} bytes, expected {block_bytes}",
+            accepted.block_bytes
+        )));
+    }
+    if accepted.num_blocks > request.block_ids.len() {
+        return Err(TransferError::Protocol(format!(
+            "peer announced {} blocks for a read of {}",
+            accepted.num_blocks,
+            request.block_ids.len()
+        )));
+    }
+    if accepted.matched_tokens > request.token_ids.len() {
+        return Err(TransferError::Protocol(format!(
+            "peer claims {} matched tokens of {}",
+            accepted.matched_tokens,
+            request.token_ids.len()
+        )));
+    }
+
+    let mut blocks = Vec::with_capacity(accepted.num_blocks);
+    for expected in 0..accepted.num_blocks {
+        let frame = timeout(config.io_timeout, read_frame(&mut stream, block_bytes + 4))
+            .await
+            .map_err(|_| TransferError::Timeout("receiving a block"))??;
+        match frame.kind {
+            FrameKind::Block => {}
+            FrameKind::Error => return Err(remote_error(&frame.payload)),
+            other => {
+                return Err(TransferError::Protocol(format!(
+                    "expected a block, got {other:?}"
+                )))
+            }
+        }
+        if frame.payload.len() != block_bytes + 4 {
+            return Err(TransferError::Protocol(format!(
+                "block {expected} has {} bytes, expected {block_bytes}",
+                frame.payload.len().saturating_sub(4)
+            )));
+        }
+        let index = u32::from_le_bytes([
+            frame.payload[0],
+            frame.payload[1],
+            frame.payload[2],
+            frame.payload[3],
+        ]);
+        if index as usize != expected {
+            return Err(TransferError::Protocol(format!(
+                "block {index} arrived where block {expected} was expected"
+            )));
+        }
+        let mut payload = frame.payload;
+        payload.drain(..4);
+        blocks.push(payload);
+    }
+    let elapsed = started.elapsed();
+    timeout(
+        config.io_timeout,
+        write_frame(&mut stream, FrameKind::ReadComplete, &[]),
+    )
+    .await
+    .map_err(|_| TransferError::Timeout("confirming the read"))??;
+    let _ = stream.shutdown().await;
+    Ok(PulledBlocks {
+        matched_tokens: accepted.matched_tokens,
+        bytes: blocks.len() * block_bytes,
+        blocks,
+        elapsed,
+    })
+}
+
+fn remote_error(payload: &[u8]) -> TransferError {
+    match serde_json::from_slice::<ErrorMessage>(payload) {
+        Ok(m) => TransferError::Remote {
+            code: m.code,
+            message: m.message,
+        },
+        Err(e) => TransferError::Protocol(format!("invalid error frame: {e}")),
+    }
+}

@@ -1,0 +1,268 @@
+//! The serving side: answers reads of pinned blocks from a [`BlockSource`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::time::timeout;
+
+use crate::error::TransferError;
+use crate::frame::{read_frame, write_frame, FrameKind};
+use crate::message::{ErrorCode, ErrorMessage, ReadAccepted, ReadRequest};
+
+/// Blocks copied out for one read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Export {
+    /// Leading tokens of the request's `token_ids` that `blocks` hold.
+    pub matched_tokens: usize,
+    /// The blocks, in sequence order, each `block_bytes` long.
+    pub blocks: Vec<Vec<u8>>,
+}
+
+/// How an accepted read ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReadOutcome {
+    /// The client confirmed it received every block.
+    Completed,
+    /// The read broke off after it was accepted; the client cannot use the blocks.
+    Failed(String),
+}
+
+/// What one accepted read moved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TransferStats {
+    pub blocks: usize,
+    pub bytes: usize,
+    pub elapsed: Duration,
+}
+
+/// Whatever holds pinned blocks: an engine.
+pub trait BlockSource: Send + Sync + 'static {
+    /// This engine's id (`remote_engine_id` in `kv_transfer_params`).
+    fn engine_id(&self) -> &str;
+    /// A description of the block format (model shape and precision); a peer with
+    /// another layout is refused.
+    fn layout(&self) -> &str;
+    /// Bytes in one block.
+    fn block_bytes(&self) -> usize;
+    /// Checks `request` against what is pinned for it and copies those blocks out.
+    fn export(
+        &self,
+        request: &ReadRequest,
+    ) -> impl Future<Output = Result<Export, (ErrorCode, String)>> + Send;
+    /// Called exactly once for every read that `export` accepted, when it ends.
+    fn finish(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats);
+}
+
+/// Limits of the serving side.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Longest wait for any one frame to be read or written.
+    pub io_timeout: Duration,
+    /// Largest read request accepted, in bytes.
+    pub max_request_bytes: usize,
+    /// Most blocks one read may name.
+    pub max_blocks: usize,
+    /// Most connections served at once.
+    pub max_connections: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            io_timeout: Duration::from_secs(10),
+            max_request_bytes: 4 << 20,
+            max_blocks: 16_384,
+            max_connections: 64,
+        }
+    }
+}
+
+/// Serves reads on `listener` until `shutdown` completes.
+pub async fn serve<S: BlockSource>(
+    listener: TcpListener,
+    source: Arc<S>,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+) {
+    let permits = Arc::new(Semaphore::new(config.max_connections));
+    let config = Arc::new(config);
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV transfer accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "KV transfer connection refused: too many connections");
+            continue;
+        };
+        let source = source.clone();
+        let config = config.clone();
+        tokio::spawn(async move {
+            if let Err(e) = handle_connection(stream, &*source, &config).await {
+                tracing::debug!(%peer, error = %e, "KV transfer connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+}
+
+async fn handle_connection<S: BlockSource>(
+    mut stream: TcpStream,
+    source: &S,
+    config: &ServerConfig,
+) -> Result<(), TransferError> {
+    let _ = stream.set_nodelay(true);
+    let frame = timeout(
+        config.io_timeout,
+        read_frame(&mut stream, config.max_request_bytes),
+    )
+    .await
+    .map_err(|_| TransferError::Timeout("waiting for a read request"))??;
+    let request = match parse_request(frame.kind, &frame.payload, source, config) {
+        Ok(r) => r,
+        Err((code, message)) => return refuse(&mut stream, code, message, config).await,
+    };
+    let started = Instant::now();
+    let export = match source.export(&request).await {
+        Ok(e) => e,
+        Err((code, message)) => return refuse(&mut stream, code, message, config).await,
+    };
+    let stats = TransferStats {
+        blocks: export.blocks.len(),
+        bytes: export.blocks.iter().map(Vec::len).sum(),
+        elapsed: Duration::ZERO,
+    };
+    let result = send_blocks(&mut stream, &export, source.block_bytes(), config).await;
+    let stats = TransferStats {
+        elapsed: started.elapsed(),
+        ..stats
+    };
+    match &result {
+        Ok(()) => source.finish(&request.request_id, ReadOutcome::Completed, stats),
+        Err(e) => source.finish(
+            &request.request_id,
+            ReadOutcome::Failed(e.to_string()),
+            stats,
+        ),
+    }
+    result
+}
+
+fn parse_request<S: BlockSource>(
+    kind: FrameKind,
+    payload: &[u8],
+    source: &S,
+    config: &ServerConfig,
+) -> Result<ReadRequest, (ErrorCode, String)> {
+    if kind != FrameKind::ReadRequest {
+        return Err((
+            ErrorCode::BadRequest,
+            format!("expected a read request, got {kind:?}"),
+        ));
+    }
+    let request: ReadRequest = serde_json::from_slice(payload)
+        .map_err(|e| (ErrorCode::BadRequest, format!("invalid read request: {e}")))?;
+    if request.engine_id != source.engine_id() {
+        return Err((
+            ErrorCode::WrongEngine,
+            format!(
+                "this is engine {}, not {}",
+                source.engine_id(),
+                request.engine_id
+            ),
+        ));
+    }
+    if request.layout != source.layout() {
+        return Err((
+            ErrorCode::LayoutMismatch,
+            format!(
+                "block layout {} differs from this engine's {}",
+                request.layout,
+                source.layout()
+            ),
+        ));
+    }
+    if request.block_ids.len() > config.max_blocks {
+        return Err((
+            ErrorCode::BadRequest,
+            format!(
+                "{} blocks requested, at most {} allowed",
+                request.block_ids.len(),
+                config.max_blocks
+            ),
+        ));
+    }
+    Ok(request)
+}
+
+async fn send_blocks(
+    stream: &mut TcpStream,
+    export: &Export,
+    block_bytes: usize,
+    config: &ServerConfig,
+) -> Result<(), TransferError> {
+    let accepted = ReadAccepted {
+        matched_tokens: export.matched_tokens,
+        num_blocks: export.blocks.len(),
+        block_bytes,
+    };
+    let json = serde_json::to_vec(&accepted).map_err(|e| TransferError::Protocol(e.to_string()))?;
+    timeout(
+        config.io_timeout,
+        write_frame(stream, FrameKind::ReadAccepted, &[&json]),
+    )
+    .await
+    .map_err(|_| TransferError::Timeout("sending the read header"))??;
+    for (index, block) in export.blocks.iter().enumerate() {
+        let index = (index as u32).to_le_bytes();
+        timeout(
+            config.io_timeout,
+            write_frame(stream, FrameKind::Block, &[&index, block]),
+        )
+        .await
+        .map_err(|_| TransferError::Timeout("sending a block"))??;
+    }
+    stream.flush().await?;
+    let ack = timeout(config.io_timeout, read_frame(stream, 0))
+        .await
+        .map_err(|_| TransferError::Timeout("waiting for the read to be confirmed"))??;
+    if ack.kind != FrameKind::ReadComplete {
+        return Err(TransferError::Protocol(format!(
+            "expected read-complete, got {:?}",
+            ack.kind
+        )));
+    }
+    Ok(())
+}
+
+async fn refuse(
+    stream: &mut TcpStream,
+    code: ErrorCode,
+    message: String,
+    config: &ServerConfig,
+) -> Result<(), TransferError> {
+    let body = serde_json::to_vec(&ErrorMessage {
+        code,
+        message: message.clone(),
+    })
+    .map_err(|e| TransferError::Protocol(e.to_string()))?;
+    let _ = timeout(
+        config.io_timeout,
+        write_frame(stream, FrameKind::Error, &[&body]),
+    )
+    .await;
+    let _ = stream.shutdown().await;
+    Err(TransferError::Remote { code, message })
+}
