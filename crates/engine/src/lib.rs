@@ -1,4 +1,13 @@
-//! The embedded CPU engine behind `pdserve worker`.
+//! The embedded CPU engine behind `pdserve worker`: a GGUF model over a paged KV cache
+//! with prefix caching and continuous batching, served with the OpenAI API.
+
+pub mod block_manager;
+pub mod metrics;
+pub mod request;
+pub mod sampling;
+pub mod scheduler;
+mod sequence;
+pub mod step_model;
 
 /// `pdserve worker` flags.
 #[derive(Debug, Clone, clap::Args)]

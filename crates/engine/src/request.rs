@@ -1,0 +1,77 @@
+//! What the HTTP side hands the scheduler, and what the scheduler streams back.
+
+use tokio::sync::mpsc;
+
+use crate::sampling::{SamplingParams, TokenLogprobs};
+
+/// A tokenized generation request, validated and ready to schedule.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// How to choose tokens.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate (at least 1).
+    pub max_new_tokens: usize,
+    /// Tokens that end the sequence (EOS), empty with `ignore_eos`.
+    pub stop_token_ids: Vec<u32>,
+    /// Stop tokens are suppressed until this many tokens were generated.
+    pub min_new_tokens: usize,
+    /// `Some(n)`: report each token's log-probability and its `n` top alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token (EOS) or, decided on the text side, a stop string.
+    Stop,
+    /// `max_tokens` or the model's context length was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a finished sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TokenUsage {
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Generated tokens, including a final stop token.
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// One event of a sequence's output stream.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SeqEvent {
+    /// A generated token.
+    Token {
+        /// The token id.
+        id: u32,
+        /// Present when the request asked for logprobs.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The sequence is done; no more events follow.
+    Finished {
+        /// Why it stopped.
+        reason: FinishReason,
+        /// Its token counts.
+        usage: TokenUsage,
+    },
+    /// The engine could not run the sequence; no more events follow.
+    Failed(String),
+}
+
+/// The receiving end of a sequence's events. Dropping it cancels the sequence: the
+/// scheduler frees its blocks at the next step.
+pub type SeqEvents = mpsc::UnboundedReceiver<SeqEvent>;

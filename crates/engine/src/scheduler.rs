@@ -1,0 +1,424 @@
+//! Continuous batching on a dedicated OS thread.
+//!
+//! Each step: drop cancelled sequences; give every running sequence its next tokens (one
+//! decode token, or the next chunk of its prompt) within a token budget, preempting the
+//! most recently admitted sequences when KV blocks run out; admit waiting sequences
+//! (prefix-cache lookup first) while budget, batch slots and blocks allow; run ONE batched
+//! forward; sample, stream tokens out, and retire finished sequences.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use pdserve_model::{ModelError, SequenceStep};
+use tokio::sync::mpsc;
+
+use crate::block_manager::BlockManager;
+use crate::metrics::Metrics;
+use crate::request::{GenerationRequest, SeqEvent, SeqEvents};
+use crate::sequence::Sequence;
+use crate::step_model::StepModel;
+
+/// How often a stalled scheduler (work waiting, no block free) looks again.
+const STALL_POLL: Duration = Duration::from_millis(5);
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most sequences in the running batch.
+    pub max_num_seqs: usize,
+    /// Most requests waiting for admission; more are refused (HTTP 429).
+    pub max_waiting: usize,
+    /// Most tokens run in one step (prompt chunks plus decode tokens).
+    pub max_num_batched_tokens: usize,
+    /// Most tokens (prompt plus generated) of one sequence.
+    pub max_model_len: usize,
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the server is at capacity: {0} requests are already waiting; retry later")]
+    QueueFull(usize),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+enum Command {
+    Submit(Box<GenerationRequest>, mpsc::UnboundedSender<SeqEvent>),
+    Shutdown,
+}
+
+/// A cheap, cloneable handle to submit requests to the scheduler thread.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    commands: std_mpsc::Sender<Command>,
+    /// Requests accepted but never admitted to the running batch yet.
+    queued: Arc<AtomicUsize>,
+    max_waiting: usize,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Submit(..) => f.write_str("Submit"),
+            Self::Shutdown => f.write_str("Shutdown"),
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Queues `request`; its output arrives on the returned receiver. Dropping the
+    /// receiver cancels the request.
+    pub fn submit(&self, request: GenerationRequest) -> Result<SeqEvents, SubmitError> {
+        let reserved = self
+            .queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < self.max_waiting).then_some(n + 1)
+            });
+        if reserved.is_err() {
+            return Err(SubmitError::QueueFull(self.max_waiting));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        if self
+            .commands
+            .send(Command::Submit(Box::new(request), tx))
+            .is_err()
+        {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Stopped);
+        }
+        Ok(rx)
+    }
+
+    /// Asks the scheduler thread to fail every sequence and exit.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}
+
+/// Starts the scheduler thread over `model`.
+pub fn spawn<M: StepModel>(
+    model: M,
+    mut config: SchedulerConfig,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
+    // A sequence must always fit in the pool on its own, or preemption could not help.
+    config.max_model_len = config
+        .max_model_len
+        .min(model.num_blocks() * pdserve_model::BLOCK_SIZE);
+    let (tx, rx) = std_mpsc::channel();
+    let queued = Arc::new(AtomicUsize::new(0));
+    let handle = EngineHandle {
+        commands: tx,
+        queued: queued.clone(),
+        max_waiting: config.max_waiting,
+    };
+    let scheduler = Scheduler {
+        blocks: BlockManager::new(model.num_blocks()),
+        model,
+        config,
+        metrics,
+        queued,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        stopping: false,
+    };
+    let thread = std::thread::Builder::new()
+        .name("pdserve-scheduler".into())
+        .spawn(move || scheduler.run(rx))?;
+    Ok((handle, thread))
+}
+
+struct Scheduler<M> {
+    model: M,
+    blocks: BlockManager,
+    config: SchedulerConfig,
+    metrics: Arc<Metrics>,
+    queued: Arc<AtomicUsize>,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    stopping: bool,
+}
+
+impl<M: StepModel> Scheduler<M> {
+    fn run(mut self, commands: std_mpsc::Receiver<Command>) {
+        let mut stalled = false;
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                // Idle: block until there is work (or every handle is gone).
+                match commands.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => break,
+                }
+            } else if stalled {
+                // Work is waiting for blocks that only a command (or a cancellation) can
+                // free: poll instead of spinning.
+                match commands.recv_timeout(STALL_POLL) {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            while let Ok(cmd) = commands.try_recv() {
+                self.handle(cmd);
+            }
+            if self.stopping {
+                break;
+            }
+            stalled = !self.step();
+        }
+        let waiting: Vec<_> = self.waiting.drain(..).collect();
+        for seq in self.running.drain(..).chain(waiting) {
+            seq.send(SeqEvent::Failed("the worker is shutting down".into()));
+        }
+        tracing::debug!("scheduler thread stopped");
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(request, events) => {
+                let mut seq = Sequence::new(*request, events);
+                if let Err(msg) = self.check_fits(&seq) {
+                    self.release_queue_slot(&mut seq);
+                    seq.send(SeqEvent::Failed(msg));
+                    self.metrics.finished("error");
+                    return;
+                }
+                self.waiting.push_back(seq);
+            }
+            Command::Shutdown => self.stopping = true,
+        }
+    }
+
+    /// Last line of defence behind the HTTP validation: a request that can never run
+    /// is refused instead of blocking the queue.
+    fn check_fits(&self, seq: &Sequence) -> Result<(), String> {
+        if seq.prompt_len == 0 {
+            return Err("the prompt is empty".into());
+        }
+        if seq.prompt_len >= self.config.max_model_len {
+            return Err(format!(
+                "the prompt has {} tokens; this worker's limit is {}",
+                seq.prompt_len,
+                self.config.max_model_len.saturating_sub(1)
+            ));
+        }
+        Ok(())
+    }
+
+    fn release_queue_slot(&self, seq: &mut Sequence) {
+        if std::mem::take(&mut seq.holds_queue_slot) {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Frees the sequence's blocks and queue slot. Block errors are bugs; they are logged
+    /// rather than allowed to take the worker down.
+    fn retire(&mut self, seq: &mut Sequence) {
+        if let Err(e) = seq.release_blocks(&mut self.blocks) {
+            tracing::error!("releasing a sequence's blocks failed: {e}");
+        }
+        self.release_queue_slot(seq);
+    }
+
+    fn reap_cancelled(&mut self) {
+        let mut cancelled = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].is_cancelled() {
+                cancelled.push(self.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let (gone, kept): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(Sequence::is_cancelled);
+        self.waiting = kept.into();
+        for mut seq in cancelled.into_iter().chain(gone) {
+            self.retire(&mut seq);
+            self.metrics.finished("abort");
+        }
+    }
+
+    /// Moves `running[index]` back to the head of the queue; it is recomputed later.
+    fn preempt(&mut self, index: usize) {
+        let mut seq = self.running.remove(index);
+        if let Err(e) = seq.release_blocks(&mut self.blocks) {
+            tracing::error!("releasing a preempted sequence's blocks failed: {e}");
+        }
+        self.metrics.preemptions.inc();
+        tracing::debug!(tokens = seq.tokens.len(), "preempted a sequence");
+        self.waiting.push_front(seq);
+    }
+
+    /// One scheduling step; false when nothing could run.
+    fn step(&mut self) -> bool {
+        self.reap_cancelled();
+        let mut budget = self.config.max_num_batched_tokens;
+        // (index into `running`, tokens to run this step)
+        let mut scheduled: Vec<(usize, usize)> = Vec::new();
+        let mut preempted = false;
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let seq = &self.running[i];
+            let num_new = seq.num_uncomputed().min(budget);
+            let missing = seq.blocks_missing(seq.num_computed + num_new);
+            if self.blocks.num_free() < missing {
+                // Preempt the most recently admitted sequence (possibly this one).
+                self.preempt(self.running.len() - 1);
+                preempted = true;
+                continue;
+            }
+            let new_blocks = self.blocks.allocate(missing).unwrap_or_default();
+            self.running[i].blocks.extend(new_blocks);
+            scheduled.push((i, num_new));
+            budget -= num_new;
+            i += 1;
+        }
+
+        // Admitting while preempting would only churn blocks.
+        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            let hit = self.blocks.match_prefix(&seq.tokens);
+            let num_new = (seq.tokens.len() - hit.num_tokens()).min(budget);
+            let missing =
+                (hit.num_tokens() + num_new).div_ceil(pdserve_model::BLOCK_SIZE) - hit.blocks.len();
+            let Some(new_blocks) = self.blocks.allocate(missing) else {
+                if let Err(e) = self.blocks.release(&hit.blocks) {
+                    tracing::error!("releasing prefix-cache hits failed: {e}");
+                }
+                self.waiting.push_front(seq);
+                break;
+            };
+            if seq.cached_tokens.is_none() {
+                seq.cached_tokens = Some(hit.num_tokens());
+                self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
+                self.metrics
+                    .prefix_cache_queries
+                    .inc_by(seq.prompt_len as u64);
+                self.metrics
+                    .prefix_cache_hits
+                    .inc_by(hit.num_tokens() as u64);
+            }
+            seq.num_computed = hit.num_tokens();
+            seq.blocks = hit.blocks;
+            seq.blocks.extend(new_blocks);
+            seq.hashes = hit.hashes;
+            self.release_queue_slot(&mut seq);
+            self.running.push(seq);
+            scheduled.push((self.running.len() - 1, num_new));
+            budget -= num_new;
+        }
+
+        if !scheduled.is_empty() {
+            self.run_batch(&scheduled);
+        }
+        self.update_gauges();
+        !scheduled.is_empty()
+    }
+
+    fn run_batch(&mut self, scheduled: &[(usize, usize)]) {
+        let started = Instant::now();
+        let steps: Vec<SequenceStep<'_>> = scheduled
+            .iter()
+            .map(|&(i, n)| {
+                let seq = &self.running[i];
+                SequenceStep {
+                    tokens: &seq.tokens[seq.num_computed..seq.num_computed + n],
+                    start_pos: seq.num_computed,
+                    block_table: &seq.blocks,
+                }
+            })
+            .collect();
+        // A panicking forward (a bug in the model code) fails this batch, not the worker.
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.forward(&steps)))
+                .unwrap_or_else(|_| Err(ModelError::Other("the forward pass panicked".into())));
+        drop(steps);
+
+        let mut finished = Vec::new();
+        match result {
+            Ok(logits) if logits.len() == scheduled.len() => {
+                for (&(i, n), logits) in scheduled.iter().zip(&logits) {
+                    let seq = &mut self.running[i];
+                    seq.num_computed += n;
+                    if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
+                        tracing::error!("prefix-cache commit failed: {e}");
+                    }
+                    if seq.num_uncomputed() > 0 {
+                        continue; // more prompt chunks to go
+                    }
+                    let reason = seq.append_sampled(logits, self.config.max_model_len);
+                    self.metrics.generation_tokens.inc();
+                    if let Some(reason) = reason {
+                        finished.push((
+                            i,
+                            SeqEvent::Finished {
+                                reason,
+                                usage: seq.usage(),
+                            },
+                        ));
+                        self.metrics.finished(reason.as_str());
+                    }
+                }
+            }
+            Ok(logits) => {
+                let msg = format!(
+                    "the model returned {} logit rows for {} sequences",
+                    logits.len(),
+                    scheduled.len()
+                );
+                self.fail_all(scheduled, &msg, &mut finished);
+            }
+            Err(e) => self.fail_all(
+                scheduled,
+                &format!("forward pass failed: {e}"),
+                &mut finished,
+            ),
+        }
+        // Remove from the back so earlier indices stay valid.
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, event) in finished {
+            let mut seq = self.running.remove(i);
+            self.retire(&mut seq);
+            seq.send(event);
+        }
+
+        let batch = scheduled.len();
+        self.metrics
+            .step_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.batch_size.observe(batch as f64);
+        if batch as i64 > self.metrics.batch_size_max.get() {
+            self.metrics.batch_size_max.set(batch as i64);
+        }
+    }
+
+    fn fail_all(&self, scheduled: &[(usize, usize)], msg: &str, out: &mut Vec<(usize, SeqEvent)>) {
+        tracing::error!("{msg}");
+        for &(i, _) in scheduled {
+            out.push((i, SeqEvent::Failed(msg.to_string())));
+            self.metrics.finished("error");
+        }
+    }
+
+    fn update_gauges(&self) {
+        let m = &self.metrics;
+        m.running.set(self.running.len() as i64);
+        m.waiting.set(self.waiting.len() as i64);
+        m.kv_blocks_used.set(self.blocks.num_used() as i64);
+        m.kv_blocks_free.set(self.blocks.num_free() as i64);
+        m.kv_blocks_cached.set(self.blocks.num_cached() as i64);
+        m.kv_blocks_pinned.set(self.blocks.num_pinned() as i64);
+    }
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,0 +1,281 @@
+//! Scheduler tests over the deterministic fake model: every output is checked against
+//! the fake's reference continuation, which depends on the KV actually read back from
+//! the block tables, so batching, chunking, prefix caching and preemption bugs show up
+//! as wrong tokens.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::request::{FinishReason, TokenUsage};
+use crate::sampling::SamplingParams;
+use crate::step_model::fake::{next_token, FakeModel};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 8,
+        max_waiting: 64,
+        max_num_batched_tokens: 256,
+        max_model_len: 512,
+    }
+}
+
+fn request(prompt: Vec<u32>, max_new_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        prompt,
+        sampling: SamplingParams::greedy(),
+        max_new_tokens,
+        stop_token_ids: vec![0],
+        min_new_tokens: 0,
+        logprobs: None,
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| (i * 13 + salt) % 60 + 1).collect()
+}
+
+/// What the fake model must generate after `prompt`.
+fn reference(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut history = prompt.to_vec();
+    for _ in 0..n {
+        history.push(next_token(&history));
+    }
+    history[prompt.len()..].to_vec()
+}
+
+/// Reads a sequence's events to the end: generated ids and the final event.
+fn collect(rx: &mut SeqEvents) -> (Vec<u32>, SeqEvent) {
+    let start = Instant::now();
+    let mut ids = Vec::new();
+    loop {
+        match rx.try_recv() {
+            Ok(SeqEvent::Token { id, .. }) => ids.push(id),
+            Ok(end) => return (ids, end),
+            Err(mpsc::error::TryRecvError::Empty) => {
+                assert!(start.elapsed() < DEADLINE, "sequence did not finish");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("events channel closed early: {e}"),
+        }
+    }
+}
+
+fn start(
+    model: FakeModel,
+    config: SchedulerConfig,
+) -> (EngineHandle, JoinHandle<()>, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new());
+    let (handle, thread) = spawn(model, config, metrics.clone()).unwrap();
+    (handle, thread, metrics)
+}
+
+fn stop(handle: EngineHandle, thread: JoinHandle<()>) {
+    handle.shutdown();
+    thread.join().unwrap();
+}
+
+/// Waits until the scheduler's gauges settle on `used` KV blocks.
+fn wait_for_blocks_used(metrics: &Metrics, used: i64) {
+    let start = Instant::now();
+    while metrics.kv_blocks_used.get() != used {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "kv_blocks_used stuck at {}",
+            metrics.kv_blocks_used.get()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn single_request_matches_the_reference_and_reports_usage() {
+    let (handle, thread, metrics) = start(FakeModel::new(32), config());
+    let p = prompt(37, 1);
+    let mut rx = handle.submit(request(p.clone(), 6)).unwrap();
+    let (ids, end) = collect(&mut rx);
+    assert_eq!(ids, reference(&p, 6));
+    assert_eq!(
+        end,
+        SeqEvent::Finished {
+            reason: FinishReason::Length,
+            usage: TokenUsage {
+                prompt_tokens: 37,
+                completion_tokens: 6,
+                cached_tokens: 0
+            }
+        }
+    );
+    wait_for_blocks_used(&metrics, 0);
+    stop(handle, thread);
+}
+
+#[test]
+fn concurrent_requests_batch_together_and_stay_correct() {
+    let mut model = FakeModel::new(64);
+    model.step_delay = Duration::from_millis(2);
+    let batches = model.batches.clone();
+    let (handle, thread, metrics) = start(model, config());
+    let prompts: Vec<_> = (0..6).map(|i| prompt(5 + i * 9, i as u32)).collect();
+    let mut rxs: Vec<_> = prompts
+        .iter()
+        .map(|p| handle.submit(request(p.clone(), 12)).unwrap())
+        .collect();
+    for (p, rx) in prompts.iter().zip(&mut rxs) {
+        assert_eq!(collect(rx).0, reference(p, 12));
+    }
+    assert!(batches.lock().unwrap().iter().any(|&b| b > 1));
+    assert!(metrics.batch_size_max.get() > 1);
+    stop(handle, thread);
+}
+
+#[test]
+fn chunked_prefill_over_a_small_token_budget() {
+    let cfg = SchedulerConfig {
+        max_num_batched_tokens: 7,
+        ..config()
+    };
+    let (handle, thread, _) = start(FakeModel::new(32), cfg);
+    let a = prompt(50, 3);
+    let b = prompt(20, 4);
+    let mut ra = handle.submit(request(a.clone(), 5)).unwrap();
+    let mut rb = handle.submit(request(b.clone(), 5)).unwrap();
+    assert_eq!(collect(&mut ra).0, reference(&a, 5));
+    assert_eq!(collect(&mut rb).0, reference(&b, 5));
+    stop(handle, thread);
+}
+
+#[test]
+fn repeated_prompt_is_served_from_the_prefix_cache() {
+    let (handle, thread, metrics) = start(FakeModel::new(32), config());
+    let p = prompt(40, 7);
+    let first = collect(&mut handle.submit(request(p.clone(), 4)).unwrap());
+    let second = collect(&mut handle.submit(request(p.clone(), 4)).unwrap());
+    assert_eq!(first.0, second.0);
+    let SeqEvent::Finished { usage, .. } = second.1 else {
+        panic!("{:?}", second.1)
+    };
+    assert_eq!(usage.cached_tokens, 32);
+    assert_eq!(metrics.prefix_cache_hits.get(), 32);
+    // A longer prompt sharing the first block also hits, and is still correct.
+    let mut longer = p[..16].to_vec();
+    longer.extend(prompt(10, 99));
+    let (ids, end) = collect(&mut handle.submit(request(longer.clone(), 4)).unwrap());
+    assert_eq!(ids, reference(&longer, 4));
+    let SeqEvent::Finished { usage, .. } = end else {
+        panic!("{end:?}")
+    };
+    assert_eq!(usage.cached_tokens, 16);
+    wait_for_blocks_used(&metrics, 0);
+    stop(handle, thread);
+}
+
+#[test]
+fn out_of_blocks_preempts_and_recomputes_without_wrong_tokens() {
+    // 6 blocks of 16 = 96 slots; three sequences growing to 40 tokens need 9 blocks.
+    let mut model = FakeModel::new(6);
+    model.step_delay = Duration::from_millis(1);
+    let (handle, thread, metrics) = start(model, config());
+    let prompts: Vec<_> = (0..3).map(|i| prompt(20, 20 + i)).collect();
+    let mut rxs: Vec<_> = prompts
+        .iter()
+        .map(|p| handle.submit(request(p.clone(), 20)).unwrap())
+        .collect();
+    for (p, rx) in prompts.iter().zip(&mut rxs) {
+        assert_eq!(collect(rx).0, reference(p, 20));
+    }
+    assert!(
+        metrics.preemptions.get() > 0,
+        "the pool was too small for all three"
+    );
+    wait_for_blocks_used(&metrics, 0);
+    stop(handle, thread);
+}
+
+#[test]
+fn dropped_receiver_frees_the_sequence_and_its_blocks() {
+    let mut model = FakeModel::new(32);
+    model.step_delay = Duration::from_millis(2);
+    let (handle, thread, metrics) = start(model, config());
+    let mut rx = handle.submit(request(prompt(60, 5), 400)).unwrap();
+    let start = Instant::now();
+    let mut seen = 0;
+    while seen < 3 {
+        if let Ok(SeqEvent::Token { .. }) = rx.try_recv() {
+            seen += 1;
+        }
+        assert!(start.elapsed() < DEADLINE);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(metrics.kv_blocks_used.get() > 0);
+    drop(rx);
+    wait_for_blocks_used(&metrics, 0);
+    assert_eq!(metrics.running.get(), 0);
+    stop(handle, thread);
+}
+
+#[test]
+fn stop_tokens_end_the_sequence_unless_min_tokens_is_not_reached() {
+    let (handle, thread, _) = start(FakeModel::new(32), config());
+    let p = prompt(10, 1);
+    let first = reference(&p, 1)[0];
+    let mut req = request(p.clone(), 10);
+    req.stop_token_ids = vec![first];
+    let (ids, end) = collect(&mut handle.submit(req.clone()).unwrap());
+    assert_eq!(ids, vec![first]);
+    assert!(matches!(
+        end,
+        SeqEvent::Finished {
+            reason: FinishReason::Stop,
+            ..
+        }
+    ));
+    req.min_new_tokens = 1;
+    let (ids, _) = collect(&mut handle.submit(req).unwrap());
+    assert_ne!(ids[0], first, "the stop token is banned before min_tokens");
+    stop(handle, thread);
+}
+
+#[test]
+fn full_queue_refuses_with_queue_full_and_frees_slots_on_admission() {
+    // A handle whose scheduler never runs: submissions only fill the queue.
+    let (tx, rx) = std_mpsc::channel();
+    let handle = EngineHandle {
+        commands: tx,
+        queued: Arc::default(),
+        max_waiting: 2,
+    };
+    let _a = handle.submit(request(prompt(4, 1), 1)).unwrap();
+    let _b = handle.submit(request(prompt(4, 2), 1)).unwrap();
+    assert_eq!(
+        handle.submit(request(prompt(4, 3), 1)).unwrap_err(),
+        SubmitError::QueueFull(2)
+    );
+    drop(rx);
+    let fresh = EngineHandle {
+        queued: Arc::default(),
+        ..handle.clone()
+    };
+    assert_eq!(
+        fresh.submit(request(prompt(4, 3), 1)).unwrap_err(),
+        SubmitError::Stopped
+    );
+}
+
+#[test]
+fn prompts_that_can_never_fit_fail_instead_of_blocking() {
+    let (handle, thread, _) = start(FakeModel::new(2), config());
+    let (_, end) = collect(&mut handle.submit(request(prompt(40, 1), 4)).unwrap());
+    assert!(
+        matches!(end, SeqEvent::Failed(ref m) if m.contains("limit")),
+        "{end:?}"
+    );
+    // The worker keeps serving what fits.
+    let p = prompt(8, 2);
+    assert_eq!(
+        collect(&mut handle.submit(request(p.clone(), 3)).unwrap()).0,
+        reference(&p, 3)
+    );
+    stop(handle, thread);
+}

@@ -1,0 +1,147 @@
+//! The model as the scheduler drives it: one batched forward step over a KV pool it owns.
+//! The real implementation wraps `pdserve_model::Model`; unit tests use a small
+//! deterministic fake that checks every block table it is given.
+
+use std::sync::Arc;
+
+use pdserve_model::{BlockId, KvStore, Model, ModelError, SequenceStep};
+
+/// A model plus its KV pool, as the scheduler thread owns them.
+pub trait StepModel: Send + 'static {
+    /// Blocks in the KV pool.
+    fn num_blocks(&self) -> usize;
+    /// One batched step; returns the logits of each sequence's last new token.
+    fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// One block's KV as bytes (for KV transfer).
+    fn read_block(&self, id: BlockId) -> Vec<u8>;
+    /// Overwrites one block from bytes made by `read_block`.
+    fn write_block(&mut self, id: BlockId, bytes: &[u8]) -> Result<(), ModelError>;
+}
+
+/// The real model and its paged KV store.
+pub struct ModelRunner {
+    model: Arc<Model>,
+    kv: KvStore,
+}
+
+impl ModelRunner {
+    /// A runner over a fresh KV store of `num_blocks` blocks.
+    pub fn new(model: Arc<Model>, num_blocks: usize) -> Self {
+        let kv = KvStore::new(model.config(), num_blocks);
+        Self { model, kv }
+    }
+}
+
+impl StepModel for ModelRunner {
+    fn num_blocks(&self) -> usize {
+        self.kv.num_blocks()
+    }
+
+    fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.model.forward(&mut self.kv, batch)
+    }
+
+    fn read_block(&self, id: BlockId) -> Vec<u8> {
+        self.kv.read_block(id)
+    }
+
+    fn write_block(&mut self, id: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+        self.kv.write_block(id, bytes)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    //! A model whose next token is a function of the whole token history *as read back
+    //! from its paged KV store*, so a wrong block table or a stale cached block changes
+    //! the output, and reading a never-written slot is an error.
+
+    use super::*;
+    use pdserve_model::BLOCK_SIZE;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    /// Vocabulary of the fake; token 0 is its EOS.
+    pub const VOCAB: usize = 64;
+
+    /// Deterministic fake model.
+    pub struct FakeModel {
+        slots: Vec<[Option<u32>; BLOCK_SIZE]>,
+        /// Batch size of every step, for assertions.
+        pub batches: Arc<Mutex<Vec<usize>>>,
+        /// Sleep per step, so tests can make requests overlap.
+        pub step_delay: Duration,
+    }
+
+    impl FakeModel {
+        pub fn new(num_blocks: usize) -> Self {
+            Self {
+                slots: vec![[None; BLOCK_SIZE]; num_blocks],
+                batches: Arc::default(),
+                step_delay: Duration::ZERO,
+            }
+        }
+    }
+
+    /// The token the fake produces after `history` (never EOS).
+    pub fn next_token(history: &[u32]) -> u32 {
+        let h = history.iter().enumerate().fold(7u64, |acc, (i, &t)| {
+            acc.wrapping_mul(31)
+                .wrapping_add((i as u64 + 1) * t as u64 + 3)
+        });
+        (h % (VOCAB as u64 - 1)) as u32 + 1
+    }
+
+    impl StepModel for FakeModel {
+        fn num_blocks(&self) -> usize {
+            self.slots.len()
+        }
+
+        fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+            std::thread::sleep(self.step_delay);
+            self.batches.lock().unwrap().push(batch.len());
+            let mut out = Vec::new();
+            for seq in batch {
+                let end = seq.start_pos + seq.tokens.len();
+                if seq.block_table.len() * BLOCK_SIZE < end {
+                    return Err(ModelError::Other("block table too short".into()));
+                }
+                for (i, &t) in seq.tokens.iter().enumerate() {
+                    let pos = seq.start_pos + i;
+                    let block = seq.block_table[pos / BLOCK_SIZE] as usize;
+                    self.slots[block][pos % BLOCK_SIZE] = Some(t);
+                }
+                let history = (0..end)
+                    .map(|pos| {
+                        let block = seq.block_table[pos / BLOCK_SIZE] as usize;
+                        self.slots[block][pos % BLOCK_SIZE].ok_or_else(|| {
+                            ModelError::Other(format!("position {pos} was never written"))
+                        })
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?;
+                let mut logits = vec![0.0; VOCAB];
+                logits[next_token(&history) as usize] = 10.0;
+                out.push(logits);
+            }
+            Ok(out)
+        }
+
+        fn read_block(&self, id: BlockId) -> Vec<u8> {
+            self.slots[id as usize]
+                .iter()
+                .flat_map(|s| s.map_or(u32::MAX, |t| t).to_le_bytes())
+                .collect()
+        }
+
+        fn write_block(&mut self, id: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+            for (slot, b) in self.slots[id as usize].iter_mut().zip(bytes.chunks(4)) {
+                let t = u32::from_le_bytes(
+                    b.try_into()
+                        .map_err(|_| ModelError::Other("truncated block".into()))?,
+                );
+                *slot = (t != u32::MAX).then_some(t);
+            }
+            Ok(())
+        }
+    }
+}
