@@ -1,0 +1,224 @@
+//! Command-line flags of `pdserve bench` and its subcommands.
+
+use std::path::PathBuf;
+
+use clap::{ArgGroup, Args, Subcommand, ValueEnum};
+
+/// `pdserve bench` subcommands and flags.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Which benchmark to run.
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// The benchmarks.
+#[derive(Debug, Clone, Subcommand)]
+pub enum BenchCommand {
+    /// Load test: N synthetic streaming requests at a fixed concurrency or a Poisson
+    /// request rate; reports TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.
+    Serve(ServeArgs),
+    /// Conversations that grow turn by turn (each prompt carries the previous answers):
+    /// per-turn TTFT and the share of prompt tokens the server reports as cached.
+    MultiTurn(MultiTurnArgs),
+    /// Side-by-side table (ratios against the first file) and an optional SVG plot of
+    /// result files written with `--result-json`.
+    Compare(CompareArgs),
+}
+
+/// The endpoint a benchmark sends its requests to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions` (the prompt becomes one user message).
+    Chat,
+    /// `POST /v1/completions` (the prompt is sent as is, so its length is exact).
+    Completions,
+}
+
+impl Endpoint {
+    /// The request path under the server's base URL.
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::Chat => "/v1/chat/completions",
+            Self::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// Where the server is and how to talk to it.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// Base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000 (a trailing
+    /// `/v1` is accepted).
+    #[arg(long, env = "PDSERVE_BENCH_URL")]
+    pub url: String,
+    /// Model name to request; default: the first id listed by `GET /v1/models`.
+    #[arg(long, env = "PDSERVE_BENCH_MODEL")]
+    pub model: Option<String>,
+    /// Bearer token sent as `Authorization: Bearer <key>`.
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Seconds to wait for a TCP connection before the server counts as unreachable.
+    #[arg(long, env = "PDSERVE_BENCH_CONNECT_TIMEOUT_S", default_value_t = 5.0, value_parser = positive_seconds)]
+    pub connect_timeout_s: f64,
+    /// Seconds one request may take from sending to its last byte.
+    #[arg(long, env = "PDSERVE_BENCH_REQUEST_TIMEOUT_S", default_value_t = 600.0, value_parser = positive_seconds)]
+    pub request_timeout_s: f64,
+    /// Do not send `ignore_eos: true` (a vLLM/SGLang extension that fixes the output
+    /// length; servers that reject unknown fields need this).
+    #[arg(long, env = "PDSERVE_BENCH_NO_IGNORE_EOS")]
+    pub no_ignore_eos: bool,
+}
+
+/// Service-level objectives for goodput.
+#[derive(Debug, Clone, Default, Args)]
+pub struct SloArgs {
+    /// SLO on time to first token, in ms; with `--slo-tpot-ms`, goodput counts the
+    /// completed requests per second that meet every SLO given (DistServe's metric).
+    #[arg(long, env = "PDSERVE_BENCH_SLO_TTFT_MS", value_parser = positive_ms)]
+    pub slo_ttft_ms: Option<f64>,
+    /// SLO on time per output token after the first, in ms (see `--slo-ttft-ms`).
+    #[arg(long, env = "PDSERVE_BENCH_SLO_TPOT_MS", value_parser = positive_ms)]
+    pub slo_tpot_ms: Option<f64>,
+}
+
+/// Where results go.
+#[derive(Debug, Clone, Default, Args)]
+pub struct OutputArgs {
+    /// Write the full results (config, summary, every request) as JSON to this file;
+    /// the schema is documented in crates/bench/README.md.
+    #[arg(long, env = "PDSERVE_BENCH_RESULT_JSON")]
+    pub result_json: Option<PathBuf>,
+    /// Write an SVG plot (latency CDFs and output throughput over time) to this file.
+    #[arg(long, env = "PDSERVE_BENCH_PLOT")]
+    pub plot: Option<PathBuf>,
+    /// Name of this run in the result file and in `compare` (default: the model name).
+    #[arg(long, env = "PDSERVE_BENCH_LABEL")]
+    pub label: Option<String>,
+}
+
+/// `pdserve bench serve`.
+#[derive(Debug, Clone, Args)]
+#[command(group(ArgGroup::new("load").required(true).args(["concurrency", "request_rate"])))]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Number of requests to send.
+    #[arg(long, env = "PDSERVE_BENCH_NUM_PROMPTS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    pub num_prompts: u64,
+    /// Keep this many requests in flight (closed loop).
+    #[arg(long, env = "PDSERVE_BENCH_CONCURRENCY", value_parser = clap::value_parser!(u64).range(1..))]
+    pub concurrency: Option<u64>,
+    /// Send requests as a Poisson process with this mean rate, in requests per second
+    /// (open loop).
+    #[arg(long, env = "PDSERVE_BENCH_REQUEST_RATE", value_parser = positive_rate)]
+    pub request_rate: Option<f64>,
+    /// Prompt length in tokens (approximate, see `--endpoint`; the server's `usage` gives
+    /// the exact count, which is what the report uses).
+    #[arg(long, env = "PDSERVE_BENCH_INPUT_LEN", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    pub input_len: u64,
+    /// Output length in tokens (`max_tokens`, with `ignore_eos` unless `--no-ignore-eos`).
+    #[arg(long, env = "PDSERVE_BENCH_OUTPUT_LEN", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    pub output_len: u64,
+    /// Spread of lengths: each request's input and output length is drawn uniformly
+    /// from [len * (1 - r), len * (1 + r)].
+    #[arg(long, env = "PDSERVE_BENCH_RANGE_RATIO", default_value_t = 0.0, value_parser = range_ratio)]
+    pub range_ratio: f64,
+    /// Seed for prompts, lengths and arrival times (same seed, same benchmark).
+    #[arg(long, env = "PDSERVE_BENCH_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// API to call: `completions` sends the prompt as is; `chat` wraps it in one user
+    /// message (the chat template adds a few tokens).
+    #[arg(long, env = "PDSERVE_BENCH_ENDPOINT", value_enum, default_value_t = Endpoint::Completions)]
+    pub endpoint: Endpoint,
+    #[command(flatten)]
+    pub slo: SloArgs,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `pdserve bench multi-turn`.
+#[derive(Debug, Clone, Args)]
+pub struct MultiTurnArgs {
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Number of conversations.
+    #[arg(long, env = "PDSERVE_BENCH_CONVERSATIONS", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub conversations: u64,
+    /// Turns per conversation.
+    #[arg(long, env = "PDSERVE_BENCH_TURNS", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub turns: u64,
+    /// Conversations in flight at once (default: all of them).
+    #[arg(long, env = "PDSERVE_BENCH_CONCURRENCY", value_parser = clap::value_parser!(u64).range(1..))]
+    pub concurrency: Option<u64>,
+    /// Tokens of the first user message of each conversation.
+    #[arg(long, env = "PDSERVE_BENCH_INPUT_LEN", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub input_len: u64,
+    /// Tokens of each later user message.
+    #[arg(long, env = "PDSERVE_BENCH_TURN_INPUT_LEN", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub turn_input_len: u64,
+    /// Tokens of each answer.
+    #[arg(long, env = "PDSERVE_BENCH_OUTPUT_LEN", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub output_len: u64,
+    /// Send a top-level `conversation_id` field (non-standard; the pdserve gateway and
+    /// vLLM's multi-turn proxy use it to reuse the previous turn's KV cache).
+    #[arg(long, env = "PDSERVE_BENCH_SEND_CONVERSATION_ID")]
+    pub send_conversation_id: bool,
+    /// Seed for the prompts.
+    #[arg(long, env = "PDSERVE_BENCH_SEED", default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub slo: SloArgs,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `pdserve bench compare`.
+#[derive(Debug, Clone, Args)]
+pub struct CompareArgs {
+    /// Result files from `--result-json`; ratios are against the first.
+    #[arg(required = true, num_args = 1..)]
+    pub files: Vec<PathBuf>,
+    /// Write an SVG plot of every run's latency CDFs and throughput to this file.
+    #[arg(long, env = "PDSERVE_BENCH_PLOT")]
+    pub plot: Option<PathBuf>,
+}
+
+fn parse_f64(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .map_err(|e| format!("`{s}` is not a number: {e}"))
+}
+
+fn positive_finite(s: &str, what: &str) -> Result<f64, String> {
+    let v = parse_f64(s)?;
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{what} must be a positive, finite number, got `{s}`"
+        ))
+    }
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    positive_finite(s, "a timeout in seconds")
+}
+
+fn positive_ms(s: &str) -> Result<f64, String> {
+    positive_finite(s, "an SLO in milliseconds")
+}
+
+fn positive_rate(s: &str) -> Result<f64, String> {
+    positive_finite(s, "a request rate (use --concurrency for all-at-once)")
+}
+
+fn range_ratio(s: &str) -> Result<f64, String> {
+    let v = parse_f64(s)?;
+    if (0.0..1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("the range ratio must be in [0, 1), got `{s}`"))
+    }
+}

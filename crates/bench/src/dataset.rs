@@ -1,0 +1,148 @@
+//! Synthetic prompts of a controlled token length.
+//!
+//! The approximation: a prompt of `n` tokens is `n` words drawn at random from
+//! [`WORDS`], each written with a leading space. Byte-level BPE tokenizers (GPT-2/4,
+//! Llama 3, SmolLM, Qwen) split text at spaces before merging and hold every one of
+//! these common words as a single `Ġword` token, so such a prompt is `n` tokens, plus
+//! whatever the server adds (a BOS token, the chat template). The list was checked
+//! against SmolLM2-135M-Instruct's vocabulary (every entry is one token). SentencePiece
+//! vocabularies (Llama 2, Mistral) hold them as `▁word` tokens too, for the same count.
+//! The report always uses the server's `usage.prompt_tokens` when it is given, so this
+//! approximation only steers the load, it never enters a metric.
+//!
+//! Random words make every prompt distinct from its first tokens, so prefix caches do
+//! not share work between requests of a `serve` run.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Common English words that are one token each (with their leading space).
+#[rustfmt::skip]
+pub const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "was", "for", "that", "on", "with", "as", "by", "at",
+    "from", "his", "it", "an", "were", "are", "which", "be", "this", "has", "had", "not", "but",
+    "or", "also", "their", "its", "first", "after", "one", "two", "new", "other", "more",
+    "been", "they", "who", "all", "time", "may", "over", "into", "most", "than", "some",
+    "would", "only", "these", "years", "during", "between", "many", "under", "such", "about",
+    "when", "world", "three", "state", "city", "used", "called", "both", "where", "known",
+    "there", "while", "well", "part", "them", "later", "several", "since", "then", "year",
+    "school", "area", "made", "until", "through", "number", "people", "work", "high", "early",
+    "found", "same", "small", "large", "because", "before", "life", "water", "group", "music",
+    "each", "system", "name", "second", "being", "long", "public", "american", "national",
+    "united", "form", "four", "home", "family", "last", "history", "game", "film", "series",
+    "team", "season", "book", "war", "power", "based", "without", "best", "often", "around",
+    "general", "government", "house", "following", "include", "children", "death", "country",
+    "great", "place", "point", "major", "common", "body", "order", "light", "line", "land",
+    "local", "market", "means", "field", "human", "model", "report", "service", "sound",
+    "south", "north", "west", "east", "space", "story", "study", "term", "type", "value",
+    "word", "black", "white", "final", "free", "full", "good", "green", "hand", "head", "heart",
+    "king", "law", "level", "little", "low", "main", "mind", "money", "night", "open", "paper",
+    "party", "play", "police", "real", "red", "road", "room", "side", "single", "social",
+    "special", "start", "street", "table", "town", "tree", "voice", "wall", "window", "woman",
+    "young",
+];
+
+/// One planned request: its prompt and how many tokens to ask for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyntheticRequest {
+    /// The prompt text.
+    pub prompt: String,
+    /// Tokens the prompt was built to have (before BOS or a chat template).
+    pub prompt_tokens: u64,
+    /// `max_tokens` for this request.
+    pub output_tokens: u64,
+}
+
+/// Draws prompts and lengths from a seeded generator, so a seed fixes the workload.
+#[derive(Debug)]
+pub struct PromptGenerator {
+    rng: StdRng,
+}
+
+impl PromptGenerator {
+    /// A generator whose output depends only on `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// `tokens` random words, each with its leading space.
+    pub fn words(&mut self, tokens: u64) -> String {
+        let mut out = String::with_capacity(tokens as usize * 7);
+        for _ in 0..tokens {
+            out.push(' ');
+            out.push_str(WORDS[self.rng.random_range(0..WORDS.len())]);
+        }
+        out
+    }
+
+    /// A length drawn uniformly from `[len * (1 - ratio), len * (1 + ratio)]`, at least 1.
+    pub fn length(&mut self, len: u64, ratio: f64) -> u64 {
+        if ratio <= 0.0 {
+            return len.max(1);
+        }
+        let low = ((len as f64) * (1.0 - ratio)).floor().max(1.0) as u64;
+        let high = ((len as f64) * (1.0 + ratio)).ceil().max(1.0) as u64;
+        self.rng.random_range(low..=high.max(low))
+    }
+
+    /// `count` requests around `input_len` prompt and `output_len` output tokens.
+    pub fn requests(
+        &mut self,
+        count: u64,
+        input_len: u64,
+        output_len: u64,
+        range_ratio: f64,
+    ) -> Vec<SyntheticRequest> {
+        (0..count)
+            .map(|_| {
+                let prompt_tokens = self.length(input_len, range_ratio);
+                let output_tokens = self.length(output_len, range_ratio);
+                SyntheticRequest {
+                    prompt: self.words(prompt_tokens),
+                    prompt_tokens,
+                    output_tokens,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_have_the_requested_word_count_and_depend_only_on_the_seed() {
+        let a = PromptGenerator::new(7).requests(20, 50, 10, 0.0);
+        let b = PromptGenerator::new(7).requests(20, 50, 10, 0.0);
+        assert_eq!(a, b);
+        for r in &a {
+            assert_eq!(r.prompt.split_whitespace().count(), 50);
+            assert_eq!((r.prompt_tokens, r.output_tokens), (50, 10));
+        }
+        assert_ne!(a[0].prompt, a[1].prompt, "prompts differ");
+        assert_ne!(a, PromptGenerator::new(8).requests(20, 50, 10, 0.0));
+    }
+
+    #[test]
+    fn range_ratio_spreads_lengths_within_bounds() {
+        let reqs = PromptGenerator::new(1).requests(500, 100, 20, 0.5);
+        assert!(reqs.iter().all(|r| (50..=150).contains(&r.prompt_tokens)));
+        assert!(reqs.iter().all(|r| (10..=30).contains(&r.output_tokens)));
+        let distinct: std::collections::HashSet<_> = reqs.iter().map(|r| r.prompt_tokens).collect();
+        assert!(distinct.len() > 50, "lengths vary: {}", distinct.len());
+        let mean = reqs.iter().map(|r| r.prompt_tokens).sum::<u64>() as f64 / 500.0;
+        assert!((mean - 100.0).abs() < 5.0, "mean {mean}");
+    }
+
+    #[test]
+    fn words_are_distinct_and_plain() {
+        let set: std::collections::HashSet<_> = WORDS.iter().collect();
+        assert_eq!(set.len(), WORDS.len());
+        assert!(WORDS
+            .iter()
+            .all(|w| w.chars().all(|c| c.is_ascii_lowercase())));
+    }
+}

@@ -1,0 +1,239 @@
+//! `pdserve bench multi-turn`: K conversations of T turns. Each turn sends the whole
+//! conversation so far (every earlier user message and answer) plus a new user
+//! message, so a server that keeps the previous turn's KV cache has most of the prompt
+//! cached; the report gives per-turn TTFT and the cached share the server reports in
+//! `usage.prompt_tokens_details.cached_tokens`.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+
+use pdserve_protocol::{unix_now, ChatMessage};
+use serde_json::{Map, Value};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::args::{Endpoint, MultiTurnArgs};
+use crate::client::{chat_message, request_body, ApiClient, RequestInput};
+use crate::dataset::PromptGenerator;
+use crate::metrics::{cached_share, failures, summarize, Distribution, RequestRecord, Slo};
+use crate::report::{BenchResult, RunConfig, RunKind, TurnSummary, SCHEMA_VERSION};
+use crate::serve::{probe, resolve_model};
+use crate::{progress, BenchError};
+
+/// What every conversation task shares.
+struct Shared {
+    client: ApiClient,
+    model: String,
+    output_len: u64,
+    ignore_eos: bool,
+    turns: u64,
+    start: Instant,
+    slots: Arc<Semaphore>,
+    records: mpsc::UnboundedSender<RequestRecord>,
+}
+
+/// One conversation: its id (if sent) and the user message of every turn.
+struct Script {
+    index: u64,
+    conversation_id: Option<String>,
+    user_messages: Vec<(String, u64)>,
+}
+
+/// Runs the conversations until they finish or `shutdown` resolves.
+pub async fn run_multi_turn(
+    args: &MultiTurnArgs,
+    shutdown: impl Future<Output = ()>,
+) -> Result<BenchResult, BenchError> {
+    let client = ApiClient::new(&args.server)?;
+    let model = resolve_model(&client, args.server.model.as_deref()).await?;
+    let ignore_eos = !args.server.no_ignore_eos;
+    let started_at_unix_s = unix_now();
+    let mut generator = PromptGenerator::new(args.seed);
+    let scripts: Vec<Script> = (0..args.conversations)
+        .map(|k| Script {
+            index: k,
+            conversation_id: args
+                .send_conversation_id
+                .then(|| format!("pdserve-bench-{started_at_unix_s}-{}-{k}", args.seed)),
+            user_messages: (0..args.turns)
+                .map(|t| {
+                    let len = if t == 0 {
+                        args.input_len
+                    } else {
+                        args.turn_input_len
+                    };
+                    (generator.words(len), len)
+                })
+                .collect(),
+        })
+        .collect();
+    let first = scripts[0].user_messages[0].0.clone();
+    probe(
+        &client,
+        Endpoint::Chat,
+        &model,
+        RequestInput::Prompt(first),
+        ignore_eos,
+    )
+    .await?;
+
+    let planned = args.conversations * args.turns;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        client: client.clone(),
+        model: model.clone(),
+        output_len: args.output_len,
+        ignore_eos,
+        turns: args.turns,
+        start: Instant::now(),
+        slots: Arc::new(Semaphore::new(
+            args.concurrency.unwrap_or(args.conversations) as usize,
+        )),
+        records: tx,
+    });
+    let bar = progress::requests_bar(planned);
+    let mut tasks = JoinSet::new();
+    for script in scripts {
+        tasks.spawn(converse(shared.clone(), script));
+    }
+    let start = shared.start;
+    // The tasks hold the only senders now, so the channel closes when they are done.
+    drop(shared);
+
+    let mut records = Vec::with_capacity(planned as usize);
+    let mut failed = 0;
+    let mut interrupted = false;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut shutdown => {
+                interrupted = true;
+                break;
+            }
+            record = rx.recv() => match record {
+                Some(record) => {
+                    failed += u64::from(!record.ok);
+                    progress::record(&bar, failed);
+                    records.push(record);
+                }
+                None => break,
+            },
+        }
+    }
+    let duration = start.elapsed();
+    tasks.abort_all();
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(e) = joined {
+            if e.is_panic() {
+                return Err(BenchError::Task(e.to_string()));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    records.sort_by_key(|r| r.index);
+
+    let slo = Slo {
+        ttft_ms: args.slo.slo_ttft_ms,
+        tpot_ms: args.slo.slo_tpot_ms,
+    };
+    Ok(BenchResult {
+        schema_version: SCHEMA_VERSION,
+        kind: RunKind::MultiTurn,
+        tool: format!("pdserve-bench {}", env!("CARGO_PKG_VERSION")),
+        label: args.output.label.clone().unwrap_or_else(|| model.clone()),
+        started_at_unix_s,
+        interrupted,
+        config: RunConfig {
+            url: client.base_url().to_string(),
+            model,
+            endpoint: Endpoint::Chat,
+            num_requests: planned,
+            concurrency: Some(args.concurrency.unwrap_or(args.conversations)),
+            request_rate: None,
+            input_len: args.input_len,
+            output_len: args.output_len,
+            range_ratio: None,
+            seed: args.seed,
+            ignore_eos,
+            slo_ttft_ms: slo.ttft_ms,
+            slo_tpot_ms: slo.tpot_ms,
+            conversations: Some(args.conversations),
+            turns: Some(args.turns),
+            turn_input_len: Some(args.turn_input_len),
+            send_conversation_id: Some(args.send_conversation_id),
+        },
+        summary: summarize(&records, planned, duration, &slo),
+        failures: failures(&records),
+        turns: per_turn(&records),
+        requests: records,
+    })
+}
+
+/// Plays one conversation turn by turn; a failed turn ends it (the next prompt would
+/// need its answer).
+async fn converse(shared: Arc<Shared>, script: Script) {
+    let Ok(_slot) = shared.slots.clone().acquire_owned().await else {
+        return;
+    };
+    let mut messages: Vec<ChatMessage> = Vec::new();
+    let mut history_tokens = 0u64;
+    let mut extra = Map::new();
+    if let Some(id) = &script.conversation_id {
+        extra.insert("conversation_id".into(), Value::String(id.clone()));
+    }
+    for (turn, (text, tokens)) in script.user_messages.into_iter().enumerate() {
+        messages.push(chat_message("user", text));
+        history_tokens += tokens;
+        let body = request_body(
+            Endpoint::Chat,
+            &shared.model,
+            RequestInput::Messages(messages.clone()),
+            shared.output_len,
+            shared.ignore_eos,
+            extra.clone(),
+        );
+        let sent = shared.start.elapsed();
+        let outcome = shared.client.stream(Endpoint::Chat, &body).await;
+        let index = script.index * shared.turns + turn as u64;
+        let mut record =
+            RequestRecord::new(index, sent, history_tokens, shared.output_len, &outcome);
+        record.conversation = Some(script.index);
+        record.turn = Some(turn as u64);
+        history_tokens += record.output_tokens;
+        if shared.records.send(record).is_err() {
+            return;
+        }
+        match outcome {
+            Ok(answer) => messages.push(chat_message("assistant", answer.text)),
+            Err(_) => return,
+        }
+    }
+}
+
+/// Figures per turn.
+fn per_turn(records: &[RequestRecord]) -> Vec<TurnSummary> {
+    let mut by_turn: BTreeMap<u64, Vec<&RequestRecord>> = BTreeMap::new();
+    for r in records {
+        by_turn.entry(r.turn.unwrap_or(0)).or_default().push(r);
+    }
+    by_turn
+        .into_iter()
+        .map(|(turn, rs)| {
+            let done: Vec<&RequestRecord> = rs.iter().copied().filter(|r| r.ok).collect();
+            let ttft: Vec<f64> = done.iter().filter_map(|r| r.ttft_ms).collect();
+            let prompt: Vec<u64> = done.iter().map(|r| r.input_tokens()).collect();
+            TurnSummary {
+                turn,
+                completed: done.len() as u64,
+                failed: (rs.len() - done.len()) as u64,
+                mean_prompt_tokens: (!prompt.is_empty())
+                    .then(|| prompt.iter().sum::<u64>() as f64 / prompt.len() as f64),
+                cached_token_share: cached_share(done.iter().copied()),
+                ttft_ms: Distribution::of(&ttft),
+            }
+        })
+        .collect()
+}

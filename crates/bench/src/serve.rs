@@ -1,0 +1,213 @@
+//! `pdserve bench serve`: send N synthetic requests on a schedule and measure them.
+
+use std::future::Future;
+use std::time::Duration;
+
+use pdserve_protocol::unix_now;
+use serde_json::Map;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::args::{Endpoint, ServeArgs};
+use crate::client::{request_body, ApiClient, RequestError, RequestInput};
+use crate::dataset::PromptGenerator;
+use crate::metrics::{failures, summarize, RequestRecord, Slo};
+use crate::report::{BenchResult, RunConfig, RunKind, SCHEMA_VERSION};
+use crate::schedule::Dispatcher;
+use crate::{progress, BenchError};
+
+/// `max_tokens` of the probe request (kept tiny: it only proves the server speaks
+/// OpenAI streaming before the load starts).
+pub const PROBE_MAX_TOKENS: u64 = 1;
+
+/// The model to ask for: `--model`, else the first one the server lists.
+pub async fn resolve_model(client: &ApiClient, model: Option<&str>) -> Result<String, BenchError> {
+    match model {
+        Some(m) => Ok(m.to_string()),
+        None => client.first_model().await,
+    }
+}
+
+/// Sends one small streaming request so that an unreachable or non-OpenAI server is a
+/// clear error up front instead of N identical failures.
+pub async fn probe(
+    client: &ApiClient,
+    endpoint: Endpoint,
+    model: &str,
+    input: RequestInput,
+    ignore_eos: bool,
+) -> Result<(), BenchError> {
+    let body = request_body(
+        endpoint,
+        model,
+        input,
+        PROBE_MAX_TOKENS,
+        ignore_eos,
+        Map::new(),
+    );
+    let url = format!("{}{}", client.base_url(), endpoint.path());
+    match client.stream(endpoint, &body).await {
+        Ok(_) | Err(RequestError::Empty) => Ok(()),
+        Err(RequestError::Connect(reason)) => Err(BenchError::Unreachable {
+            url: client.base_url().to_string(),
+            reason,
+        }),
+        Err(RequestError::NotOpenAi(reason)) => Err(BenchError::NotOpenAi { url, reason }),
+        Err(e) => Err(BenchError::ProbeFailed {
+            url,
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Runs the benchmark until every request has finished or `shutdown` resolves (then the
+/// result holds what finished and is marked interrupted).
+pub async fn run_serve(
+    args: &ServeArgs,
+    shutdown: impl Future<Output = ()>,
+) -> Result<BenchResult, BenchError> {
+    let client = ApiClient::new(&args.server)?;
+    let model = resolve_model(&client, args.server.model.as_deref()).await?;
+    let ignore_eos = !args.server.no_ignore_eos;
+    let endpoint = args.endpoint;
+    let planned = args.num_prompts;
+    let workload = PromptGenerator::new(args.seed).requests(
+        planned,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+    );
+    probe(
+        &client,
+        endpoint,
+        &model,
+        RequestInput::Prompt(workload[0].prompt.clone()),
+        ignore_eos,
+    )
+    .await?;
+    let mut jobs: Vec<Option<_>> = workload
+        .into_iter()
+        .map(|r| {
+            let body = request_body(
+                endpoint,
+                &model,
+                RequestInput::Prompt(r.prompt),
+                r.output_tokens,
+                ignore_eos,
+                Map::new(),
+            );
+            Some((body, r.prompt_tokens, r.output_tokens))
+        })
+        .collect();
+
+    tracing::info!(url = client.base_url(), %model, requests = planned, "benchmark starting");
+    let started_at_unix_s = unix_now();
+    let bar = progress::requests_bar(planned);
+    let start = Instant::now();
+    let dispatcher = match (args.concurrency, args.request_rate) {
+        (_, Some(rate)) => Dispatcher::poisson(jobs.len(), rate, args.seed, start),
+        (concurrency, None) => Dispatcher::concurrency(concurrency.unwrap_or(1) as usize),
+    };
+    let mut tasks = JoinSet::new();
+    let mut records: Vec<RequestRecord> = Vec::with_capacity(jobs.len());
+    let mut failed = 0u64;
+    let mut next = 0usize;
+    let mut interrupted = false;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        if next >= jobs.len() && tasks.is_empty() {
+            break;
+        }
+        tokio::select! {
+            biased;
+            () = &mut shutdown => {
+                interrupted = true;
+                break;
+            }
+            Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                let record: RequestRecord = joined.map_err(|e| BenchError::Task(e.to_string()))?;
+                failed += u64::from(!record.ok);
+                progress::record(&bar, failed);
+                records.push(record);
+            }
+            permit = dispatcher.ready(next), if next < jobs.len() => {
+                let index = next;
+                next += 1;
+                let Some((body, prompt_tokens, output_tokens)) = jobs[index].take() else {
+                    continue;
+                };
+                let client = client.clone();
+                tasks.spawn(async move {
+                    let _slot = permit;
+                    let sent = start.elapsed();
+                    let outcome = client.stream(endpoint, &body).await;
+                    RequestRecord::new(index as u64, sent, prompt_tokens, output_tokens, &outcome)
+                });
+            }
+        }
+    }
+    let duration = start.elapsed();
+    // On interruption, in-flight requests are dropped (their connections close).
+    tasks.abort_all();
+    bar.finish_and_clear();
+    records.sort_by_key(|r| r.index);
+    Ok(assemble(
+        args,
+        model,
+        client.base_url(),
+        started_at_unix_s,
+        interrupted,
+        duration,
+        records,
+    ))
+}
+
+fn assemble(
+    args: &ServeArgs,
+    model: String,
+    url: &str,
+    started_at_unix_s: u64,
+    interrupted: bool,
+    duration: Duration,
+    records: Vec<RequestRecord>,
+) -> BenchResult {
+    let slo = Slo {
+        ttft_ms: args.slo.slo_ttft_ms,
+        tpot_ms: args.slo.slo_tpot_ms,
+    };
+    BenchResult {
+        schema_version: SCHEMA_VERSION,
+        kind: RunKind::Serve,
+        tool: format!("pdserve-bench {}", env!("CARGO_PKG_VERSION")),
+        label: args.output.label.clone().unwrap_or_else(|| model.clone()),
+        started_at_unix_s,
+        interrupted,
+        config: RunConfig {
+            url: url.to_string(),
+            model,
+            endpoint: args.endpoint,
+            num_requests: args.num_prompts,
+            concurrency: args
+                .request_rate
+                .is_none()
+                .then_some(args.concurrency)
+                .flatten(),
+            request_rate: args.request_rate,
+            input_len: args.input_len,
+            output_len: args.output_len,
+            range_ratio: Some(args.range_ratio),
+            seed: args.seed,
+            ignore_eos: !args.server.no_ignore_eos,
+            slo_ttft_ms: slo.ttft_ms,
+            slo_tpot_ms: slo.tpot_ms,
+            conversations: None,
+            turns: None,
+            turn_input_len: None,
+            send_conversation_id: None,
+        },
+        summary: summarize(&records, args.num_prompts, duration, &slo),
+        failures: failures(&records),
+        turns: Vec::new(),
+        requests: records,
+    }
+}

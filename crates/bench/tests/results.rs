@@ -1,0 +1,342 @@
+//! The result file: a stable, documented key set; `--result-json` and `--plot` write
+//! files; `compare` reads them back into a table and a plot.
+
+mod support;
+
+use std::collections::BTreeSet;
+
+use pdserve_bench::compare::{run_compare, table};
+use pdserve_bench::multi_turn::run_multi_turn;
+use pdserve_bench::serve::run_serve;
+use pdserve_bench::{BenchResult, CompareArgs, SCHEMA_VERSION};
+use serde_json::Value;
+use support::scripted_server::{Reply, ScriptedServer};
+use support::{multi_turn_args, never, scratch, serve_args, TEST_LIMIT};
+use tokio::time::timeout;
+
+/// Every key path of a result file (`[]` marks array elements). Changing this list
+/// means changing the schema: bump `SCHEMA_VERSION` and the README.
+const GOLDEN_KEYS: &[&str] = &[
+    "config",
+    "config.concurrency",
+    "config.conversations",
+    "config.endpoint",
+    "config.ignore_eos",
+    "config.input_len",
+    "config.model",
+    "config.num_requests",
+    "config.output_len",
+    "config.range_ratio",
+    "config.request_rate",
+    "config.seed",
+    "config.send_conversation_id",
+    "config.slo_tpot_ms",
+    "config.slo_ttft_ms",
+    "config.turn_input_len",
+    "config.turns",
+    "config.url",
+    "failures",
+    "failures[].count",
+    "failures[].reason",
+    "interrupted",
+    "kind",
+    "label",
+    "requests",
+    "requests[].cached_tokens",
+    "requests[].conversation",
+    "requests[].e2e_ms",
+    "requests[].error",
+    "requests[].index",
+    "requests[].itl_ms",
+    "requests[].ok",
+    "requests[].output_tokens",
+    "requests[].prompt_tokens",
+    "requests[].requested_output_tokens",
+    "requests[].requested_prompt_tokens",
+    "requests[].start_s",
+    "requests[].tpot_ms",
+    "requests[].ttft_ms",
+    "requests[].turn",
+    "schema_version",
+    "started_at_unix_s",
+    "summary",
+    "summary.cached_token_share",
+    "summary.completed",
+    "summary.duration_s",
+    "summary.e2e_ms",
+    "summary.e2e_ms.max",
+    "summary.e2e_ms.mean",
+    "summary.e2e_ms.min",
+    "summary.e2e_ms.p50",
+    "summary.e2e_ms.p90",
+    "summary.e2e_ms.p99",
+    "summary.failed",
+    "summary.good_requests",
+    "summary.goodput",
+    "summary.itl_ms",
+    "summary.itl_ms.max",
+    "summary.itl_ms.mean",
+    "summary.itl_ms.min",
+    "summary.itl_ms.p50",
+    "summary.itl_ms.p90",
+    "summary.itl_ms.p99",
+    "summary.not_finished",
+    "summary.output_throughput",
+    "summary.request_throughput",
+    "summary.total_input_tokens",
+    "summary.total_output_tokens",
+    "summary.total_token_throughput",
+    "summary.tpot_ms",
+    "summary.tpot_ms.max",
+    "summary.tpot_ms.mean",
+    "summary.tpot_ms.min",
+    "summary.tpot_ms.p50",
+    "summary.tpot_ms.p90",
+    "summary.tpot_ms.p99",
+    "summary.ttft_ms",
+    "summary.ttft_ms.max",
+    "summary.ttft_ms.mean",
+    "summary.ttft_ms.min",
+    "summary.ttft_ms.p50",
+    "summary.ttft_ms.p90",
+    "summary.ttft_ms.p99",
+    "tool",
+    "turns",
+    "turns[].cached_token_share",
+    "turns[].completed",
+    "turns[].failed",
+    "turns[].mean_prompt_tokens",
+    "turns[].ttft_ms",
+    "turns[].ttft_ms.max",
+    "turns[].ttft_ms.mean",
+    "turns[].ttft_ms.min",
+    "turns[].ttft_ms.p50",
+    "turns[].ttft_ms.p90",
+    "turns[].ttft_ms.p99",
+    "turns[].turn",
+];
+
+fn key_paths(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match value {
+        Value::Object(map) => {
+            for (k, v) in map {
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                out.insert(path.clone());
+                key_paths(v, &path, out);
+            }
+        }
+        Value::Array(items) => {
+            for item in items.iter().filter(|i| i.is_object()) {
+                key_paths(item, &format!("{prefix}[]"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Equal JSON, floats to 1e-9 relative (serde_json may parse a float one ulp off).
+fn same_json(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            (x - y).abs() <= 1e-9 * x.abs().max(y.abs()).max(1.0)
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_json(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+async fn serve_result(server: &ScriptedServer, extra: &[&str]) -> BenchResult {
+    let url = server.url();
+    let mut flags = vec![
+        "--url",
+        url.as_str(),
+        "--num-prompts",
+        "6",
+        "--output-len",
+        "3",
+        "--input-len",
+        "5",
+    ];
+    flags.extend_from_slice(extra);
+    timeout(TEST_LIMIT, run_serve(&serve_args(&flags), never()))
+        .await
+        .expect("bounded")
+        .expect("run")
+}
+
+#[tokio::test]
+async fn result_file_keys_are_stable_and_documented() {
+    let server = ScriptedServer::start(|n| {
+        if n == 0 {
+            Reply::Error {
+                status: 429,
+                message: "slow down".into(),
+            }
+        } else {
+            Reply::stream_ms(2, 2)
+        }
+    })
+    .await;
+    let serve = serve_result(&server, &["--concurrency", "2", "--slo-ttft-ms", "1000"]).await;
+    let url = server.url();
+    let args = multi_turn_args(&[
+        "--url",
+        &url,
+        "--conversations",
+        "2",
+        "--turns",
+        "2",
+        "--output-len",
+        "2",
+    ]);
+    let multi = timeout(TEST_LIMIT, run_multi_turn(&args, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    server.stop().await;
+
+    let mut keys = BTreeSet::new();
+    for result in [&serve, &multi] {
+        assert_eq!(result.schema_version, SCHEMA_VERSION);
+        key_paths(&serde_json::to_value(result).expect("json"), "", &mut keys);
+    }
+    let golden: BTreeSet<String> = GOLDEN_KEYS.iter().map(|k| k.to_string()).collect();
+    let added: Vec<_> = keys.difference(&golden).collect();
+    let removed: Vec<_> = golden.difference(&keys).collect();
+    assert!(
+        added.is_empty() && removed.is_empty(),
+        "schema changed: added {added:?}, removed {removed:?}"
+    );
+
+    // Every key is documented in the README (distribution fields once, generically).
+    let readme = include_str!("../README.md");
+    for key in GOLDEN_KEYS {
+        let documented = match key.rsplit_once('.') {
+            Some((parent, field)) if parent.ends_with("_ms") && !key.starts_with("requests") => {
+                readme.contains(&format!("`{parent}`")) && readme.contains(&format!("`{field}`"))
+            }
+            _ => readme.contains(&format!("`{key}`")),
+        };
+        assert!(
+            documented,
+            "{key} is not documented in crates/bench/README.md"
+        );
+    }
+
+    // The file round-trips.
+    let path = scratch("roundtrip.json");
+    serve.write_json(&path).expect("write");
+    let back = serde_json::to_value(BenchResult::read_json(&path).expect("read")).unwrap();
+    assert!(
+        same_json(&back, &serde_json::to_value(&serve).unwrap()),
+        "round trip"
+    );
+    std::fs::write(&path, r#"{"schema_version": 999}"#).expect("write");
+    let err = BenchResult::read_json(&path).unwrap_err().to_string();
+    assert!(err.contains("schema version 999"), "{err}");
+}
+
+#[tokio::test]
+async fn serve_writes_json_and_plot_and_compare_reads_them() {
+    let server = ScriptedServer::start(|_| Reply::stream_ms(5, 3)).await;
+    let url = server.url();
+    let (json_a, json_b, plot_a, plot_cmp) = (
+        scratch("a.json"),
+        scratch("b.json"),
+        scratch("a.svg"),
+        scratch("compare.svg"),
+    );
+    for (json, label, conc, plot) in [
+        (&json_a, "one", "1", Some(&plot_a)),
+        (&json_b, "four", "4", None),
+    ] {
+        let mut flags = vec![
+            "serve",
+            "--url",
+            url.as_str(),
+            "--num-prompts",
+            "8",
+            "--output-len",
+            "4",
+            "--concurrency",
+            conc,
+            "--label",
+            label,
+            "--result-json",
+            json.to_str().unwrap(),
+        ];
+        if let Some(plot) = plot {
+            flags.extend(["--plot", plot.to_str().unwrap()]);
+        }
+        let args = match support::parse(&flags).expect("flags") {
+            pdserve_bench::BenchCommand::Serve(a) => a,
+            _ => unreachable!(),
+        };
+        let result = timeout(TEST_LIMIT, run_serve(&args, never()))
+            .await
+            .expect("bounded")
+            .expect("run");
+        pdserve_bench::emit(&result, &args.output).expect("emit");
+    }
+    server.stop().await;
+    let svg = std::fs::read_to_string(&plot_a).expect("serve plot written");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("Time to first token"),
+        "{}",
+        &svg[..svg.len().min(200)]
+    );
+
+    let runs = [
+        BenchResult::read_json(&json_a).unwrap(),
+        BenchResult::read_json(&json_b).unwrap(),
+    ];
+    let text = table(&runs);
+    assert!(
+        text.lines().next().unwrap().contains("one") && text.contains("four"),
+        "{text}"
+    );
+    let ratio_row = text
+        .lines()
+        .find(|l| l.starts_with("Request throughput"))
+        .expect("row");
+    assert!(
+        ratio_row.contains('x'),
+        "ratios against the first run: {ratio_row}"
+    );
+    assert!(text.contains("P99 TTFT (ms)"));
+
+    run_compare(&CompareArgs {
+        files: vec![json_a, json_b],
+        plot: Some(plot_cmp.clone()),
+    })
+    .expect("compare");
+    let svg = std::fs::read_to_string(&plot_cmp).expect("compare plot written");
+    assert!(svg.contains("one") && svg.contains("four") && svg.contains("Output throughput"));
+}
+
+#[test]
+fn compare_rejects_files_that_are_not_results() {
+    let path = scratch("not-a-result.json");
+    std::fs::write(&path, "{\"hello\": 1}").unwrap();
+    let err = run_compare(&CompareArgs {
+        files: vec![path],
+        plot: None,
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("not a pdserve bench result"),
+        "{err}"
+    );
+}

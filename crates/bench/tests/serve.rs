@@ -1,0 +1,292 @@
+//! `serve` against the scripted server: measured latencies against scripted truth,
+//! goodput, failure reasons, Poisson arrivals and interruption.
+//!
+//! Tolerances: a measurement can only exceed the scripted delay (the server sleeps at
+//! least that long), so lower bounds are tight; upper bounds leave room for a loaded
+//! 2-core CI machine.
+
+mod support;
+
+use std::time::Duration;
+
+use pdserve_bench::schedule::poisson_offsets;
+use pdserve_bench::serve::run_serve;
+use support::scripted_server::{Reply, ScriptedServer, MODEL};
+use support::{never, serve_args, TEST_LIMIT};
+use tokio::time::timeout;
+
+const TTFT_MS: f64 = 50.0;
+const ITL_MS: f64 = 20.0;
+const TOKENS: u64 = 10;
+/// Slack for scheduling delays on a loaded machine.
+const SLACK_MS: f64 = 60.0;
+
+async fn timed_run(endpoint: &str) {
+    let server = ScriptedServer::start(|_| Reply::stream_ms(TTFT_MS as u64, ITL_MS as u64)).await;
+    let url = server.url();
+    let args = serve_args(&[
+        "--url",
+        &url,
+        "--num-prompts",
+        "12",
+        "--concurrency",
+        "4",
+        "--input-len",
+        "30",
+        "--output-len",
+        "10",
+        "--endpoint",
+        endpoint,
+    ]);
+    let result = timeout(TEST_LIMIT, run_serve(&args, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    server.stop().await;
+    let s = &result.summary;
+    assert_eq!(
+        (s.completed, s.failed, s.not_finished),
+        (12, 0, 0),
+        "{:?}",
+        result.failures
+    );
+    assert_eq!(
+        result.config.model, MODEL,
+        "model defaults to the first listed"
+    );
+    assert_eq!(s.total_output_tokens, 12 * TOKENS);
+    // The server reports the prompt's word count: the dataset's approximation is exact.
+    assert_eq!(s.total_input_tokens, 12 * 30);
+
+    let ttft = s.ttft_ms.expect("ttft");
+    assert!(
+        ttft.min >= TTFT_MS,
+        "TTFT {ttft:?} below the scripted {TTFT_MS} ms"
+    );
+    assert!(ttft.mean <= TTFT_MS + SLACK_MS, "TTFT {ttft:?}");
+    let itl = s.itl_ms.expect("itl");
+    assert!(
+        itl.mean >= ITL_MS - 1.0 && itl.mean <= ITL_MS + 15.0,
+        "ITL {itl:?}"
+    );
+    assert!(itl.p50 >= ITL_MS - 1.0, "ITL {itl:?}");
+    let tpot = s.tpot_ms.expect("tpot");
+    assert!(
+        tpot.min >= ITL_MS - 1.0 && tpot.mean <= ITL_MS + 15.0,
+        "TPOT {tpot:?}"
+    );
+    let e2e = s.e2e_ms.expect("e2e");
+    let scripted_e2e = TTFT_MS + (TOKENS - 1) as f64 * ITL_MS;
+    assert!(
+        e2e.min >= scripted_e2e && e2e.mean <= scripted_e2e + SLACK_MS + 100.0,
+        "E2E {e2e:?}"
+    );
+    for r in &result.requests {
+        assert_eq!(r.itl_ms.len() as u64, TOKENS - 1);
+        assert_eq!(r.output_tokens, TOKENS);
+    }
+
+    // 4 slots each run 3 requests back to back, each at least `scripted_e2e` long.
+    let floor_s = 3.0 * scripted_e2e / 1e3;
+    assert!(s.duration_s >= floor_s, "duration {}", s.duration_s);
+    assert!(s.duration_s <= floor_s + 0.8, "duration {}", s.duration_s);
+    let max_rps = 12.0 / floor_s;
+    assert!(
+        s.request_throughput <= max_rps && s.request_throughput >= max_rps * 0.45,
+        "throughput {} vs at most {max_rps}",
+        s.request_throughput
+    );
+    assert!((s.output_throughput - s.request_throughput * TOKENS as f64).abs() < 1e-6);
+    assert_eq!(s.goodput, None, "no SLO given");
+}
+
+#[tokio::test]
+async fn completions_timings_match_the_script() {
+    timed_run("completions").await;
+}
+
+#[tokio::test]
+async fn chat_timings_match_the_script_and_ignore_the_role_chunk() {
+    // The role chunk arrives at once; were it counted, TTFT would be ~0.
+    timed_run("chat").await;
+}
+
+#[tokio::test]
+async fn goodput_counts_exactly_the_requests_meeting_both_slos() {
+    // Per arrival: fast, slow first token, slow decode, both slow (twice each).
+    let server = ScriptedServer::start(|n| match n % 4 {
+        0 => Reply::stream_ms(30, 10),
+        1 => Reply::stream_ms(400, 10),
+        2 => Reply::stream_ms(30, 80),
+        _ => Reply::stream_ms(400, 80),
+    })
+    .await;
+    let url = server.url();
+    let args = serve_args(&[
+        "--url",
+        &url,
+        "--num-prompts",
+        "8",
+        "--concurrency",
+        "8",
+        "--input-len",
+        "8",
+        "--output-len",
+        "5",
+        "--slo-ttft-ms",
+        "200",
+        "--slo-tpot-ms",
+        "40",
+    ]);
+    let result = timeout(TEST_LIMIT, run_serve(&args, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    server.stop().await;
+    let s = &result.summary;
+    assert_eq!(s.completed, 8);
+    assert_eq!(s.good_requests, Some(2));
+    let goodput = s.goodput.expect("goodput");
+    assert!((goodput - 2.0 / s.duration_s).abs() < 1e-9);
+    assert!(goodput < s.request_throughput);
+    let table = result.table();
+    assert!(
+        table.contains("Request goodput (req/s, TTFT≤200ms, TPOT≤40ms):"),
+        "{table}"
+    );
+}
+
+#[tokio::test]
+async fn failures_are_counted_with_their_reasons() {
+    let server = ScriptedServer::start(|n| match n % 3 {
+        0 => Reply::stream_ms(1, 1),
+        1 => Reply::Error {
+            status: 503,
+            message: "engine overloaded".into(),
+        },
+        _ => Reply::Truncated { after: 2 },
+    })
+    .await;
+    let url = server.url();
+    let args = serve_args(&[
+        "--url",
+        &url,
+        "--num-prompts",
+        "9",
+        "--concurrency",
+        "3",
+        "--output-len",
+        "4",
+    ]);
+    let result = timeout(TEST_LIMIT, run_serve(&args, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    server.stop().await;
+    assert_eq!((result.summary.completed, result.summary.failed), (3, 6));
+    let reasons: Vec<(&str, u64)> = result
+        .failures
+        .iter()
+        .map(|f| (f.reason.as_str(), f.count))
+        .collect();
+    assert!(
+        reasons.contains(&("HTTP 503: engine overloaded", 3)),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.contains(&("broken stream: ended before `data: [DONE]`", 3)),
+        "{reasons:?}"
+    );
+    assert!(result.table().contains("engine overloaded"));
+}
+
+#[tokio::test]
+async fn request_rate_mode_sends_on_the_poisson_schedule() {
+    let server = ScriptedServer::start(|_| Reply::stream_ms(2, 2)).await;
+    let url = server.url();
+    let (n, rate, seed) = (20usize, 25.0, 11u64);
+    let args = serve_args(&[
+        "--url",
+        &url,
+        "--num-prompts",
+        "20",
+        "--request-rate",
+        "25",
+        "--seed",
+        "11",
+        "--output-len",
+        "2",
+        "--input-len",
+        "4",
+    ]);
+    let result = timeout(TEST_LIMIT, run_serve(&args, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    server.stop().await;
+    assert_eq!(result.summary.completed, n as u64);
+    assert_eq!(result.config.request_rate, Some(rate));
+    assert_eq!(result.config.concurrency, None);
+    let planned = poisson_offsets(n, rate, seed);
+    for (r, at) in result.requests.iter().zip(&planned) {
+        let at = at.as_secs_f64();
+        assert!(
+            r.start_s >= at,
+            "request {} sent at {} before {at}",
+            r.index,
+            r.start_s
+        );
+        assert!(
+            r.start_s <= at + 0.15,
+            "request {} sent at {}, planned {at}",
+            r.index,
+            r.start_s
+        );
+    }
+    // The realised span matches the plan, so the achieved rate is the planned one.
+    let span = result.requests.last().unwrap().start_s - result.requests[0].start_s;
+    let planned_span = planned[n - 1].as_secs_f64();
+    assert!(
+        (span - planned_span).abs() < 0.15,
+        "span {span} vs {planned_span}"
+    );
+    // Open loop: the run lasts about as long as the schedule, not n × latency.
+    assert!(result.summary.duration_s >= planned_span);
+}
+
+#[tokio::test]
+async fn interruption_keeps_finished_requests_and_drops_the_rest() {
+    // Each request takes >= 1 s; two slots; interrupted at 1.5 s, mid second wave.
+    let server = ScriptedServer::start(|_| Reply::stream_ms(50, 50)).await;
+    let url = server.url();
+    let args = serve_args(&[
+        "--url",
+        &url,
+        "--num-prompts",
+        "6",
+        "--concurrency",
+        "2",
+        "--output-len",
+        "20",
+    ]);
+    let begun = std::time::Instant::now();
+    let stop = tokio::time::sleep(Duration::from_millis(1500));
+    let result = timeout(TEST_LIMIT, run_serve(&args, stop))
+        .await
+        .expect("bounded")
+        .expect("run");
+    let waited = begun.elapsed();
+    server.stop().await;
+    assert!(result.interrupted);
+    let s = &result.summary;
+    assert!((1..=2).contains(&s.completed), "{s:?}");
+    assert_eq!(s.failed, 0);
+    assert_eq!(s.not_finished, 6 - s.completed);
+    assert!(
+        waited < Duration::from_millis(2500),
+        "did not wait for in-flight requests: {waited:?}"
+    );
+    assert!(result.table().contains("interrupted"));
+    let err = pdserve_bench::emit(&result, &Default::default()).unwrap_err();
+    assert!(matches!(err, pdserve_bench::BenchError::Interrupted));
+}

@@ -1,0 +1,234 @@
+//! An OpenAI-compatible server whose answers follow a script: known delays before the
+//! first token and between tokens, scripted HTTP errors and broken streams, so the
+//! benchmark's measurements can be checked against the truth. Used by the tests and by
+//! `cargo run --example scripted_server`.
+//!
+//! Wire format as vLLM streams it: chat streams open with a role-only chunk sent at
+//! once (it must not count as the first token), every content chunk carries one token,
+//! then a `usage` chunk (`choices: []`) and `data: [DONE]`. `usage.prompt_tokens` is
+//! the prompt's word count; `cached_tokens` is the word count of every chat message but
+//! the last (what a perfect prefix cache would hold).
+
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use pdserve_protocol::{sse, ApiError};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// The model the server lists.
+pub const MODEL: &str = "scripted-model";
+
+/// How the server answers one request.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// Stream `max_tokens` tokens: the first after `ttft`, the rest `itl` apart.
+    Stream { ttft: Duration, itl: Duration },
+    /// Answer this HTTP status with an OpenAI error body.
+    Error { status: u16, message: String },
+    /// Stream this many tokens, then close the stream without `[DONE]`.
+    Truncated { after: usize },
+}
+
+impl Reply {
+    /// A stream with delays in milliseconds.
+    pub fn stream_ms(ttft: u64, itl: u64) -> Self {
+        Self::Stream {
+            ttft: Duration::from_millis(ttft),
+            itl: Duration::from_millis(itl),
+        }
+    }
+}
+
+type Script = Arc<dyn Fn(usize) -> Reply + Send + Sync>;
+
+struct AppState {
+    script: Script,
+    scripted: AtomicUsize,
+    requests: Mutex<Vec<Value>>,
+}
+
+/// A running scripted server on 127.0.0.1 (random port).
+pub struct ScriptedServer {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    state: Arc<AppState>,
+    task: JoinHandle<()>,
+}
+
+impl ScriptedServer {
+    /// Starts a server answering the `n`th request that asks for more than one token
+    /// with `script(n)` (requests for one token, i.e. the benchmark's probe, get an
+    /// immediate answer and do not advance the script).
+    pub async fn start(script: impl Fn(usize) -> Reply + Send + Sync + 'static) -> Self {
+        Self::start_on(
+            TcpListener::bind("127.0.0.1:0").await.expect("bind"),
+            script,
+        )
+        .await
+    }
+
+    /// Like [`ScriptedServer::start`], on a listener the caller bound.
+    pub async fn start_on(
+        listener: TcpListener,
+        script: impl Fn(usize) -> Reply + Send + Sync + 'static,
+    ) -> Self {
+        let state = Arc::new(AppState {
+            script: Arc::new(script),
+            scripted: AtomicUsize::new(0),
+            requests: Mutex::new(Vec::new()),
+        });
+        let app = Router::new()
+            .route("/v1/models", get(models))
+            .route("/v1/completions", post(generate))
+            .route("/v1/chat/completions", post(generate))
+            .with_state(state.clone());
+        let addr = listener.local_addr().expect("local addr");
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { addr, state, task }
+    }
+
+    /// A server that answers every request with an HTML page (not OpenAI).
+    pub async fn start_html() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("local addr");
+        let app = Router::new().fallback(|| async {
+            (
+                [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+                "<!doctype html><html><body>Welcome to nginx!</body></html>",
+            )
+        });
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        let state = Arc::new(AppState {
+            script: Arc::new(|_| Reply::stream_ms(0, 0)),
+            scripted: AtomicUsize::new(0),
+            requests: Mutex::new(Vec::new()),
+        });
+        Self { addr, state, task }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every generation request body received, in arrival order.
+    pub fn requests(&self) -> Vec<Value> {
+        self.state.requests.lock().expect("lock").clone()
+    }
+
+    /// Stops serving (in-flight streams are cut).
+    pub async fn stop(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "test"}]
+    }))
+}
+
+fn words(text: &str) -> u64 {
+    text.split_whitespace().count() as u64
+}
+
+/// Prompt and cached word counts of a request, and whether it is a chat request.
+fn prompt_counts(body: &Value) -> (u64, u64, bool) {
+    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+        let counts: Vec<u64> = messages
+            .iter()
+            .map(|m| words(m["content"].as_str().unwrap_or("")))
+            .collect();
+        let total = counts.iter().sum::<u64>();
+        (total, total - counts.last().copied().unwrap_or(0), true)
+    } else {
+        (words(body["prompt"].as_str().unwrap_or("")), 0, false)
+    }
+}
+
+fn chunk(chat: bool, text: &str) -> Bytes {
+    let value = if chat {
+        json!({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+               "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})
+    } else {
+        json!({"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
+               "choices": [{"index": 0, "text": text, "finish_reason": null}]})
+    };
+    sse::data_event(&value)
+}
+
+async fn generate(State(state): State<Arc<AppState>>, Json(body): Json<Value>) -> Response {
+    let max_tokens = body["max_tokens"].as_u64().unwrap_or(16) as usize;
+    state.requests.lock().expect("lock").push(body.clone());
+    let reply = if max_tokens > 1 {
+        (state.script)(state.scripted.fetch_add(1, Ordering::SeqCst))
+    } else {
+        Reply::stream_ms(0, 0)
+    };
+    let (prompt, cached, chat) = prompt_counts(&body);
+    let (ttft, itl, tokens, finish) = match reply {
+        Reply::Error { status, message } => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return ApiError::new(status, "scripted", message).into_response();
+        }
+        Reply::Stream { ttft, itl } => (ttft, itl, max_tokens, true),
+        Reply::Truncated { after } => (Duration::ZERO, Duration::ZERO, after, false),
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        if chat {
+            let role = json!({"id": "c", "object": "chat.completion.chunk", "created": 0,
+                "model": MODEL, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]});
+            if tx.send(sse::data_event(&role)).await.is_err() {
+                return;
+            }
+        }
+        tokio::time::sleep(ttft).await;
+        for i in 0..tokens {
+            if i > 0 {
+                tokio::time::sleep(itl).await;
+            }
+            if tx.send(chunk(chat, &format!(" tok{i}"))).await.is_err() {
+                return;
+            }
+        }
+        if !finish {
+            return;
+        }
+        let usage = json!({"id": "c", "object": "chunk", "created": 0, "model": MODEL, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": tokens,
+                      "total_tokens": prompt + tokens as u64,
+                      "prompt_tokens_details": {"cached_tokens": cached}}});
+        let _ = tx.send(sse::data_event(&usage)).await;
+        let _ = tx.send(Bytes::from_static(sse::DONE)).await;
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .expect("static response parts")
+}
