@@ -1,0 +1,306 @@
+//! Relays a worker's SSE stream to the client chunk by chunk, while watching it for the
+//! end marker and the decode side's final `kv_transfer_params`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
+use pdserve_protocol::sse::{data_event, DONE};
+use pdserve_protocol::{ApiError, KvTransferParams};
+use serde_json::Value;
+
+use crate::conversation::ConversationCache;
+use crate::error::error_chain;
+use crate::metrics::Metrics;
+use crate::registry::InFlight;
+
+/// A partial line longer than this means the upstream is not sending SSE.
+const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Splits a byte stream at line boundaries and inspects each complete line.
+///
+/// Only complete lines are forwarded, so that an error event appended after an upstream
+/// failure never lands inside a half-forwarded event.
+#[derive(Debug, Default)]
+pub struct SseScanner {
+    tail: BytesMut,
+    /// `data: [DONE]` was seen.
+    pub saw_done: bool,
+    /// Look for `kv_transfer_params` in events (only when a conversation needs them).
+    pub capture_kv: bool,
+    /// The last `kv_transfer_params` seen in an event.
+    pub kv: Option<KvTransferParams>,
+    /// Whether everything forwarded so far ends at an event boundary (blank line).
+    at_event_boundary: bool,
+}
+
+impl SseScanner {
+    /// A scanner; `capture_kv` turns on parsing of events that carry KV params.
+    pub fn new(capture_kv: bool) -> Self {
+        Self {
+            capture_kv,
+            at_event_boundary: true,
+            ..Self::default()
+        }
+    }
+
+    /// Takes in one upstream chunk; returns the complete lines to forward now.
+    pub fn push(&mut self, chunk: Bytes) -> Result<Option<Bytes>, String> {
+        let ready = if self.tail.is_empty() {
+            match chunk.iter().rposition(|&b| b == b'\n') {
+                // The common case: the worker wrote whole events; forward without copying.
+                Some(i) if i + 1 == chunk.len() => Some(chunk),
+                Some(i) => {
+                    self.tail.extend_from_slice(&chunk[i + 1..]);
+                    Some(chunk.slice(..=i))
+                }
+                None => {
+                    self.tail.extend_from_slice(&chunk);
+                    None
+                }
+            }
+        } else {
+            self.tail.extend_from_slice(&chunk);
+            self.tail
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map(|i| self.tail.split_to(i + 1).freeze())
+        };
+        if self.tail.len() > MAX_LINE_BYTES {
+            return Err(format!("an event line exceeded {MAX_LINE_BYTES} bytes"));
+        }
+        if let Some(lines) = &ready {
+            self.scan(lines);
+            self.at_event_boundary = lines.ends_with(b"\n\n") || lines.ends_with(b"\r\n\r\n");
+        }
+        Ok(ready)
+    }
+
+    fn scan(&mut self, lines: &[u8]) {
+        for line in lines.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(data) = line.strip_prefix(b"data:") else {
+                continue;
+            };
+            let data = data.strip_prefix(b" ").unwrap_or(data);
+            if data == b"[DONE]" {
+                self.saw_done = true;
+            } else if self.capture_kv && contains(data, b"\"kv_transfer_params\"") {
+                if let Some(kv) = kv_params_of(data) {
+                    self.kv = Some(kv);
+                }
+            }
+        }
+    }
+
+    /// An error event and the end marker, separated from anything forwarded before.
+    pub fn error_tail(&self, error: &ApiError) -> Bytes {
+        let mut out = BytesMut::new();
+        if !self.at_event_boundary {
+            out.extend_from_slice(b"\n");
+        }
+        out.extend_from_slice(&data_event(&error.to_json()));
+        out.extend_from_slice(DONE);
+        out.freeze()
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The top-level, non-null `kv_transfer_params` of a JSON response or chunk.
+pub fn kv_params_of(json: &[u8]) -> Option<KvTransferParams> {
+    let mut value: Value = serde_json::from_slice(json).ok()?;
+    let kv = value.get_mut("kv_transfer_params")?.take();
+    if kv.is_null() {
+        return None;
+    }
+    serde_json::from_value(kv).ok()
+}
+
+/// Where a relayed stream stores the decode side's KV handle.
+#[derive(Debug)]
+pub struct ConversationSink {
+    /// The cache.
+    pub cache: Arc<ConversationCache>,
+    /// The conversation.
+    pub id: String,
+}
+
+/// Everything a relay needs besides the upstream stream.
+pub struct Relay {
+    /// The already received first chunk.
+    pub first: Bytes,
+    /// The rest of the upstream body.
+    pub upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+    /// Longest silence between chunks.
+    pub idle_timeout: Duration,
+    /// Where the final KV params go, if the request named a conversation.
+    pub conversation: Option<ConversationSink>,
+    /// Metrics to record the outcome in.
+    pub metrics: Arc<Metrics>,
+    /// Route label for the end-to-end histogram.
+    pub route: &'static str,
+    /// When the client request arrived.
+    pub started: Instant,
+    /// The worker's base URL, for logs.
+    pub worker: String,
+    /// The request id, for logs.
+    pub request_id: String,
+    /// Keeps the worker's in-flight count until the relay ends or is dropped.
+    pub in_flight: InFlight,
+}
+
+/// The relay's running state.
+struct RelayState {
+    relay: Relay,
+    scanner: SseScanner,
+    first: Option<Bytes>,
+    finished: bool,
+}
+
+impl Relay {
+    /// The client body: upstream bytes as they arrive, then (on failure) an error event.
+    /// Dropping it (the client went away) drops the upstream response, which closes the
+    /// connection to the worker and so cancels its request.
+    pub fn into_stream(mut self) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
+        let scanner = SseScanner::new(self.conversation.is_some());
+        let first = Some(std::mem::take(&mut self.first));
+        let state = RelayState {
+            relay: self,
+            scanner,
+            first,
+            finished: false,
+        };
+        futures::stream::unfold(state, |mut state| async move {
+            let item = state.next_chunk().await?;
+            Some((Ok(item), state))
+        })
+    }
+}
+
+impl RelayState {
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        loop {
+            if self.finished {
+                return None;
+            }
+            let chunk = match self.first.take() {
+                Some(first) => first,
+                None => {
+                    let next =
+                        tokio::time::timeout(self.relay.idle_timeout, self.relay.upstream.next());
+                    match next.await {
+                        Ok(Some(Ok(chunk))) => chunk,
+                        Ok(Some(Err(e))) => {
+                            let msg = format!(
+                                "decode worker {} failed mid-stream: {}",
+                                self.relay.worker,
+                                error_chain(&e)
+                            );
+                            return Some(self.fail(ApiError::bad_gateway(msg)));
+                        }
+                        Ok(None) => return self.end_of_upstream(),
+                        Err(_) => {
+                            let msg = format!(
+                                "decode worker {} sent nothing for {:?}",
+                                self.relay.worker, self.relay.idle_timeout
+                            );
+                            return Some(self.fail(ApiError::gateway_timeout(msg)));
+                        }
+                    }
+                }
+            };
+            match self.scanner.push(chunk) {
+                Ok(Some(lines)) => {
+                    self.store_kv();
+                    return Some(lines);
+                }
+                Ok(None) => continue,
+                Err(msg) => return Some(self.fail(ApiError::bad_gateway(msg))),
+            }
+        }
+    }
+
+    fn store_kv(&mut self) {
+        if let (Some(kv), Some(sink)) = (self.scanner.kv.take(), &self.relay.conversation) {
+            sink.cache.put(&sink.id, kv);
+        }
+    }
+
+    fn end_of_upstream(&mut self) -> Option<Bytes> {
+        if self.scanner.saw_done {
+            self.finished = true;
+            self.record_end();
+            return None;
+        }
+        let msg = format!(
+            "decode worker {} ended the stream without [DONE]",
+            self.relay.worker
+        );
+        Some(self.fail(ApiError::bad_gateway(msg)))
+    }
+
+    fn fail(&mut self, error: ApiError) -> Bytes {
+        tracing::warn!(request_id = %self.relay.request_id, "{}", error.body.error.message);
+        self.finished = true;
+        self.relay.metrics.inc_stream_errors();
+        self.record_end();
+        self.scanner.error_tail(&error)
+    }
+
+    fn record_end(&self) {
+        self.relay
+            .metrics
+            .observe_end_to_end(self.relay.route, self.relay.started.elapsed());
+    }
+}
+
+impl Drop for RelayState {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::info!(
+                request_id = %self.relay.request_id,
+                worker = %self.relay.worker,
+                "client went away mid-stream; cancelling the upstream request"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forwards_whole_lines_and_sees_done_and_kv() {
+        let mut s = SseScanner::new(true);
+        let a = s
+            .push(Bytes::from_static(b"data: {\"a\":1}\n\ndata: {\"kv_trans"))
+            .unwrap();
+        assert_eq!(a.unwrap(), Bytes::from_static(b"data: {\"a\":1}\n\n"));
+        assert!(s.kv.is_none());
+        let b = s
+            .push(Bytes::from_static(
+                b"fer_params\":{\"do_remote_prefill\":true,\"remote_port\":7}}\n\ndata: [DONE]\n\n",
+            ))
+            .unwrap()
+            .unwrap();
+        assert!(b.starts_with(b"data: {\"kv_transfer_params\""));
+        assert_eq!(s.kv.as_ref().unwrap().remote_port, Some(7));
+        assert!(s.saw_done);
+    }
+
+    #[test]
+    fn error_tail_starts_a_new_event() {
+        let mut s = SseScanner::new(false);
+        s.push(Bytes::from_static(b"data: {\"a\":1}\n")).unwrap();
+        let tail = s.error_tail(&ApiError::bad_gateway("x"));
+        assert!(tail.starts_with(b"\ndata: {\"error\""));
+        assert!(tail.ends_with(DONE));
+    }
+}

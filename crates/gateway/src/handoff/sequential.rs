@@ -1,0 +1,200 @@
+//! Sequential handoff with vLLM's `kv_transfer_params` (NIXL-style pull).
+//!
+//! 1. Prefill leg: the request with `stream=false`, `max_tokens=1`, without
+//!    `max_completion_tokens`, `min_tokens` and `stream_options`, and
+//!    `kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false, remote_*: null}`
+//!    (or, on a conversation's later turn, the previous decode's params so the prefill
+//!    worker reads those blocks instead of recomputing the shared prefix).
+//! 2. Decode leg: the original request plus the prefill worker's returned params; the
+//!    decode worker pulls the blocks and generates.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::response::Response;
+use bytes::Bytes;
+use pdserve_protocol::{ApiError, KvTransferParams};
+use serde_json::Value;
+
+use super::final_leg::{forward, FinalLeg};
+use super::RequestContext;
+use crate::error::{error_chain, truncate, Failure};
+use crate::registry::{InFlight, Role};
+use crate::server::AppState;
+use crate::validation::GenerateRequest;
+
+/// Runs the prefill leg, then the decode leg.
+pub async fn serve(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    mut request: GenerateRequest,
+    conversation_id: Option<String>,
+) -> Result<Response, Failure> {
+    let cached = conversation_id.as_deref().map(|id| {
+        let cached = state.conversations.take(id);
+        state.metrics.record_conversation_lookup(cached.is_some());
+        cached
+    });
+    let prefill_params = match cached.flatten() {
+        // P reads D's blocks from the last turn, then keeps its own for this turn's D.
+        Some(decode_params) => KvTransferParams {
+            do_remote_decode: true,
+            do_remote_prefill: false,
+            ..decode_params
+        },
+        None => KvTransferParams::prefill_request(),
+    };
+    let body = prefill_body(&request, prefill_params);
+    let handle = prefill(state, ctx, body).await?;
+    if handle.is_none() {
+        tracing::warn!(
+            request_id = ctx.headers.request_id(),
+            "prefill answered without kv_transfer_params; the decode worker will recompute the prompt"
+        );
+    }
+    request.transport_mut().kv_transfer_params = handle;
+    let leg = FinalLeg {
+        pool: &state.registry.decode,
+        role: Role::Decode,
+        body: request.to_body(),
+        stream: request.is_stream(),
+        conversation_id,
+    };
+    forward(state, ctx, leg).await
+}
+
+/// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
+pub fn prefill_body(request: &GenerateRequest, params: KvTransferParams) -> Bytes {
+    let mut prefill = request.clone();
+    let transport = prefill.transport_mut();
+    transport.stream = Some(false);
+    transport.stream_options = None;
+    transport.kv_transfer_params = Some(params);
+    let generation = prefill.generation_mut();
+    generation.max_tokens = Some(1);
+    generation.max_completion_tokens = None;
+    generation.min_tokens = None;
+    prefill.to_body()
+}
+
+/// Sends the prefill leg and returns the `kv_transfer_params` P answered with.
+async fn prefill(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    body: Bytes,
+) -> Result<Option<KvTransferParams>, Failure> {
+    let worker = state
+        .registry
+        .prefill
+        .next()
+        .ok_or_else(|| ApiError::service_unavailable("no prefill worker is configured"))?;
+    let _in_flight = InFlight::start(worker.clone());
+    let sent = Instant::now();
+    let exchange = async {
+        let response = state
+            .upstream
+            .post_json(worker.url(ctx.endpoint), body, &ctx.headers)
+            .send()
+            .await?;
+        let status = response.status();
+        Ok::<_, reqwest::Error>((status, response.bytes().await?))
+    };
+    let (status, body) = match tokio::time::timeout(state.config.prefill_timeout, exchange).await {
+        Err(_) => {
+            return Err(ApiError::gateway_timeout(format!(
+                "prefill worker {} did not answer within {:?}",
+                worker.base, state.config.prefill_timeout
+            ))
+            .into())
+        }
+        Ok(Err(e)) => {
+            return Err(ApiError::bad_gateway(format!(
+                "prefill worker {} failed: {}",
+                worker.base,
+                error_chain(&e)
+            ))
+            .into())
+        }
+        Ok(Ok(answer)) => answer,
+    };
+    state.metrics.observe_prefill(sent.elapsed());
+    if status.is_client_error() {
+        return Err(Failure::from_upstream_client_error(
+            status,
+            body,
+            &worker.base,
+        ));
+    }
+    if !status.is_success() {
+        let text = String::from_utf8_lossy(&body);
+        return Err(ApiError::bad_gateway(format!(
+            "prefill worker {} answered {status}: {}",
+            worker.base,
+            truncate(text.trim(), 512)
+        ))
+        .into());
+    }
+    let garbage = |why: String| -> Failure {
+        ApiError::bad_gateway(format!("prefill worker {} answered {why}", worker.base)).into()
+    };
+    let mut answer: Value = serde_json::from_slice(&body)
+        .map_err(|e| garbage(format!("200 with a body that is not JSON: {e}")))?;
+    let Some(object) = answer.as_object_mut() else {
+        return Err(garbage("200 with a body that is not a JSON object".into()));
+    };
+    match object.remove("kv_transfer_params") {
+        None | Some(Value::Null) => Ok(None),
+        Some(params) => serde_json::from_value(params)
+            .map(Some)
+            .map_err(|e| garbage(format!("malformed kv_transfer_params: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Endpoint;
+    use serde_json::json;
+
+    #[test]
+    fn prefill_body_has_vllm_shape() {
+        let (req, _) = GenerateRequest::parse(
+            Endpoint::Chat,
+            json!({
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": true,
+                "stream_options": {"include_usage": true},
+                "max_tokens": 50,
+                "max_completion_tokens": 60,
+                "min_tokens": 5,
+                "temperature": 0.5,
+                "vendor_field": [1]
+            })
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        let body: Value =
+            serde_json::from_slice(&prefill_body(&req, KvTransferParams::prefill_request()))
+                .unwrap();
+        assert_eq!(body["stream"], false);
+        assert_eq!(body["max_tokens"], 1);
+        assert_eq!(body["temperature"], 0.5);
+        assert_eq!(body["vendor_field"], json!([1]));
+        for dropped in ["max_completion_tokens", "min_tokens", "stream_options"] {
+            assert!(body.get(dropped).is_none(), "{dropped} must be dropped");
+        }
+        assert_eq!(
+            body["kv_transfer_params"],
+            json!({
+                "do_remote_decode": true,
+                "do_remote_prefill": false,
+                "remote_engine_id": null,
+                "remote_block_ids": null,
+                "remote_host": null,
+                "remote_port": null
+            })
+        );
+    }
+}

@@ -1,0 +1,218 @@
+//! Prometheus metrics: requests by route and status, in-flight requests per worker and
+//! latency histograms per leg.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels of `requests_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteStatus {
+    route: String,
+    status: u16,
+}
+
+/// Labels of per-worker metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct WorkerLabels {
+    role: String,
+    worker: String,
+}
+
+/// Labels of per-route latency.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+/// Latency buckets from 1 ms to about 550 s.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+/// The gateway's metrics and the registry that exports them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RouteStatus, Counter>,
+    worker_in_flight: Family<WorkerLabels, Gauge>,
+    prefill_seconds: Histogram,
+    decode_ttfb_seconds: Histogram,
+    end_to_end_seconds: Family<RouteLabels, Histogram, fn() -> Histogram>,
+    decode_retries: Counter,
+    stream_errors: Counter,
+    conversation_hits: Counter,
+    conversation_misses: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("pdserve_gateway");
+        let requests = Family::<RouteStatus, Counter>::default();
+        registry.register(
+            "requests",
+            "Client requests by route and response status",
+            requests.clone(),
+        );
+        let worker_in_flight = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_in_flight",
+            "Requests open on each upstream worker",
+            worker_in_flight.clone(),
+        );
+        let prefill_seconds = latency_histogram();
+        registry.register(
+            "prefill_seconds",
+            "Prefill leg duration, request sent to response read",
+            prefill_seconds.clone(),
+        );
+        let decode_ttfb_seconds = latency_histogram();
+        registry.register(
+            "decode_ttfb_seconds",
+            "Decode (or aggregated) leg time to first byte",
+            decode_ttfb_seconds.clone(),
+        );
+        let end_to_end_seconds: Family<RouteLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "request_seconds",
+            "End-to-end request duration, until the last byte of the response",
+            end_to_end_seconds.clone(),
+        );
+        let decode_retries = Counter::default();
+        registry.register(
+            "decode_retries",
+            "Decode legs retried on another worker after failing before the first byte",
+            decode_retries.clone(),
+        );
+        let stream_errors = Counter::default();
+        registry.register(
+            "stream_errors",
+            "Streams ended with an error event after the first byte",
+            stream_errors.clone(),
+        );
+        let conversation_hits = Counter::default();
+        registry.register(
+            "conversation_cache_hits",
+            "Turns whose prefill read the previous turn's decode KV",
+            conversation_hits.clone(),
+        );
+        let conversation_misses = Counter::default();
+        registry.register(
+            "conversation_cache_misses",
+            "Turns with a conversation_id but no usable cached decode KV",
+            conversation_misses.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            worker_in_flight,
+            prefill_seconds,
+            decode_ttfb_seconds,
+            end_to_end_seconds,
+            decode_retries,
+            stream_errors,
+            conversation_hits,
+            conversation_misses,
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts one answered request.
+    pub fn record_request(&self, route: &str, status: u16) {
+        self.requests
+            .get_or_create(&RouteStatus {
+                route: route.to_string(),
+                status,
+            })
+            .inc();
+    }
+
+    /// The in-flight gauge of one worker (shared; clone it once and keep it).
+    pub fn worker_in_flight(&self, role: &str, worker: &str) -> Gauge {
+        self.worker_in_flight
+            .get_or_create(&WorkerLabels {
+                role: role.to_string(),
+                worker: worker.to_string(),
+            })
+            .clone()
+    }
+
+    /// Records a finished prefill leg.
+    pub fn observe_prefill(&self, d: Duration) {
+        self.prefill_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Records a decode leg's time to first byte.
+    pub fn observe_decode_ttfb(&self, d: Duration) {
+        self.decode_ttfb_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Records a request's end-to-end duration.
+    pub fn observe_end_to_end(&self, route: &str, d: Duration) {
+        self.end_to_end_seconds
+            .get_or_create(&RouteLabels {
+                route: route.to_string(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
+    /// Counts a decode retry.
+    pub fn inc_decode_retries(&self) {
+        self.decode_retries.inc();
+    }
+
+    /// Counts a stream that ended with an error event.
+    pub fn inc_stream_errors(&self) {
+        self.stream_errors.inc();
+    }
+
+    /// Counts a conversation cache lookup.
+    pub fn record_conversation_lookup(&self, hit: bool) {
+        if hit {
+            self.conversation_hits.inc();
+        } else {
+            self.conversation_misses.inc();
+        }
+    }
+
+    /// All metrics in the Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exports_all_families() {
+        let m = Metrics::default();
+        m.record_request("/v1/chat/completions", 200);
+        let g = m.worker_in_flight("decode", "http://127.0.0.1:1");
+        g.inc();
+        m.observe_prefill(Duration::from_millis(3));
+        m.observe_decode_ttfb(Duration::from_millis(4));
+        m.observe_end_to_end("/v1/chat/completions", Duration::from_millis(5));
+        let text = m.encode();
+        for needle in [
+            r#"pdserve_gateway_requests_total{route="/v1/chat/completions",status="200"} 1"#,
+            r#"pdserve_gateway_worker_in_flight{role="decode",worker="http://127.0.0.1:1"} 1"#,
+            "pdserve_gateway_prefill_seconds_count 1",
+            "pdserve_gateway_decode_ttfb_seconds_count 1",
+            r#"pdserve_gateway_request_seconds_count{route="/v1/chat/completions"} 1"#,
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}

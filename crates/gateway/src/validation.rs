@@ -1,0 +1,153 @@
+//! Client bodies parsed into `pdserve_protocol` request types, with OpenAI-shaped 400s.
+
+use axum::extract::rejection::{BytesRejection, FailedToBufferBody};
+use bytes::Bytes;
+use pdserve_protocol::{
+    ApiError, ChatCompletionRequest, CompletionRequest, GenerationParams, TransportParams,
+};
+use serde_json::{Map, Value};
+
+use crate::registry::Endpoint;
+
+/// The gateway's own top-level field naming a conversation; never forwarded.
+pub const CONVERSATION_ID: &str = "conversation_id";
+
+/// A validated chat or completion request (unknown fields kept for forwarding).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenerateRequest {
+    /// A `/v1/chat/completions` body.
+    Chat(ChatCompletionRequest),
+    /// A `/v1/completions` body.
+    Completion(CompletionRequest),
+}
+
+impl GenerateRequest {
+    /// Parses a client body for `endpoint`; returns the request with `conversation_id`
+    /// taken out of it, and the conversation id if one was given.
+    // ApiError is the protocol crate's error value, built once per rejected request;
+    // boxing it would only add an allocation on the error path.
+    #[allow(clippy::result_large_err)]
+    pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<(Self, Option<String>), ApiError> {
+        let mut request = match endpoint {
+            Endpoint::Chat => serde_json::from_slice(body).map(Self::Chat),
+            Endpoint::Completions => serde_json::from_slice(body).map(Self::Completion),
+        }
+        .map_err(json_error)?;
+        let conversation_id = match request.extra_mut().remove(CONVERSATION_ID) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.is_empty() => None,
+            Some(Value::String(s)) => Some(s),
+            Some(_) => {
+                return Err(ApiError::bad_request("`conversation_id` must be a string")
+                    .with_param(CONVERSATION_ID))
+            }
+        };
+        Ok((request, conversation_id))
+    }
+
+    /// Sampling and length fields.
+    pub fn generation_mut(&mut self) -> &mut GenerationParams {
+        match self {
+            Self::Chat(r) => &mut r.generation,
+            Self::Completion(r) => &mut r.generation,
+        }
+    }
+
+    /// Streaming and KV-handoff fields.
+    pub fn transport(&self) -> &TransportParams {
+        match self {
+            Self::Chat(r) => &r.transport,
+            Self::Completion(r) => &r.transport,
+        }
+    }
+
+    /// Streaming and KV-handoff fields, mutable.
+    pub fn transport_mut(&mut self) -> &mut TransportParams {
+        match self {
+            Self::Chat(r) => &mut r.transport,
+            Self::Completion(r) => &mut r.transport,
+        }
+    }
+
+    /// Fields the protocol types do not model.
+    pub fn extra_mut(&mut self) -> &mut Map<String, Value> {
+        match self {
+            Self::Chat(r) => &mut r.extra,
+            Self::Completion(r) => &mut r.extra,
+        }
+    }
+
+    /// Whether the client asked for a server-sent event stream.
+    pub fn is_stream(&self) -> bool {
+        self.transport().stream.unwrap_or(false)
+    }
+
+    /// The request as a JSON body for a worker.
+    pub fn to_body(&self) -> Bytes {
+        let bytes = match self {
+            Self::Chat(r) => serde_json::to_vec(r),
+            Self::Completion(r) => serde_json::to_vec(r),
+        };
+        // These types serialize infallibly (string keys, no custom serializers).
+        Bytes::from(bytes.unwrap_or_default())
+    }
+}
+
+/// A 400 that says whether the JSON was malformed or had a wrong field.
+fn json_error(e: serde_json::Error) -> ApiError {
+    use serde_json::error::Category;
+    match e.classify() {
+        Category::Syntax | Category::Eof | Category::Io => {
+            ApiError::bad_request(format!("The request body is not valid JSON: {e}"))
+        }
+        Category::Data => ApiError::bad_request(format!("Invalid request body: {e}")),
+    }
+}
+
+/// Maps axum's body-reading rejection to our errors: over the limit → 413, else 400.
+pub fn body_rejection(rejection: BytesRejection, limit: usize) -> ApiError {
+    match rejection {
+        BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) => {
+            ApiError::payload_too_large(limit)
+        }
+        other => ApiError::bad_request(format!("Could not read the request body: {other}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::StatusCode;
+
+    #[test]
+    fn takes_conversation_id_out() {
+        let (req, conv) = GenerateRequest::parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"conversation_id":"c1","x":1}"#,
+        )
+        .unwrap();
+        assert_eq!(conv.as_deref(), Some("c1"));
+        let body: Value = serde_json::from_slice(&req.to_body()).unwrap();
+        assert!(body.get(CONVERSATION_ID).is_none());
+        assert_eq!(body["x"], 1);
+    }
+
+    #[test]
+    fn rejects_malformed_and_mistyped_bodies() {
+        for (endpoint, body) in [
+            (Endpoint::Chat, &b"{not json"[..]),
+            (Endpoint::Chat, br#"{"messages":"hi"}"#),
+            (Endpoint::Chat, br#"[1,2]"#),
+            (Endpoint::Completions, br#"{"model":"m"}"#),
+            (Endpoint::Completions, br#"{"prompt":"a","stream":"yes"}"#),
+            (
+                Endpoint::Completions,
+                br#"{"prompt":"a","conversation_id":5}"#,
+            ),
+        ] {
+            let err = GenerateRequest::parse(endpoint, body).unwrap_err();
+            assert_eq!(err.status, StatusCode::BAD_REQUEST);
+            assert_eq!(err.body.error.kind, "invalid_request_error");
+        }
+    }
+}

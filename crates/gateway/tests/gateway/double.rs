@@ -1,0 +1,412 @@
+//! A test double of a vLLM worker (prefill or decode role of a NIXL P/D deployment) that
+//! speaks vLLM's OpenAI wire format, records every request, and fails on demand.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+
+/// What the double is in a P/D deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Answers a one-token non-stream completion with its KV handle.
+    Prefill,
+    /// Generates (streamed or not); the last chunk carries its own KV handle.
+    Decode,
+}
+
+/// How the double answers the next requests.
+#[derive(Debug, Clone)]
+pub enum Behavior {
+    /// Like vLLM.
+    Normal,
+    /// This status with this body.
+    Status(u16, &'static str),
+    /// 200 with a body that is neither JSON nor SSE.
+    Garbage,
+    /// 200 with an empty event stream.
+    EmptyStream,
+    /// Wait, then answer normally (cancellation during the wait is recorded).
+    Delay(Duration),
+    /// Stream two events, then break the connection.
+    FailMidStream,
+    /// Never finish: a non-stream request waits forever, a stream sends a token every
+    /// 20 ms forever. Recorded as cancelled when the gateway drops it.
+    Hold,
+    /// Stream the first token, then wait for `release()` before the rest.
+    Gated,
+}
+
+/// One request as the double received it.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+struct Shared {
+    role: Role,
+    name: String,
+    behavior: Mutex<Behavior>,
+    requests: Mutex<Vec<Recorded>>,
+    cancelled: AtomicUsize,
+    cancelled_notify: Notify,
+    gate: Notify,
+}
+
+/// Counts a request as cancelled if dropped before it finished.
+struct CancelGuard {
+    shared: Arc<Shared>,
+    armed: bool,
+}
+
+impl CancelGuard {
+    fn new(shared: &Arc<Shared>) -> Self {
+        Self {
+            shared: shared.clone(),
+            armed: true,
+        }
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.cancelled.fetch_add(1, Ordering::SeqCst);
+            self.shared.cancelled_notify.notify_waiters();
+        }
+    }
+}
+
+/// A running double on 127.0.0.1.
+pub struct Double {
+    pub url: String,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Double {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Double {
+    /// Starts a double with `role`, named `name` (used in its KV handles).
+    pub async fn start(role: Role, name: &str) -> Self {
+        let shared = Arc::new(Shared {
+            role,
+            name: name.to_string(),
+            behavior: Mutex::new(Behavior::Normal),
+            requests: Mutex::new(Vec::new()),
+            cancelled: AtomicUsize::new(0),
+            cancelled_notify: Notify::new(),
+            gate: Notify::new(),
+        });
+        let app = Router::new()
+            .route("/v1/chat/completions", post(generate))
+            .route("/v1/completions", post(generate))
+            .route("/v1/models", get(models))
+            .with_state(shared.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self { url, shared, task }
+    }
+
+    /// Sets how the next requests are answered.
+    pub fn set(&self, behavior: Behavior) {
+        *self.shared.behavior.lock().unwrap() = behavior;
+    }
+
+    /// Every request received so far.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// The only request received so far.
+    pub fn only_request(&self) -> Recorded {
+        let requests = self.requests();
+        assert_eq!(requests.len(), 1, "{} got {:?}", self.shared.name, requests);
+        requests.into_iter().next().unwrap()
+    }
+
+    /// Waits until `n` requests have arrived.
+    pub async fn wait_for_requests(&self, n: usize) {
+        while self.shared.requests.lock().unwrap().len() < n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Requests dropped by the gateway before they finished.
+    pub fn cancelled(&self) -> usize {
+        self.shared.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// Waits until a request has been dropped by the gateway.
+    pub async fn wait_for_cancel(&self) {
+        loop {
+            let notified = self.shared.cancelled_notify.notified();
+            if self.cancelled() > 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Lets a `Gated` stream finish.
+    pub fn release(&self) {
+        self.shared.gate.notify_one();
+    }
+
+    /// The KV handle this double returns for `request_id` (what vLLM's NIXL connector
+    /// puts in `kv_transfer_params` when a request finishes).
+    pub fn kv_handle(&self, request_id: &str) -> Value {
+        kv_handle(&self.shared, request_id)
+    }
+}
+
+fn kv_handle(shared: &Shared, request_id: &str) -> Value {
+    let (blocks, port) = match shared.role {
+        Role::Prefill => (json!([1, 2, 3]), 5600),
+        Role::Decode => (json!([[7, 8]]), 5601),
+    };
+    json!({
+        "do_remote_prefill": true,
+        "do_remote_decode": false,
+        "remote_block_ids": blocks,
+        "remote_engine_id": format!("engine-{}", shared.name),
+        "remote_request_id": format!("{}-{request_id}", shared.name),
+        "remote_host": "10.0.0.9",
+        "remote_port": port,
+        "tp_size": 1
+    })
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "vllm",
+                  "root": "m", "parent": null, "max_model_len": 2048, "permission": []}]
+    }))
+}
+
+async fn generate(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    shared.requests.lock().unwrap().push(Recorded {
+        path: uri.path().to_string(),
+        headers: headers.clone(),
+        body: body.clone(),
+    });
+    let behavior = shared.behavior.lock().unwrap().clone();
+    let chat = uri.path().ends_with("/chat/completions");
+    let stream = body["stream"].as_bool() == Some(true);
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("none")
+        .to_string();
+    let tokens = body["max_tokens"]
+        .as_u64()
+        .or(body["max_completion_tokens"].as_u64())
+        .unwrap_or(3)
+        .clamp(1, 16) as usize;
+    let answer = Answer {
+        shared: shared.clone(),
+        chat,
+        request_id,
+        tokens,
+    };
+    match behavior {
+        Behavior::Normal => answer.normal(stream, false).await,
+        Behavior::Gated => answer.normal(stream, true).await,
+        Behavior::Status(code, text) => (
+            StatusCode::from_u16(code).unwrap(),
+            [(header::CONTENT_TYPE, "application/json")],
+            text,
+        )
+            .into_response(),
+        Behavior::Garbage => (
+            [(
+                header::CONTENT_TYPE,
+                if stream {
+                    "text/event-stream"
+                } else {
+                    "application/json"
+                },
+            )],
+            "<html>502 proxy error",
+        )
+            .into_response(),
+        Behavior::EmptyStream => {
+            ([(header::CONTENT_TYPE, "text/event-stream")], "").into_response()
+        }
+        Behavior::Delay(d) => {
+            let mut guard = CancelGuard::new(&shared);
+            tokio::time::sleep(d).await;
+            guard.armed = false;
+            answer.normal(stream, false).await
+        }
+        Behavior::FailMidStream => {
+            let events: Vec<Result<Bytes, std::io::Error>> = vec![
+                Ok(answer.event(Some("assistant"), "", None, false)),
+                Ok(answer.event(None, "tok0", None, false)),
+            ];
+            // Let the first events leave before the connection breaks.
+            let failure = futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(std::io::Error::other("engine died"))
+            });
+            let events = futures::StreamExt::chain(futures::stream::iter(events), failure);
+            sse(Body::from_stream(events))
+        }
+        Behavior::Hold => {
+            let guard = CancelGuard::new(&shared);
+            if !stream {
+                let _guard = guard;
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+            let first = answer.event(Some("assistant"), "", None, false);
+            let ticks = futures::stream::unfold((answer, guard), |(answer, guard)| async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let chunk = answer.event(None, "tok", None, false);
+                Some((Ok::<_, Infallible>(chunk), (answer, guard)))
+            });
+            let body = futures::stream::once(async move { Ok::<_, Infallible>(first) });
+            sse(Body::from_stream(futures::StreamExt::chain(body, ticks)))
+        }
+    }
+}
+
+fn sse(body: Body) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+/// Builds vLLM-shaped responses for one request.
+struct Answer {
+    shared: Arc<Shared>,
+    chat: bool,
+    request_id: String,
+    tokens: usize,
+}
+
+impl Answer {
+    fn id(&self) -> String {
+        let prefix = if self.chat { "chatcmpl" } else { "cmpl" };
+        format!("{prefix}-{}", self.request_id)
+    }
+
+    /// One `data:` event of a stream.
+    fn event(&self, role: Option<&str>, text: &str, finish: Option<&str>, kv: bool) -> Bytes {
+        let choice = if self.chat {
+            let mut delta = json!({"content": text});
+            if let Some(role) = role {
+                delta["role"] = json!(role);
+            }
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+                   "stop_reason": null})
+        };
+        let mut chunk = json!({
+            "id": self.id(),
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": 1_700_000_000,
+            "model": "m",
+            "choices": [choice],
+        });
+        if kv {
+            chunk["kv_transfer_params"] = kv_handle(&self.shared, &self.request_id);
+        }
+        Bytes::from(format!("data: {chunk}\n\n"))
+    }
+
+    /// The non-stream body (`chat.completion` / `text_completion`) with the KV handle.
+    fn full(&self, tokens: usize) -> Value {
+        let text: String = (0..tokens).map(|i| format!("tok{i}")).collect();
+        let choice = if self.chat {
+            json!({"index": 0, "message": {"role": "assistant", "reasoning_content": null,
+                   "content": text, "tool_calls": []},
+                   "logprobs": null, "finish_reason": "length", "stop_reason": null})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+                   "stop_reason": null, "prompt_logprobs": null})
+        };
+        json!({
+            "id": self.id(),
+            "object": if self.chat { "chat.completion" } else { "text_completion" },
+            "created": 1_700_000_000,
+            "model": "m",
+            "choices": [choice],
+            "usage": {"prompt_tokens": 5, "total_tokens": 5 + tokens,
+                      "completion_tokens": tokens, "prompt_tokens_details": null},
+            "prompt_logprobs": null,
+            "kv_transfer_params": kv_handle(&self.shared, &self.request_id),
+        })
+    }
+
+    async fn normal(self, stream: bool, gated: bool) -> Response {
+        if !stream || self.shared.role == Role::Prefill {
+            let tokens = if self.shared.role == Role::Prefill {
+                1
+            } else {
+                self.tokens
+            };
+            return Json(self.full(tokens)).into_response();
+        }
+        let answer = Arc::new(self);
+        let a = answer.clone();
+        let body = async_events(move |tx| async move {
+            tx.send(a.event(Some("assistant"), "", None, false))
+                .await
+                .ok();
+            for i in 0..a.tokens {
+                if gated && i == 1 {
+                    a.shared.gate.notified().await;
+                }
+                let last = i + 1 == a.tokens;
+                let finish = last.then_some("length");
+                tx.send(a.event(None, &format!("tok{i}"), finish, last))
+                    .await
+                    .ok();
+            }
+            tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.ok();
+        });
+        sse(body)
+    }
+}
+
+/// A body fed by a task through a channel (the task ends if the body is dropped).
+fn async_events<F, Fut>(produce: F) -> Body
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Bytes>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(produce(tx));
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
+    Body::from_stream(stream)
+}
