@@ -196,10 +196,14 @@ impl BenchResult {
                 .iter()
                 .filter_map(|(n, v)| v.map(|v| format!("{n}≤{v}ms")))
                 .collect::<Vec<_>>()
-                .join(", ");
+                .join(" ");
+            row(&mut out, "Goodput SLOs:", slo);
+            if let Some(good) = s.good_requests {
+                row(&mut out, "Requests meeting the SLOs:", good.to_string());
+            }
             row(
                 &mut out,
-                &format!("Request goodput (req/s, {slo}):"),
+                "Request goodput (req/s):",
                 format!("{goodput:.2}"),
             );
         }
