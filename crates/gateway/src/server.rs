@@ -8,6 +8,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -86,6 +87,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
     let app = router(config)?;
+    // Stream chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
+    // one back until the client's delayed ACK (tens of milliseconds per token).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;
