@@ -1,0 +1,196 @@
+//! Forward-pass throughput of our model against candle-transformers' `quantized_llama`.
+//!
+//! `cargo run --release -p pdserve-model --example forward_bench [-- THREADS [WEIGHTS [DENSE_MIN_ROWS]]]`
+//! (defaults: 2 threads and the default [`LoadOptions`]; WEIGHTS is `native`, `q8_0`,
+//! `as-shipped` or `f32`; DENSE_MIN_ROWS a number or `none`). Prints prefill tokens/s for a ~500-token prompt, decode tokens/s
+//! at batch 1, 4, 8 and 16, and peak RSS, then the same for candle's reference (prefill
+//! and batch-1 decode; it has no batched KV cache).
+
+use std::time::Instant;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use pdserve_model::{
+    ensure_default_model, home_dir, set_threads, KvStore, LoadOptions, Model, SequenceStep,
+    WeightFormat, BLOCK_SIZE,
+};
+
+const PROMPT_TOKENS: usize = 500;
+const DECODE_STEPS: usize = 32;
+const DECODE_PROMPT: usize = 64;
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn long_prompt(model: &Model) -> Vec<u32> {
+    let text = "The history of the city begins with a small settlement by the river, where \
+                traders met to exchange grain, salt and cloth. Over the centuries it grew into \
+                a market town, then a centre of learning with libraries and workshops. ";
+    let mut ids = Vec::new();
+    while ids.len() < PROMPT_TOKENS {
+        ids.extend(model.tokenizer().encode(text, false).unwrap());
+    }
+    ids.truncate(PROMPT_TOKENS);
+    ids
+}
+
+fn bench_ours(model: &Model, prompt: &[u32]) -> (f64, Vec<(usize, f64)>) {
+    let table: Vec<u32> = (0..prompt.len().div_ceil(BLOCK_SIZE) as u32).collect();
+    let mut kv = KvStore::new(model.config(), table.len());
+    // Warm-up (allocations, thread pools), then the timed prefill.
+    model
+        .forward(
+            &mut kv,
+            &[SequenceStep {
+                tokens: &prompt[..32],
+                start_pos: 0,
+                block_table: &table,
+            }],
+        )
+        .unwrap();
+    let t = Instant::now();
+    model
+        .forward(
+            &mut kv,
+            &[SequenceStep {
+                tokens: prompt,
+                start_pos: 0,
+                block_table: &table,
+            }],
+        )
+        .unwrap();
+    let prefill = prompt.len() as f64 / t.elapsed().as_secs_f64();
+
+    let mut decode = Vec::new();
+    for batch in [1usize, 4, 8, 16] {
+        let per_seq = (DECODE_PROMPT + DECODE_STEPS + 1).div_ceil(BLOCK_SIZE);
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
+        let mut kv = KvStore::new(model.config(), batch * per_seq);
+        let steps: Vec<SequenceStep> = tables
+            .iter()
+            .enumerate()
+            .map(|(s, t)| SequenceStep {
+                tokens: &prompt[s..s + DECODE_PROMPT],
+                start_pos: 0,
+                block_table: t,
+            })
+            .collect();
+        model.forward(&mut kv, &steps).unwrap();
+        let mut next: Vec<u32> = vec![0; batch];
+        let t = Instant::now();
+        for step in 0..DECODE_STEPS {
+            let steps: Vec<SequenceStep> = (0..batch)
+                .map(|s| SequenceStep {
+                    tokens: std::slice::from_ref(&next[s]),
+                    start_pos: DECODE_PROMPT + step,
+                    block_table: &tables[s],
+                })
+                .collect();
+            let logits = model.forward(&mut kv, &steps).unwrap();
+            next = logits.iter().map(|l| argmax(l)).collect();
+        }
+        decode.push((
+            batch,
+            (batch * DECODE_STEPS) as f64 / t.elapsed().as_secs_f64(),
+        ));
+    }
+    (prefill, decode)
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+        .0 as u32
+}
+
+fn bench_candle(path: &std::path::Path, prompt: &[u32]) -> (f64, f64) {
+    let dev = Device::Cpu;
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut weights = ModelWeights::from_gguf(content, &mut file, &dev).unwrap();
+    let input = |ids: &[u32]| Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
+    weights.forward(&input(&prompt[..32]), 0).unwrap();
+    weights.clear_kv_cache();
+    let t = Instant::now();
+    weights.forward(&input(prompt), 0).unwrap();
+    let prefill = prompt.len() as f64 / t.elapsed().as_secs_f64();
+    weights.clear_kv_cache();
+    weights
+        .forward(&input(&prompt[..DECODE_PROMPT]), 0)
+        .unwrap();
+    let mut next = 0u32;
+    let t = Instant::now();
+    for step in 0..DECODE_STEPS {
+        let logits = weights
+            .forward(&input(&[next]), DECODE_PROMPT + step)
+            .unwrap();
+        next = argmax(&logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap());
+    }
+    (prefill, DECODE_STEPS as f64 / t.elapsed().as_secs_f64())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let threads: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(2);
+    set_threads(threads);
+    let mut options = LoadOptions::default();
+    if let Some(w) = args.get(1) {
+        options.weights = match w.as_str() {
+            "native" => WeightFormat::Native,
+            "q8_0" => WeightFormat::Q8_0,
+            "as-shipped" => WeightFormat::AsShipped,
+            "f32" => WeightFormat::F32,
+            other => panic!("unknown weight format {other}"),
+        };
+    }
+    if let Some(d) = args.get(2) {
+        options.dense_min_rows = d.parse().ok();
+    }
+    let path = ensure_default_model(&home_dir()).expect("default model");
+    let t = Instant::now();
+    let model = Model::load_with(&path, &options).unwrap();
+    let load_s = t.elapsed().as_secs_f64();
+    let prompt = long_prompt(&model);
+    let (prefill, decode) = bench_ours(&model, &prompt);
+    let ours_rss = peak_rss_mib();
+    drop(model);
+    let (candle_prefill, candle_decode) = bench_candle(&path, &prompt);
+    let total_rss = peak_rss_mib();
+
+    println!(
+        "model: {} ({threads} threads), ours loaded in {load_s:.1}s with {options:?}",
+        path.display()
+    );
+    println!();
+    println!("| engine | prefill tok/s ({PROMPT_TOKENS}-tok prompt) | decode b=1 | b=4 | b=8 | b=16 | peak RSS |");
+    println!("|---|---|---|---|---|---|---|");
+    let d = |b: usize| {
+        decode
+            .iter()
+            .find(|(x, _)| *x == b)
+            .map_or(f64::NAN, |(_, v)| *v)
+    };
+    println!(
+        "| pdserve-model ({:?} weights, f32 GEMM from {:?} rows, f16 KV) | {prefill:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {ours_rss:.0} MiB |",
+        options.weights,
+        options.dense_min_rows,
+        d(1),
+        d(4),
+        d(8),
+        d(16)
+    );
+    println!(
+        "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill:.0} | {candle_decode:.1} | – | – | – | {total_rss:.0} MiB (process peak) |"
+    );
+}

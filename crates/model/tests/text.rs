@@ -1,0 +1,172 @@
+//! Tokenizer, incremental detokenizer and chat template of the default model, checked
+//! against ids from the model's own tokenizer configuration (SmolLM2: digits split
+//! individually, GPT-2 byte-level split without prefix space, ChatML control tokens).
+
+use pdserve_model::{
+    ensure_default_model, home_dir, ChatTemplate, ChatTurn, IncrementalDecoder, Tokenizer,
+};
+
+fn tokenizer() -> (Tokenizer, ChatTemplate) {
+    let path = ensure_default_model(&home_dir()).expect("default model");
+    let tokenizer = Tokenizer::load(&path).expect("tokenizer");
+    let template = ChatTemplate::load(&path, &tokenizer).expect("template");
+    (tokenizer, template)
+}
+
+/// Reference ids produced by Hugging Face `tokenizers` with SmolLM2's published
+/// pre-tokenizer over this GGUF's vocabulary and merges.
+const REFERENCE: &[(&str, &[u32])] = &[
+    ("Hello, world!", &[19556, 28, 905, 17]),
+    (
+        "The year 2024 had 366 days.",
+        &[
+            504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 38, 2009, 30,
+        ],
+    ),
+    (
+        "naïve café — 東京 🚀",
+        &[
+            3546, 46494, 37366, 1841, 17097, 247, 126, 16736, 122, 15107, 244, 218,
+        ],
+    ),
+    (
+        "  leading spaces\tand\nnewlines",
+        &[216, 2899, 5600, 197, 397, 198, 2241, 5110],
+    ),
+    (
+        "<|im_start|>user\nHi<|im_end|>\n",
+        &[1, 4093, 198, 26843, 2, 198],
+    ),
+    (
+        "What is the capital of France?",
+        &[1780, 314, 260, 3575, 282, 4649, 47],
+    ),
+];
+
+#[test]
+fn ids_match_the_reference_tokenizer() {
+    let (tok, _) = tokenizer();
+    for (text, ids) in REFERENCE {
+        assert_eq!(&tok.encode(text, false).unwrap(), ids, "{text:?}");
+        // SmolLM2 does not add BOS.
+        assert_eq!(&tok.encode(text, true).unwrap(), ids, "{text:?}");
+        assert_eq!(&tok.decode(ids, false).unwrap(), text);
+    }
+}
+
+#[test]
+fn special_tokens_and_eos() {
+    let (tok, _) = tokenizer();
+    assert_eq!(tok.bos_token_id(), Some(1));
+    assert_eq!(tok.bos_token(), "<|im_start|>");
+    assert_eq!(tok.eos_token(), "<|im_end|>");
+    assert!(tok.eos_token_ids().contains(&2));
+    assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
+    let ids = tok
+        .encode("<|im_start|>assistant\nOK<|im_end|>", false)
+        .unwrap();
+    assert_eq!(tok.decode(&ids, true).unwrap(), "assistant\nOK");
+    assert_eq!(tok.vocab_size(), 49152);
+}
+
+#[test]
+fn unicode_round_trips() {
+    let (tok, _) = tokenizer();
+    for text in [
+        "Grüße aus Zürich, ½ cup of crème brûlée",
+        "日本語のテキストと中文混合 — and Ελληνικά, русский, العربية, עברית",
+        "emoji 👩‍👩‍👧‍👦 🇫🇷 🚀🔥 and math ∑∫√∞ ≠ ≤",
+        "tabs\tand\r\nCRLF   spaces 0123456789 3.14159",
+    ] {
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+}
+
+#[test]
+fn incremental_decoder_emits_whole_characters() {
+    let (tok, _) = tokenizer();
+    let text = "naïve café — 東京 🚀 and 👩‍👩‍👧 done";
+    let ids = tok.encode(text, false).unwrap();
+    let mut decoder = IncrementalDecoder::new(false);
+    let mut pieces = Vec::new();
+    for &id in &ids {
+        if let Some(piece) = decoder.step(&tok, id).unwrap() {
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "partial character in {piece:?}"
+            );
+            pieces.push(piece);
+        }
+    }
+    pieces.extend(decoder.flush(&tok).unwrap());
+    assert_eq!(pieces.concat(), text);
+    // Multi-byte characters span several byte-level tokens, so some steps emit nothing.
+    assert!(pieces.len() < ids.len());
+}
+
+#[test]
+fn chatml_template_renders_like_transformers() {
+    let (_, template) = tokenizer();
+    let turn = |role: &str, content: &str| ChatTurn {
+        role: role.into(),
+        content: content.into(),
+    };
+    let rendered = template
+        .render(
+            &[
+                turn("user", "Hi there"),
+                turn("assistant", "Hello!"),
+                turn("user", "What is 2+2?"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n\
+         <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let rendered = template
+        .render(&[turn("system", "Be brief."), turn("user", "Hi")], false)
+        .unwrap();
+    assert_eq!(
+        rendered,
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    );
+}
+
+#[test]
+fn raise_exception_becomes_a_template_error() {
+    let template = ChatTemplate::new(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}{{ bos_token }}",
+        "<s>",
+        "</s>",
+    )
+    .unwrap();
+    let err = template
+        .render(
+            &[ChatTurn {
+                role: "assistant".into(),
+                content: "x".into(),
+            }],
+            false,
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("first message must be from the user"),
+        "{err}"
+    );
+    let ok = template
+        .render(
+            &[ChatTurn {
+                role: "user".into(),
+                content: "x".into(),
+            }],
+            false,
+        )
+        .unwrap();
+    assert_eq!(ok, "<s>");
+}
