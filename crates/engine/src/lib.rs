@@ -1,26 +1,25 @@
 //! The embedded CPU engine behind `pdserve worker`: a GGUF model over a paged KV cache
 //! with prefix caching and continuous batching, served with the OpenAI API.
 
+// `pdserve_protocol::ApiError` (status + OpenAI body) is ~150 bytes; it is only built on
+// the request-rejection path, where moving it costs nothing that matters.
+#![allow(clippy::result_large_err)]
+
+pub mod args;
 pub mod block_manager;
+mod chat;
+mod completions;
+pub mod generation;
 pub mod metrics;
+pub mod output_text;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
 mod sequence;
+pub mod server;
 pub mod step_model;
+pub mod validate;
+pub mod worker;
 
-/// `pdserve worker` flags.
-#[derive(Debug, Clone, clap::Args)]
-pub struct WorkerArgs {}
-
-/// Errors that stop a worker.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    #[error("{0}")]
-    Other(String),
-}
-
-/// Runs a worker until Ctrl-C.
-pub async fn run(_args: WorkerArgs) -> Result<(), WorkerError> {
-    Err(WorkerError::Other("the worker is not built yet".into()))
-}
+pub use args::{Role, WorkerArgs};
+pub use worker::{run, Worker, WorkerError};

@@ -54,6 +54,11 @@ pub struct TokenUsage {
 /// One event of a sequence's output stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SeqEvent {
+    /// The sequence joined the running batch for the first time.
+    Admitted {
+        /// Prompt tokens whose KV came from the prefix cache.
+        cached_tokens: usize,
+    },
     /// A generated token.
     Token {
         /// The token id.

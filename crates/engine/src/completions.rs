@@ -1,0 +1,176 @@
+//! `POST /v1/completions`: a raw prompt (text or token ids) continued.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use pdserve_protocol::{
+    sse, unix_now, ApiError, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, Prompt, Usage,
+};
+use serde_json::{Map, Value};
+
+use crate::generation::{
+    collect_response, response_id, stream_response, Generation, ResolvedLogprob, ResponseFormat,
+};
+use crate::server::{parse_json, AppState};
+use crate::validate::{check_model, generation_request, output_options, top_logprobs};
+
+/// Handles one completion request.
+pub async fn handle(
+    State(app): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match run(app, body).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(
+    app: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_json(body)?;
+    check_model(req.model.as_deref(), &app.limits)?;
+    let options = output_options(&req.transport, &req.generation)?;
+    if req.echo == Some(true) {
+        return Err(
+            ApiError::bad_request("echo is not supported by this worker").with_param("echo"),
+        );
+    }
+    let logprobs = req
+        .logprobs
+        .map(|n| top_logprobs("logprobs", n))
+        .transpose()?;
+    let prompt = match req.prompt {
+        Prompt::Text(text) => tokenize(&app, text).await?,
+        Prompt::Texts(mut texts) if texts.len() == 1 => tokenize(&app, texts.remove(0)).await?,
+        Prompt::Tokens(ids) => ids,
+        Prompt::TokenBatches(mut batches) if batches.len() == 1 => batches.remove(0),
+        Prompt::Texts(_) | Prompt::TokenBatches(_) => {
+            return Err(ApiError::bad_request(
+                "exactly one prompt per request is supported (send several requests)",
+            )
+            .with_param("prompt"))
+        }
+    };
+    let request = generation_request(
+        prompt,
+        &req.generation,
+        req.generation.max_tokens,
+        logprobs,
+        &app.limits,
+        "prompt",
+    )?;
+    let prompt_tokens = request.prompt.len();
+    let events = app.submit(request)?;
+    let generation = Generation::new(app.clone(), events, prompt_tokens, options.stop);
+    let format = CompletionFormat {
+        id: response_id("cmpl"),
+        created: unix_now(),
+        model: app.limits.served_model_name.clone(),
+    };
+    Ok(if options.stream {
+        stream_response(generation, format, options.include_usage)
+    } else {
+        collect_response(generation, format, logprobs.is_some()).await
+    })
+}
+
+async fn tokenize(app: &Arc<AppState>, text: String) -> Result<Vec<u32>, ApiError> {
+    let model = app.model.clone();
+    tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+}
+
+/// The legacy columnar logprobs of `lps`.
+fn completion_logprobs(lps: Vec<ResolvedLogprob>) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    for lp in lps {
+        out.tokens
+            .push(String::from_utf8_lossy(&lp.bytes).into_owned());
+        out.token_logprobs.push(Some(lp.logprob));
+        let top: Map<String, Value> = lp
+            .top
+            .into_iter()
+            .map(|(bytes, l)| (String::from_utf8_lossy(&bytes).into_owned(), Value::from(l)))
+            .collect();
+        out.top_logprobs.push(Some(top));
+        out.text_offset.push(lp.text_offset as u32);
+    }
+    out
+}
+
+struct CompletionFormat {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl CompletionFormat {
+    fn body(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {
+        CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            kv_transfer_params: None,
+            extra: Default::default(),
+        }
+    }
+
+    fn choice(
+        text: String,
+        logprobs: Option<CompletionLogprobs>,
+        finish: Option<&str>,
+    ) -> CompletionChoice {
+        CompletionChoice {
+            index: 0,
+            text,
+            logprobs,
+            finish_reason: finish.map(str::to_string),
+            extra: Default::default(),
+        }
+    }
+}
+
+impl ResponseFormat for CompletionFormat {
+    fn start_chunk(&self) -> Option<Bytes> {
+        None
+    }
+
+    fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
+        let logprobs = logprob.map(|lp| completion_logprobs(vec![lp]));
+        sse::data_event(&self.body(vec![Self::choice(text, logprobs, None)], None))
+    }
+
+    fn finish_chunk(&self, finish_reason: &'static str) -> Bytes {
+        sse::data_event(&self.body(
+            vec![Self::choice(String::new(), None, Some(finish_reason))],
+            None,
+        ))
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Bytes {
+        sse::data_event(&self.body(Vec::new(), Some(usage)))
+    }
+
+    fn response(
+        &self,
+        text: String,
+        logprobs: Option<Vec<ResolvedLogprob>>,
+        finish_reason: &'static str,
+        usage: Usage,
+    ) -> Response {
+        let choice = Self::choice(text, logprobs.map(completion_logprobs), Some(finish_reason));
+        Json(self.body(vec![choice], Some(usage))).into_response()
+    }
+}

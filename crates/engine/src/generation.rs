@@ -1,0 +1,274 @@
+//! One request's output as the HTTP side consumes it: scheduler events turned into text
+//! pieces (stop strings applied), log-probabilities and a final usage report. Shared by
+//! chat and completions, streamed or not.
+
+use std::sync::Arc;
+
+use axum::response::{IntoResponse, Response};
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use pdserve_protocol::{sse, ApiError, Usage};
+
+use crate::output_text::{OutputText, TokenText};
+use crate::request::{FinishReason, SeqEvent, SeqEvents};
+use crate::sampling::TokenLogprobs;
+use crate::server::{sse_response, AppState};
+
+/// A token's log-probability information, with token text resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolvedLogprob {
+    /// The sampled token's bytes.
+    pub bytes: Vec<u8>,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Alternatives: bytes and log-probability, most likely first.
+    pub top: Vec<(Vec<u8>, f32)>,
+    /// Byte offset of this token's text in the output (completions `text_offset`).
+    pub text_offset: usize,
+}
+
+/// One thing to tell the client.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// Output text for one generated token (possibly empty), with its logprob if asked.
+    Token {
+        /// Text to append.
+        text: String,
+        /// Present when the request asked for logprobs.
+        logprob: Option<ResolvedLogprob>,
+    },
+    /// Text released at the end (held back for a possible stop string, or incomplete).
+    Tail(String),
+    /// The output is complete.
+    End {
+        /// OpenAI `finish_reason`.
+        finish_reason: &'static str,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The engine failed; nothing follows.
+    Error(ApiError),
+}
+
+/// Reads a sequence's events and produces [`Piece`]s.
+pub struct Generation {
+    app: Arc<AppState>,
+    events: SeqEvents,
+    text: OutputText,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+    /// Set when a stop string ended the output before the scheduler did.
+    pending_end: Option<Vec<Piece>>,
+    done: bool,
+}
+
+impl Generation {
+    /// Output of a submitted sequence of `prompt_tokens` tokens, cut at `stop` strings.
+    pub fn new(
+        app: Arc<AppState>,
+        events: SeqEvents,
+        prompt_tokens: usize,
+        stop: Vec<String>,
+    ) -> Self {
+        Self {
+            app,
+            events,
+            text: OutputText::new(stop),
+            prompt_tokens,
+            completion_tokens: 0,
+            cached_tokens: 0,
+            pending_end: None,
+            done: false,
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(
+            self.prompt_tokens as u64,
+            self.completion_tokens as u64,
+            self.cached_tokens as u64,
+        )
+    }
+
+    /// The next piece, or `None` after `End`/`Error`.
+    pub async fn next(&mut self) -> Option<Piece> {
+        if let Some(pending) = self.pending_end.as_mut() {
+            let piece = pending.pop();
+            if piece.is_none() {
+                self.done = true;
+            }
+            return piece;
+        }
+        if self.done {
+            return None;
+        }
+        loop {
+            let Some(event) = self.events.recv().await else {
+                self.done = true;
+                return Some(Piece::Error(ApiError::internal(
+                    "the engine stopped before the request finished",
+                )));
+            };
+            match event {
+                SeqEvent::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
+                SeqEvent::Token { id, logprobs } => {
+                    self.completion_tokens += 1;
+                    let offset = self.text.sent_len();
+                    let tokenizer = self.app.model.tokenizer();
+                    let step = self.text.push(tokenizer, id);
+                    let logprob = logprobs.map(|lp| resolve(tokenizer, id, &lp, offset));
+                    if step.stopped {
+                        // Dropping our interest cancels the sequence in the scheduler.
+                        self.events.close();
+                        self.pending_end = Some(vec![Piece::End {
+                            finish_reason: FinishReason::Stop.as_str(),
+                            usage: self.usage(),
+                        }]);
+                    }
+                    return Some(Piece::Token {
+                        text: step.text,
+                        logprob,
+                    });
+                }
+                SeqEvent::Finished { reason, usage } => {
+                    self.cached_tokens = usage.cached_tokens;
+                    let tail = self.text.finish(self.app.model.tokenizer());
+                    let end = Piece::End {
+                        finish_reason: reason.as_str(),
+                        usage: self.usage(),
+                    };
+                    if tail.is_empty() {
+                        self.done = true;
+                        return Some(end);
+                    }
+                    self.pending_end = Some(vec![end]);
+                    return Some(Piece::Tail(tail));
+                }
+                SeqEvent::Failed(msg) => {
+                    self.done = true;
+                    return Some(Piece::Error(ApiError::internal(msg)));
+                }
+            }
+        }
+    }
+}
+
+fn resolve(tok: &impl TokenText, id: u32, lp: &TokenLogprobs, offset: usize) -> ResolvedLogprob {
+    ResolvedLogprob {
+        bytes: tok.token_bytes(id),
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .iter()
+            .map(|&(t, l)| (tok.token_bytes(t), l))
+            .collect(),
+        text_offset: offset,
+    }
+}
+
+/// How one API (chat or completions) shapes its chunks and responses.
+pub trait ResponseFormat: Send + Sync + 'static {
+    /// A chunk sent before any token (chat's `role: assistant`), if the API has one.
+    fn start_chunk(&self) -> Option<Bytes>;
+    /// A chunk with one piece of text and its logprob.
+    fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes;
+    /// The chunk carrying `finish_reason`.
+    fn finish_chunk(&self, finish_reason: &'static str) -> Bytes;
+    /// The `stream_options.include_usage` chunk (no choices).
+    fn usage_chunk(&self, usage: Usage) -> Bytes;
+    /// The non-streaming response.
+    fn response(
+        &self,
+        text: String,
+        logprobs: Option<Vec<ResolvedLogprob>>,
+        finish_reason: &'static str,
+        usage: Usage,
+    ) -> Response;
+}
+
+/// Streams `generation` as server-sent events: one chunk per token with text (or with a
+/// logprob), the finish chunk, the usage chunk if asked, then `[DONE]`. Dropping the
+/// stream (client gone) drops the sequence's receiver, which cancels it.
+pub fn stream_response<F: ResponseFormat>(
+    generation: Generation,
+    format: F,
+    include_usage: bool,
+) -> Response {
+    let format = Arc::new(format);
+    let start = format.start_chunk();
+    let rest = futures::stream::unfold(Some(generation), move |state| {
+        let format = format.clone();
+        async move {
+            let mut generation = state?;
+            loop {
+                let chunk = match generation.next().await? {
+                    Piece::Token { text, logprob } => {
+                        if text.is_empty() && logprob.is_none() {
+                            continue;
+                        }
+                        format.text_chunk(text, logprob)
+                    }
+                    Piece::Tail(text) => format.text_chunk(text, None),
+                    Piece::End {
+                        finish_reason,
+                        usage,
+                    } => {
+                        let mut out = BytesMut::from(&format.finish_chunk(finish_reason)[..]);
+                        if include_usage {
+                            out.extend_from_slice(&format.usage_chunk(usage));
+                        }
+                        out.extend_from_slice(sse::DONE);
+                        return Some((Ok(out.freeze()), None));
+                    }
+                    Piece::Error(e) => {
+                        tracing::warn!("stream ended by an engine error: {e}");
+                        let mut out = BytesMut::from(&sse::data_event(&e.to_json())[..]);
+                        out.extend_from_slice(sse::DONE);
+                        return Some((Ok(out.freeze()), None));
+                    }
+                };
+                return Some((Ok(chunk), Some(generation)));
+            }
+        }
+    });
+    let first = futures::stream::iter(start.map(Ok));
+    sse_response(first.chain(rest))
+}
+
+/// Runs `generation` to the end and answers one JSON response.
+pub async fn collect_response<F: ResponseFormat>(
+    mut generation: Generation,
+    format: F,
+    want_logprobs: bool,
+) -> Response {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    while let Some(piece) = generation.next().await {
+        match piece {
+            Piece::Token { text: t, logprob } => {
+                text.push_str(&t);
+                logprobs.extend(logprob);
+            }
+            Piece::Tail(t) => text.push_str(&t),
+            Piece::End {
+                finish_reason,
+                usage,
+            } => {
+                return format.response(
+                    text,
+                    want_logprobs.then_some(logprobs),
+                    finish_reason,
+                    usage,
+                );
+            }
+            Piece::Error(e) => return e.into_response(),
+        }
+    }
+    ApiError::internal("the request ended without a result").into_response()
+}
+
+/// A fresh response id with the API's prefix.
+pub fn response_id(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}

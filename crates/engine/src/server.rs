@@ -1,0 +1,127 @@
+//! The worker's HTTP API (axum): OpenAI chat and completions, `/v1/models`, `/health`
+//! and `/metrics`. Every error body is OpenAI-shaped, including malformed JSON.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use http::{header, StatusCode};
+use pdserve_model::Model;
+use pdserve_protocol::{unix_now, ApiError, ModelCard, ModelList};
+use serde::de::DeserializeOwned;
+
+use crate::metrics::Metrics;
+use crate::request::{GenerationRequest, SeqEvents};
+use crate::scheduler::{EngineHandle, SubmitError};
+use crate::validate::ModelLimits;
+use crate::{chat, completions};
+
+/// Largest request body accepted (long prompts fit easily).
+pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// What every handler shares.
+pub struct AppState {
+    /// Submits sequences to the scheduler thread.
+    pub engine: EngineHandle,
+    /// Tokenizer and chat template (the forward pass runs on the scheduler thread).
+    pub model: Arc<Model>,
+    /// Model facts used to validate requests.
+    pub limits: ModelLimits,
+    /// Engine metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// Queues a validated request: 429 when the waiting queue is full.
+    pub fn submit(&self, request: GenerationRequest) -> Result<SeqEvents, ApiError> {
+        self.engine.submit(request).map_err(|e| match e {
+            SubmitError::QueueFull(_) => ApiError::too_many_requests(e.to_string()),
+            SubmitError::Stopped => ApiError::service_unavailable(e.to_string()),
+        })
+    }
+}
+
+/// The worker's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Decodes a JSON body, answering OpenAI-shaped errors (axum's own rejections are plain
+/// text).
+pub fn parse_json<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|r| {
+        let code = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            "payload_too_large"
+        } else {
+            "invalid_request"
+        };
+        ApiError::new(r.status(), code, r.body_text())
+    })?;
+    serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))
+}
+
+/// A `text/event-stream` response over `events`.
+pub fn sse_response<S>(events: S) -> Response
+where
+    S: Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+{
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(events),
+    )
+        .into_response()
+}
+
+async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: app.limits.served_model_name.clone(),
+            object: "model".into(),
+            created: unix_now(),
+            owned_by: "pdserve".into(),
+            max_model_len: Some(app.limits.max_model_len as u64),
+            extra: Default::default(),
+        }],
+    })
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn not_found(uri: http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no route for {}", uri.path()),
+    )
+}

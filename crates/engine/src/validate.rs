@@ -1,0 +1,370 @@
+//! Checking OpenAI request fields and turning them into a [`GenerationRequest`]; every
+//! problem becomes an OpenAI-shaped error naming the offending field.
+
+use pdserve_protocol::{ApiError, GenerationParams, StreamOptions, TransportParams};
+
+use crate::request::GenerationRequest;
+use crate::sampling::SamplingParams;
+
+/// Most alternatives `top_logprobs` / completions `logprobs` may ask for (as vLLM).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+/// Most stop strings per request.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// What validation needs to know about the served model.
+#[derive(Debug, Clone)]
+pub struct ModelLimits {
+    /// Name clients must use in `model` (or omit).
+    pub served_model_name: String,
+    /// Most tokens (prompt plus completion) of one sequence.
+    pub max_model_len: usize,
+    /// Tokens that end generation unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+}
+
+/// Output options that the HTTP side applies (the scheduler never sees them).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OutputOptions {
+    /// Stream the answer as server-sent events.
+    pub stream: bool,
+    /// Send a final chunk with usage (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// Stop strings, cut from the output.
+    pub stop: Vec<String>,
+}
+
+/// 404 unless `model` is absent or names the served model.
+pub fn check_model(model: Option<&str>, limits: &ModelLimits) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != limits.served_model_name => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
+}
+
+fn invalid(param: &str, message: String) -> ApiError {
+    ApiError::bad_request(message).with_param(param)
+}
+
+/// The stream flags, checked as vLLM does.
+pub fn output_options(
+    transport: &TransportParams,
+    generation: &GenerationParams,
+) -> Result<OutputOptions, ApiError> {
+    let stream = transport.stream.unwrap_or(false);
+    if transport.stream_options.is_some() && !stream {
+        return Err(invalid(
+            "stream_options",
+            "stream_options can only be set when stream is true".into(),
+        ));
+    }
+    let stop = generation
+        .stop
+        .as_ref()
+        .map(|s| s.to_vec())
+        .unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                stop.len()
+            ),
+        ));
+    }
+    let include_usage = transport
+        .stream_options
+        .as_ref()
+        .and_then(|o: &StreamOptions| o.include_usage)
+        .unwrap_or(false);
+    Ok(OutputOptions {
+        stream,
+        include_usage,
+        stop,
+    })
+}
+
+/// Checks `top_logprobs`-style counts.
+pub fn top_logprobs(param: &str, n: i64) -> Result<usize, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS).contains(&n) {
+        return Err(invalid(
+            param,
+            format!("{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// The scheduler request for `prompt` with the sampling fields of `params`.
+/// `max_tokens` is the (already chosen) `max_tokens`/`max_completion_tokens` value.
+pub fn generation_request(
+    prompt: Vec<u32>,
+    params: &GenerationParams,
+    max_tokens: Option<i64>,
+    logprobs: Option<usize>,
+    limits: &ModelLimits,
+    prompt_param: &str,
+) -> Result<GenerationRequest, ApiError> {
+    if let Some(n) = params.n {
+        if n != 1 {
+            return Err(invalid("n", format!("only n=1 is supported, got {n}")));
+        }
+    }
+    let temperature = params.temperature.unwrap_or(1.0);
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(invalid(
+            "temperature",
+            format!("temperature must be a non-negative number, got {temperature}"),
+        ));
+    }
+    let top_p = params.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(invalid(
+            "top_p",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match params.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => k as usize,
+        k => {
+            return Err(invalid(
+                "top_k",
+                format!("top_k must be -1 (disabled) or at least 1, got {k}"),
+            ))
+        }
+    };
+    if prompt.is_empty() {
+        return Err(invalid(prompt_param, "the prompt is empty".into()));
+    }
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= limits.vocab_size) {
+        return Err(invalid(
+            prompt_param,
+            format!(
+                "token id {bad} is out of range (vocabulary size {})",
+                limits.vocab_size
+            ),
+        ));
+    }
+    let max_len = limits.max_model_len;
+    if prompt.len() >= max_len {
+        return Err(invalid(
+            prompt_param,
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, your \
+                 request has {} input tokens. Please reduce the length of the input.",
+                prompt.len()
+            ),
+        ));
+    }
+    let room = max_len - prompt.len();
+    let max_new_tokens = match max_tokens {
+        None => room,
+        Some(m) if m <= 0 => {
+            return Err(invalid(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {m}"),
+            ))
+        }
+        Some(m) if m as u64 > room as u64 => {
+            return Err(invalid(
+                "max_tokens",
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you \
+                     requested {} tokens ({} in the input, {m} in the completion). Please \
+                     reduce the length of the input or completion.",
+                    prompt.len() as i64 + m,
+                    prompt.len()
+                ),
+            ))
+        }
+        Some(m) => m as usize,
+    };
+    let min_new_tokens = match params.min_tokens.unwrap_or(0) {
+        m if m < 0 => {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens must be non-negative, got {m}"),
+            ))
+        }
+        m if m as u64 > max_new_tokens as u64 => {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens ({m}) must not exceed max_tokens ({max_new_tokens})"),
+            ))
+        }
+        m => m as usize,
+    };
+    let stop_token_ids = if params.ignore_eos.unwrap_or(false) {
+        Vec::new()
+    } else {
+        limits.eos_token_ids.clone()
+    };
+    Ok(GenerationRequest {
+        prompt,
+        sampling: SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            // Negative seeds are accepted (as by vLLM) and used bit for bit.
+            seed: params.seed.map(|s| s as u64),
+        },
+        max_new_tokens,
+        stop_token_ids,
+        min_new_tokens,
+        logprobs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::StatusCode;
+
+    fn limits() -> ModelLimits {
+        ModelLimits {
+            served_model_name: "m".into(),
+            max_model_len: 100,
+            eos_token_ids: vec![2],
+            vocab_size: 1000,
+        }
+    }
+
+    fn check(
+        params: GenerationParams,
+        max_tokens: Option<i64>,
+        prompt_len: usize,
+    ) -> Result<GenerationRequest, ApiError> {
+        generation_request(
+            vec![5; prompt_len],
+            &params,
+            max_tokens,
+            None,
+            &limits(),
+            "prompt",
+        )
+    }
+
+    fn param_of(e: ApiError) -> String {
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        e.body.error.param.unwrap_or_default()
+    }
+
+    #[test]
+    fn defaults_fill_the_context_and_stop_at_eos() {
+        let r = check(GenerationParams::default(), None, 10).unwrap();
+        assert_eq!(r.max_new_tokens, 90);
+        assert_eq!(r.stop_token_ids, vec![2]);
+        assert_eq!(r.sampling.temperature, 1.0);
+        let r = check(
+            GenerationParams {
+                ignore_eos: Some(true),
+                ..Default::default()
+            },
+            Some(5),
+            10,
+        )
+        .unwrap();
+        assert!(r.stop_token_ids.is_empty());
+        assert_eq!(r.max_new_tokens, 5);
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let p = GenerationParams::default;
+        assert_eq!(param_of(check(p(), Some(0), 10).unwrap_err()), "max_tokens");
+        assert_eq!(
+            param_of(check(p(), Some(-3), 10).unwrap_err()),
+            "max_tokens"
+        );
+        assert_eq!(
+            param_of(check(p(), Some(91), 10).unwrap_err()),
+            "max_tokens"
+        );
+        assert_eq!(param_of(check(p(), None, 100).unwrap_err()), "prompt");
+        assert_eq!(param_of(check(p(), None, 0).unwrap_err()), "prompt");
+        assert_eq!(
+            param_of(check(GenerationParams { n: Some(2), ..p() }, None, 3).unwrap_err()),
+            "n"
+        );
+        assert_eq!(
+            param_of(
+                check(
+                    GenerationParams {
+                        temperature: Some(-1.0),
+                        ..p()
+                    },
+                    None,
+                    3
+                )
+                .unwrap_err()
+            ),
+            "temperature"
+        );
+        assert_eq!(
+            param_of(
+                check(
+                    GenerationParams {
+                        top_p: Some(0.0),
+                        ..p()
+                    },
+                    None,
+                    3
+                )
+                .unwrap_err()
+            ),
+            "top_p"
+        );
+        assert_eq!(
+            param_of(
+                check(
+                    GenerationParams {
+                        top_k: Some(-2),
+                        ..p()
+                    },
+                    None,
+                    3
+                )
+                .unwrap_err()
+            ),
+            "top_k"
+        );
+        assert_eq!(
+            param_of(
+                check(
+                    GenerationParams {
+                        min_tokens: Some(9),
+                        ..p()
+                    },
+                    Some(4),
+                    3
+                )
+                .unwrap_err()
+            ),
+            "min_tokens"
+        );
+        let bad_id = generation_request(vec![1000], &p(), None, None, &limits(), "prompt");
+        assert_eq!(param_of(bad_id.unwrap_err()), "prompt");
+        assert_eq!(
+            param_of(top_logprobs("top_logprobs", 21).unwrap_err()),
+            "top_logprobs"
+        );
+    }
+
+    #[test]
+    fn unknown_model_is_404_and_stream_options_need_stream() {
+        assert_eq!(
+            check_model(Some("gpt-4"), &limits()).unwrap_err().status,
+            StatusCode::NOT_FOUND
+        );
+        assert!(check_model(Some("m"), &limits()).is_ok());
+        assert!(check_model(None, &limits()).is_ok());
+        let transport = TransportParams {
+            stream_options: Some(StreamOptions::default()),
+            ..Default::default()
+        };
+        let e = output_options(&transport, &GenerationParams::default()).unwrap_err();
+        assert_eq!(param_of(e), "stream_options");
+    }
+}
