@@ -4,6 +4,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+mod up;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "pdserve",
@@ -20,6 +22,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The whole stack on this machine: gateway plus workers on the default model.
+    Up(up::UpArgs),
     /// OpenAI-compatible gateway in front of prefill, decode and aggregated workers.
     Gateway(pdserve_gateway::GatewayArgs),
     /// The embedded CPU engine, serving a GGUF model as a prefill, decode or aggregated worker.
@@ -48,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
+        Command::Up(args) => up::run(args).await?,
         Command::Gateway(args) => pdserve_gateway::run(args).await?,
         Command::Worker(args) => pdserve_engine::run(args).await?,
         Command::Bench(args) => pdserve_bench::run(args).await?,
