@@ -19,6 +19,9 @@ fn stat(d: &Option<Distribution>, f: fn(&Distribution) -> f64) -> Option<f64> {
 const ROWS: &[(&str, Extract)] = &[
     ("Successful requests", |s| Some(s.completed as f64)),
     ("Failed requests", |s| Some(s.failed as f64)),
+    ("Total output tokens", |s| {
+        Some(s.total_output_tokens as f64)
+    }),
     ("Duration (s)", |s| Some(s.duration_s)),
     ("Request throughput (req/s)", |s| Some(s.request_throughput)),
     ("Goodput (req/s)", |s| s.goodput),
@@ -26,7 +29,9 @@ const ROWS: &[(&str, Extract)] = &[
     ("Total token throughput (tok/s)", |s| {
         Some(s.total_token_throughput)
     }),
-    ("Cached prompt-token share", |s| s.cached_token_share),
+    ("Cached prompt-token share (%)", |s| {
+        s.cached_token_share.map(|v| v * 100.0)
+    }),
     ("Mean TTFT (ms)", |s| stat(&s.ttft_ms, |d| d.mean)),
     ("P50 TTFT (ms)", |s| stat(&s.ttft_ms, |d| d.p50)),
     ("P90 TTFT (ms)", |s| stat(&s.ttft_ms, |d| d.p90)),
@@ -57,15 +62,50 @@ fn unique_labels(runs: &[BenchResult]) -> Vec<String> {
     out
 }
 
+/// A number as an integer when it is one (counts), else with two decimals.
+fn number(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
 fn cell(value: Option<f64>, base: Option<f64>, first: bool) -> String {
     match value {
         None => "-".into(),
-        Some(v) if first => format!("{v:.2}"),
+        Some(v) if first => number(v),
         Some(v) => match base {
-            Some(b) if b != 0.0 => format!("{v:.2} ({:.2}x)", v / b),
-            _ => format!("{v:.2}"),
+            Some(b) if b != 0.0 => format!("{} ({:.2}x)", number(v), v / b),
+            _ => number(v),
         },
     }
+}
+
+/// Rows that say what each run was, without ratios.
+fn setup_rows(runs: &[BenchResult]) -> Vec<Vec<String>> {
+    let describe: [(&str, fn(&BenchResult) -> String); 4] = [
+        ("Benchmark", |r| r.kind.name().to_string()),
+        ("Model", |r| r.config.model.clone()),
+        ("Load", |r| {
+            match (r.config.concurrency, r.config.request_rate) {
+                (_, Some(rate)) => format!("{rate} req/s"),
+                (Some(n), None) => format!("{n} in flight"),
+                _ => "-".into(),
+            }
+        }),
+        ("Input / output tokens", |r| {
+            format!("{} / {}", r.config.input_len, r.config.output_len)
+        }),
+    ];
+    describe
+        .iter()
+        .map(|(name, f)| {
+            std::iter::once(name.to_string())
+                .chain(runs.iter().map(f))
+                .collect()
+        })
+        .collect()
 }
 
 /// The side-by-side table of `runs` (ratios are value / first run's value).
@@ -74,6 +114,7 @@ pub fn table(runs: &[BenchResult]) -> String {
     let mut grid: Vec<Vec<String>> = vec![std::iter::once("Metric".to_string())
         .chain(labels.iter().cloned())
         .collect()];
+    grid.extend(setup_rows(runs));
     for (name, extract) in ROWS {
         let values: Vec<Option<f64>> = runs.iter().map(|r| extract(&r.summary)).collect();
         if values.iter().all(Option::is_none) {

@@ -44,8 +44,23 @@ fn draw(path: &Path, runs: &[(String, &BenchResult)]) -> DrawResult {
     Ok(())
 }
 
-fn color(i: usize) -> RGBAColor {
-    Palette99::pick(i).to_rgba()
+/// Tableau 10: distinct, readable on white.
+const COLORS: [(u8, u8, u8); 10] = [
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+];
+
+fn color(i: usize) -> RGBColor {
+    let (r, g, b) = COLORS[i % COLORS.len()];
+    RGBColor(r, g, b)
 }
 
 fn cdf_panel(
@@ -121,10 +136,12 @@ fn throughput_bins(run: &BenchResult, span_s: f64) -> Vec<(f64, f64)> {
             tokens[bin] += per_chunk;
         }
     }
+    // A run shorter than the longest one ends where it ended, not in a line at zero.
     tokens
         .into_iter()
         .enumerate()
         .map(|(i, t)| ((i as f64 + 0.5) * width, t / width))
+        .filter(|(at, _)| *at <= run.summary.duration_s + width)
         .collect()
 }
 

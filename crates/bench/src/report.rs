@@ -23,6 +23,16 @@ pub enum RunKind {
     MultiTurn,
 }
 
+impl RunKind {
+    /// The name used in result files: `serve` or `multi_turn`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Serve => "serve",
+            Self::MultiTurn => "multi_turn",
+        }
+    }
+}
+
 /// What was asked for. Fields that do not apply to a kind are `null`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
