@@ -10,6 +10,7 @@ use crate::report::BenchResult;
 use crate::BenchError;
 
 type Extract = fn(&Summary) -> Option<f64>;
+type Describe = fn(&BenchResult) -> String;
 
 fn stat(d: &Option<Distribution>, f: fn(&Distribution) -> f64) -> Option<f64> {
     d.as_ref().map(f)
@@ -84,7 +85,7 @@ fn cell(value: Option<f64>, base: Option<f64>, first: bool) -> String {
 
 /// Rows that say what each run was, without ratios.
 fn setup_rows(runs: &[BenchResult]) -> Vec<Vec<String>> {
-    let describe: [(&str, fn(&BenchResult) -> String); 4] = [
+    let describe: [(&str, Describe); 4] = [
         ("Benchmark", |r| r.kind.name().to_string()),
         ("Model", |r| r.config.model.clone()),
         ("Load", |r| {
