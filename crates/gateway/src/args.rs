@@ -1,6 +1,5 @@
 //! `pdserve gateway` flags and the runtime configuration they resolve to.
 
-use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
@@ -133,13 +132,14 @@ impl GatewayConfig {
 }
 
 impl GatewayArgs {
-    /// The address to bind.
-    pub fn listen_addr(&self) -> Result<SocketAddr, GatewayError> {
+    /// The `host:port` to bind (`host` may be a name such as `localhost`).
+    pub fn listen_addr(&self) -> String {
         let host = self.host.trim_start_matches('[').trim_end_matches(']');
-        let ip = host.parse().map_err(|_| {
-            GatewayError::Config(format!("--host `{}` is not an IP address", self.host))
-        })?;
-        Ok(SocketAddr::new(ip, self.port))
+        if host.contains(':') {
+            format!("[{host}]:{}", self.port)
+        } else {
+            format!("{host}:{}", self.port)
+        }
     }
 
     /// Validates the flags into a runtime configuration.
@@ -225,6 +225,9 @@ mod tests {
         let cfg = cli.args.to_config().unwrap();
         assert_eq!(cli.args.port, 8000);
         assert_eq!(cli.args.host, "127.0.0.1");
+        assert_eq!(cli.args.listen_addr(), "127.0.0.1:8000");
+        let v6 = Cli::parse_from(["x", "--host", "::1", "--port", "9"]);
+        assert_eq!(v6.args.listen_addr(), "[::1]:9");
         assert_eq!(cfg.prefill.len(), 2);
         assert_eq!(cfg.decode_retries, 1);
         assert_eq!(cfg.conversation_ttl, Duration::from_millis(500));

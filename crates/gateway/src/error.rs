@@ -16,7 +16,7 @@ pub enum GatewayError {
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         /// The address asked for.
-        addr: std::net::SocketAddr,
+        addr: String,
         /// Why binding failed.
         source: std::io::Error,
     },

@@ -22,12 +22,16 @@ pub use server::{router, serve};
 /// Runs the gateway until Ctrl-C, then drains open requests.
 pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
     let config = args.to_config()?;
-    let addr = args.listen_addr()?;
-    let listener = tokio::net::TcpListener::bind(addr)
+    let addr = args.listen_addr();
+    let listener = tokio::net::TcpListener::bind(&addr)
         .await
-        .map_err(|source| GatewayError::Bind { addr, source })?;
+        .map_err(|source| GatewayError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local = listener.local_addr()?;
     tracing::info!(
-        %addr,
+        addr = %local,
         prefill = config.prefill.len(),
         decode = config.decode.len(),
         worker = config.worker.len(),

@@ -251,3 +251,27 @@ async fn models_health_and_metrics() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_returns_when_its_shutdown_future_completes() {
+    bounded(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/health", listener.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(pdserve_gateway::serve(
+            listener,
+            GatewayConfig::new(vec![], vec![], vec![]),
+            async {
+                let _ = rx.await;
+            },
+        ));
+        assert_eq!(client().get(&url).send().await.unwrap().status(), 200);
+        tx.send(()).unwrap();
+        server.await.unwrap().unwrap();
+        assert!(
+            client().get(&url).send().await.is_err(),
+            "nothing listens any more"
+        );
+    })
+    .await;
+}
