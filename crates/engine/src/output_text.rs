@@ -16,9 +16,7 @@ impl TokenText for pdserve_model::Tokenizer {
     }
 
     fn token_bytes(&self, id: u32) -> Vec<u8> {
-        pdserve_model::Tokenizer::decode(self, &[id], false)
-            .unwrap_or_default()
-            .into_bytes()
+        pdserve_model::Tokenizer::token_bytes(self, id).unwrap_or_default()
     }
 }
 

@@ -72,6 +72,12 @@ impl Worker {
     /// Loads the model and serves it on `listener` (e.g. a 127.0.0.1:0 listener in tests).
     pub async fn start(listener: TcpListener, args: WorkerArgs) -> Result<Self, WorkerError> {
         check_args(&args)?;
+        if let Some(n) = args.threads {
+            // The compute pools are process-wide and built once: the first worker wins.
+            if !pdserve_model::set_threads(n) {
+                tracing::warn!("compute threads were already set up; --threads {n} ignored");
+            }
+        }
         let path = match args.model.clone() {
             Some(path) => path,
             None => {
