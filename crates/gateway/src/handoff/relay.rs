@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::stream::BoxStream;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use pdserve_protocol::sse::{data_event, DONE};
 use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::Value;
@@ -160,6 +160,8 @@ struct RelayState {
     relay: Relay,
     scanner: SseScanner,
     first: Option<Bytes>,
+    /// A failure or end seen while merging, reported after the merged bytes.
+    stashed: Option<End>,
     finished: bool,
 }
 
@@ -174,6 +176,7 @@ impl Relay {
             relay: self,
             scanner,
             first,
+            stashed: None,
             finished: false,
         };
         futures::stream::unfold(state, |mut state| async move {
@@ -183,47 +186,128 @@ impl Relay {
     }
 }
 
+/// What the upstream produced next.
+enum Event {
+    Chunk(Bytes),
+    End(End),
+}
+
+/// How the upstream stream stopped.
+enum End {
+    /// Cleanly (a success only if `[DONE]` was seen).
+    Closed,
+    /// With a transport error.
+    Failed(reqwest::Error),
+    /// With bytes that are not an event stream.
+    Malformed(String),
+    /// Silent past the idle timeout.
+    Idle,
+}
+
+impl From<Option<reqwest::Result<Bytes>>> for Event {
+    fn from(next: Option<reqwest::Result<Bytes>>) -> Self {
+        match next {
+            Some(Ok(chunk)) => Self::Chunk(chunk),
+            Some(Err(e)) => Self::End(End::Failed(e)),
+            None => Self::End(End::Closed),
+        }
+    }
+}
+
+/// Most bytes merged into one client chunk.
+const MAX_MERGED_BYTES: usize = 64 * 1024;
+
 impl RelayState {
+    /// The next bytes for the client: everything the upstream has delivered by now (whole
+    /// lines only), merged so that a burst of events costs one write, never waiting for
+    /// more than the first of them.
     async fn next_chunk(&mut self) -> Option<Bytes> {
+        let mut out: Option<Bytes> = None;
+        let mut merged = BytesMut::new();
         loop {
             if self.finished {
-                return None;
+                break;
             }
-            let chunk = match self.first.take() {
-                Some(first) => first,
-                None => {
-                    let next =
-                        tokio::time::timeout(self.relay.idle_timeout, self.relay.upstream.next());
-                    match next.await {
-                        Ok(Some(Ok(chunk))) => chunk,
-                        Ok(Some(Err(e))) => {
-                            let msg = format!(
-                                "decode worker {} failed mid-stream: {}",
-                                self.relay.worker,
-                                error_chain(&e)
-                            );
-                            return Some(self.fail(ApiError::bad_gateway(msg)));
-                        }
-                        Ok(None) => return self.end_of_upstream(),
-                        Err(_) => {
-                            let msg = format!(
-                                "decode worker {} sent nothing for {:?}",
-                                self.relay.worker, self.relay.idle_timeout
-                            );
-                            return Some(self.fail(ApiError::gateway_timeout(msg)));
+            let have_output = out.is_some() || !merged.is_empty();
+            let event = if let Some(first) = self.first.take() {
+                Event::Chunk(first)
+            } else if let Some(end) = self.stashed.take() {
+                Event::End(end)
+            } else if have_output {
+                // Only what is already there: the client gets what we hold without delay.
+                match self.relay.upstream.next().now_or_never() {
+                    Some(next) => Event::from(next),
+                    None => break,
+                }
+            } else {
+                self.wait().await
+            };
+            let lines = match event {
+                Event::Chunk(chunk) => match self.scanner.push(chunk) {
+                    Ok(Some(lines)) => Ok(lines),
+                    Ok(None) => continue,
+                    Err(msg) => Err(End::Malformed(msg)),
+                },
+                Event::End(end) => Err(end),
+            };
+            match lines {
+                Ok(lines) => {
+                    self.store_kv();
+                    match out.take() {
+                        None if merged.is_empty() => out = Some(lines),
+                        previous => {
+                            if let Some(previous) = previous {
+                                merged.extend_from_slice(&previous);
+                            }
+                            merged.extend_from_slice(&lines);
                         }
                     }
+                    if merged.len() >= MAX_MERGED_BYTES {
+                        break;
+                    }
                 }
-            };
-            match self.scanner.push(chunk) {
-                Ok(Some(lines)) => {
-                    self.store_kv();
-                    return Some(lines);
+                Err(end) if have_output => {
+                    // Deliver what we hold first; the failure or end comes next time.
+                    self.stashed = Some(end);
+                    break;
                 }
-                Ok(None) => continue,
-                Err(msg) => return Some(self.fail(ApiError::bad_gateway(msg))),
+                Err(end) => return self.conclude(end),
             }
         }
+        if merged.is_empty() {
+            out
+        } else {
+            Some(merged.freeze())
+        }
+    }
+
+    /// Waits for the upstream's next event, at most the idle timeout.
+    async fn wait(&mut self) -> Event {
+        let next = self.relay.upstream.next();
+        match tokio::time::timeout(self.relay.idle_timeout, next).await {
+            Ok(next) => Event::from(next),
+            Err(_) => Event::End(End::Idle),
+        }
+    }
+
+    /// The end of the relay: nothing more on success, else an error event.
+    fn conclude(&mut self, end: End) -> Option<Bytes> {
+        let worker = &self.relay.worker;
+        let error = match end {
+            End::Closed => return self.end_of_upstream(),
+            End::Failed(e) => ApiError::bad_gateway(format!(
+                "decode worker {worker} failed mid-stream: {}",
+                error_chain(&e)
+            )),
+            End::Malformed(msg) => ApiError::bad_gateway(format!(
+                "decode worker {worker} sent a malformed stream: {msg}"
+            )),
+            End::Idle => ApiError::gateway_timeout(format!(
+                "decode worker {worker} sent nothing for {:?}",
+                self.relay.idle_timeout
+            )),
+        };
+        Some(self.fail(error))
     }
 
     fn store_kv(&mut self) {
@@ -293,6 +377,56 @@ mod tests {
         assert!(b.starts_with(b"data: {\"kv_transfer_params\""));
         assert_eq!(s.kv.as_ref().unwrap().remote_port, Some(7));
         assert!(s.saw_done);
+    }
+
+    fn relay(first: &'static [u8], rest: Vec<&'static [u8]>) -> Relay {
+        let metrics = Arc::new(Metrics::default());
+        let url = reqwest::Url::parse("http://127.0.0.1:9").unwrap();
+        let registry = crate::registry::Registry::new(&[], &[url], &[], &metrics);
+        let chunks: Vec<reqwest::Result<Bytes>> = rest
+            .into_iter()
+            .map(|c| Ok(Bytes::from_static(c)))
+            .collect();
+        Relay {
+            first: Bytes::from_static(first),
+            upstream: futures::stream::iter(chunks).boxed(),
+            idle_timeout: Duration::from_secs(5),
+            conversation: None,
+            metrics,
+            route: "/v1/completions",
+            started: Instant::now(),
+            worker: "w".into(),
+            request_id: "r".into(),
+            in_flight: InFlight::start(registry.decode.next().unwrap()),
+        }
+    }
+
+    #[tokio::test]
+    async fn merges_chunks_that_are_already_there() {
+        let out: Vec<Bytes> = relay(b"data: 1\n\n", vec![b"data: 2\n\nda", b"ta: [DONE]\n\n"])
+            .into_stream()
+            .map(|c| c.unwrap())
+            .collect()
+            .await;
+        assert_eq!(
+            out,
+            vec![Bytes::from_static(
+                b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+            )]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_without_done_ends_with_an_error_event() {
+        let out: Vec<Bytes> = relay(b"data: 1\n\n", vec![b"data: 2\n"])
+            .into_stream()
+            .map(|c| c.unwrap())
+            .collect()
+            .await;
+        assert_eq!(out[0], Bytes::from_static(b"data: 1\n\ndata: 2\n"));
+        assert!(out[1].starts_with(b"\ndata: {\"error\""), "{:?}", out[1]);
+        assert!(out[1].ends_with(DONE));
+        assert_eq!(out.len(), 2);
     }
 
     #[test]
