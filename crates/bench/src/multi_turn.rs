@@ -19,7 +19,7 @@ use crate::client::{chat_message, request_body, ApiClient, RequestInput};
 use crate::dataset::PromptGenerator;
 use crate::metrics::{cached_share, failures, summarize, Distribution, RequestRecord, Slo};
 use crate::report::{BenchResult, RunConfig, RunKind, TurnSummary, SCHEMA_VERSION};
-use crate::serve::{probe, resolve_model};
+use crate::serve::{probe, probe_prompt, resolve_model};
 use crate::{progress, BenchError};
 
 /// What every conversation task shares.
@@ -69,15 +69,8 @@ pub async fn run_multi_turn(
                 .collect(),
         })
         .collect();
-    let first = scripts[0].user_messages[0].0.clone();
-    probe(
-        &client,
-        Endpoint::Chat,
-        &model,
-        RequestInput::Prompt(first),
-        ignore_eos,
-    )
-    .await?;
+    let probe_input = RequestInput::Prompt(probe_prompt(args.seed));
+    probe(&client, Endpoint::Chat, &model, probe_input, ignore_eos).await?;
 
     let planned = args.conversations * args.turns;
     let (tx, mut rx) = mpsc::unbounded_channel();

@@ -12,7 +12,7 @@ pub fn requests_bar(len: u64) -> ProgressBar {
     }
     let bar = ProgressBar::new(len);
     let style = ProgressStyle::with_template(
-        "{elapsed_precise} [{wide_bar}] {pos}/{len} requests {msg} (eta {eta})",
+        "{elapsed_precise} [{wide_bar}] {pos}/{len} requests{msg} (eta {eta})",
     )
     .unwrap_or_else(|_| ProgressStyle::default_bar());
     bar.set_style(style);
@@ -23,6 +23,6 @@ pub fn requests_bar(len: u64) -> ProgressBar {
 pub fn record(bar: &ProgressBar, failed_so_far: u64) {
     bar.inc(1);
     if failed_so_far > 0 {
-        bar.set_message(format!("({failed_so_far} failed)"));
+        bar.set_message(format!(", {failed_so_far} failed"));
     }
 }

@@ -157,12 +157,29 @@ impl BenchResult {
             RunKind::Serve => " Serving Benchmark Result ",
             RunKind::MultiTurn => " Multi-turn Benchmark Result ",
         };
-        let _ = writeln!(out, "{title:=^60}");
+        // Values are right-aligned in a column wide enough for the longest text value.
+        let slo = [("TTFT", c.slo_ttft_ms), ("TPOT", c.slo_tpot_ms)]
+            .iter()
+            .filter_map(|(n, v)| v.map(|v| format!("{n}≤{v}ms")))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let vw = [
+            16,
+            self.label.chars().count(),
+            c.model.chars().count(),
+            slo.chars().count(),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(16)
+            + 1;
+        let width = 44 + vw;
+        let _ = writeln!(out, "{title:=^width$}");
         if self.interrupted {
-            let _ = writeln!(out, "{:^60}", "(interrupted: partial results)");
+            let _ = writeln!(out, "{:^width$}", "(interrupted: partial results)");
         }
         let row = |out: &mut String, name: &str, value: String| {
-            let _ = writeln!(out, "{name:<44}{value:>16}");
+            let _ = writeln!(out, "{name:<44}{value:>vw$}");
         };
         row(&mut out, "Label:", self.label.clone());
         row(&mut out, "Model:", c.model.clone());
@@ -202,11 +219,6 @@ impl BenchResult {
             format!("{:.2}", s.request_throughput),
         );
         if let Some(goodput) = s.goodput {
-            let slo = [("TTFT", c.slo_ttft_ms), ("TPOT", c.slo_tpot_ms)]
-                .iter()
-                .filter_map(|(n, v)| v.map(|v| format!("{n}≤{v}ms")))
-                .collect::<Vec<_>>()
-                .join(" ");
             row(&mut out, "Goodput SLOs:", slo);
             if let Some(good) = s.good_requests {
                 row(&mut out, "Requests meeting the SLOs:", good.to_string());
@@ -244,7 +256,7 @@ impl BenchResult {
             ("Inter-token Latency", "ITL", &s.itl_ms),
             ("End-to-end Latency", "E2E", &s.e2e_ms),
         ] {
-            let _ = writeln!(out, "{:-^60}", format!(" {title} "));
+            let _ = writeln!(out, "{:-^width$}", format!(" {title} "));
             match dist {
                 Some(d) => {
                     for (stat, v) in [
@@ -260,7 +272,7 @@ impl BenchResult {
             }
         }
         if !self.turns.is_empty() {
-            let _ = writeln!(out, "{:-^60}", " Per turn ");
+            let _ = writeln!(out, "{:-^width$}", " Per turn ");
             let _ = writeln!(
                 out,
                 "{:>5} {:>6} {:>6} {:>10} {:>10} {:>10} {:>8}",
@@ -284,12 +296,12 @@ impl BenchResult {
             }
         }
         if !self.failures.is_empty() {
-            let _ = writeln!(out, "{:-^60}", " Failures ");
+            let _ = writeln!(out, "{:-^width$}", " Failures ");
             for f in &self.failures {
                 let _ = writeln!(out, "{:>6} × {}", f.count, f.reason);
             }
         }
-        let _ = writeln!(out, "{}", "=".repeat(60));
+        let _ = writeln!(out, "{}", "=".repeat(width));
         out
     }
 }

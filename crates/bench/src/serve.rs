@@ -16,6 +16,15 @@ use crate::report::{BenchResult, RunConfig, RunKind, SCHEMA_VERSION};
 use crate::schedule::Dispatcher;
 use crate::{progress, BenchError};
 
+/// Mixed into the seed for the probe's prompt, so it shares no prefix with the
+/// workload (a cached probe would flatter the first request).
+const PROBE_SEED_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A short prompt unrelated to the workload, for [`probe`].
+pub fn probe_prompt(seed: u64) -> String {
+    PromptGenerator::new(seed ^ PROBE_SEED_SALT).words(16)
+}
+
 /// `max_tokens` of the probe request (kept tiny: it only proves the server speaks
 /// OpenAI streaming before the load starts).
 pub const PROBE_MAX_TOKENS: u64 = 1;
@@ -81,7 +90,7 @@ pub async fn run_serve(
         &client,
         endpoint,
         &model,
-        RequestInput::Prompt(workload[0].prompt.clone()),
+        RequestInput::Prompt(probe_prompt(args.seed)),
         ignore_eos,
     )
     .await?;

@@ -42,6 +42,7 @@ async fn timed_run(endpoint: &str) {
         .await
         .expect("bounded")
         .expect("run");
+    let bodies = server.requests();
     server.stop().await;
     let s = &result.summary;
     assert_eq!(
@@ -49,6 +50,24 @@ async fn timed_run(endpoint: &str) {
         (12, 0, 0),
         "{:?}",
         result.failures
+    );
+    // The probe goes first and shares no prefix with the workload (no cache warm-up).
+    let first_words = |b: &serde_json::Value| {
+        let t = &b["prompt"];
+        let t = if t.is_null() {
+            &b["messages"][0]["content"]
+        } else {
+            t
+        };
+        let words: Vec<&str> = t.as_str().unwrap().split_whitespace().take(4).collect();
+        words.join(" ")
+    };
+    assert_eq!(bodies.len(), 13);
+    assert_eq!(bodies[0]["max_tokens"], 1);
+    let probe = first_words(&bodies[0]);
+    assert!(
+        bodies[1..].iter().all(|b| first_words(b) != probe),
+        "probe prefix reused"
     );
     assert_eq!(
         result.config.model, MODEL,
