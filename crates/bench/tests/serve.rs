@@ -177,13 +177,18 @@ async fn goodput_counts_exactly_the_requests_meeting_both_slos() {
 
 #[tokio::test]
 async fn failures_are_counted_with_their_reasons() {
-    let server = ScriptedServer::start(|n| match n % 3 {
+    let server = ScriptedServer::start(|n| match n % 5 {
         0 => Reply::stream_ms(1, 1),
         1 => Reply::Error {
             status: 503,
             message: "engine overloaded".into(),
         },
-        _ => Reply::Truncated { after: 2 },
+        2 => Reply::Truncated { after: 2 },
+        3 => Reply::ErrorEvent {
+            after: 1,
+            message: "decode worker lost".into(),
+        },
+        _ => Reply::Json,
     })
     .await;
     let url = server.url();
@@ -191,7 +196,7 @@ async fn failures_are_counted_with_their_reasons() {
         "--url",
         &url,
         "--num-prompts",
-        "9",
+        "10",
         "--concurrency",
         "3",
         "--output-len",
@@ -202,18 +207,29 @@ async fn failures_are_counted_with_their_reasons() {
         .expect("bounded")
         .expect("run");
     server.stop().await;
-    assert_eq!((result.summary.completed, result.summary.failed), (3, 6));
+    assert_eq!((result.summary.completed, result.summary.failed), (2, 8));
     let reasons: Vec<(&str, u64)> = result
         .failures
         .iter()
         .map(|f| (f.reason.as_str(), f.count))
         .collect();
     assert!(
-        reasons.contains(&("HTTP 503: engine overloaded", 3)),
+        reasons.contains(&("HTTP 503: engine overloaded", 2)),
         "{reasons:?}"
     );
     assert!(
-        reasons.contains(&("broken stream: ended before `data: [DONE]`", 3)),
+        reasons.contains(&("broken stream: ended before `data: [DONE]`", 2)),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.contains(&("error event: decode worker lost", 2)),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|(r, n)| *n == 2
+            && r.starts_with(
+                "not an OpenAI-compatible stream: expected text/event-stream, got application/json"
+            )),
         "{reasons:?}"
     );
     assert!(result.table().contains("engine overloaded"));

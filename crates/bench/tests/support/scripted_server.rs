@@ -42,6 +42,11 @@ pub enum Reply {
     Error { status: u16, message: String },
     /// Stream this many tokens, then close the stream without `[DONE]`.
     Truncated { after: usize },
+    /// Stream this many tokens, then an in-stream error event (as the pdserve gateway
+    /// and vLLM send when generation fails mid-stream) and `[DONE]`.
+    ErrorEvent { after: usize, message: String },
+    /// Ignore `stream: true` and answer one JSON completion.
+    Json,
 }
 
 impl Reply {
@@ -194,6 +199,26 @@ async fn generate(State(state): State<Arc<AppState>>, Json(body): Json<Value>) -
         }
         Reply::Stream { ttft, itl } => (ttft, itl, max_tokens, true),
         Reply::Truncated { after } => (Duration::ZERO, Duration::ZERO, after, false),
+        Reply::ErrorEvent { after, message } => {
+            let mut events: Vec<Bytes> = (0..after)
+                .map(|i| chunk(chat, &format!(" tok{i}")))
+                .collect();
+            let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "scripted", message);
+            events.push(sse::data_event(&error.to_json()));
+            events.push(Bytes::from_static(sse::DONE));
+            let stream = futures::stream::iter(events.into_iter().map(Ok::<Bytes, Infallible>));
+            return Response::builder()
+                .header(header::CONTENT_TYPE, "text/event-stream")
+                .body(Body::from_stream(stream))
+                .expect("static response parts");
+        }
+        Reply::Json => {
+            return Json(
+                json!({"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "text": " tok0", "finish_reason": "length"}]}),
+            )
+            .into_response();
+        }
     };
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
