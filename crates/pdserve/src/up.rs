@@ -27,6 +27,48 @@ pub struct UpArgs {
     /// Longest wait for a worker to load its model and answer /health.
     #[arg(long, default_value_t = 300)]
     ready_timeout_secs: u64,
+    /// Prefill workers.
+    #[arg(long, env = "PDSERVE_PREFILL_WORKERS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    prefill: u16,
+    /// Decode workers.
+    #[arg(long, env = "PDSERVE_DECODE_WORKERS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    decode: u16,
+    /// One aggregated worker (prefill and decode in one process) instead of P/D pools.
+    #[arg(long, env = "PDSERVE_AGGREGATED", conflicts_with_all = ["prefill", "decode"])]
+    aggregated: bool,
+    /// Seconds a P/D worker keeps KV blocks pinned for a peer that never reads them.
+    #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
+    kv_abort_timeout: u64,
+}
+
+/// What one worker of the stack does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WorkerRole {
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl WorkerRole {
+    /// The `--role` value of `pdserve worker`.
+    fn flag_value(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+
+    /// The `pdserve gateway` flag that adds a worker of this role to its pools.
+    fn gateway_flag(self) -> &'static str {
+        match self {
+            Self::Both => "--worker",
+            Self::Prefill => "--prefill",
+            Self::Decode => "--decode",
+        }
+    }
 }
 
 /// One child process of the stack.
@@ -65,36 +107,56 @@ async fn start_and_supervise(
     cores: usize,
     members: &mut Vec<Member>,
 ) -> anyhow::Result<()> {
-    let worker_port = free_port()?;
-    let worker_url = format!("http://127.0.0.1:{worker_port}");
-    let mut worker = Command::new(exe);
-    worker
-        .arg("worker")
-        .args(["--role", "both", "--host", "127.0.0.1"])
-        .args(["--port", &worker_port.to_string()])
-        .arg("--model")
-        .arg(model)
-        .args(["--threads", &cores.to_string()]);
-    members.push(spawn("worker", worker)?);
-    wait_ready(
-        members,
-        &worker_url,
-        Duration::from_secs(args.ready_timeout_secs),
-    )
-    .await?;
-
+    let roles: Vec<WorkerRole> = if args.aggregated {
+        vec![WorkerRole::Both]
+    } else {
+        std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
+            .chain(std::iter::repeat_n(WorkerRole::Decode, args.decode.into()))
+            .collect()
+    };
     let mut gateway = Command::new(exe);
     gateway
         .arg("gateway")
-        .args(["--host", &args.host, "--port", &args.port.to_string()])
-        .args(["--worker", &worker_url]);
-    members.push(spawn("gateway", gateway)?);
+        .args(["--host", &args.host, "--port", &args.port.to_string()]);
+    let mut worker_urls = Vec::new();
+    let mut summary = Vec::new();
+    for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
+        let port = free_port()?;
+        let url = format!("http://127.0.0.1:{port}");
+        let mut worker = Command::new(exe);
+        worker
+            .arg("worker")
+            .args(["--role", role.flag_value(), "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string()])
+            .arg("--model")
+            .arg(model)
+            .args(["--threads", &cpus.len().to_string()]);
+        if *role != WorkerRole::Both {
+            worker
+                .args(["--kv-port", &free_port()?.to_string()])
+                .args(["--kv-abort-timeout", &args.kv_abort_timeout.to_string()]);
+        }
+        let name = format!("{} worker {}", role.flag_value(), worker_urls.len());
+        members.push(spawn(&name, worker, &cpus)?);
+        gateway.args([role.gateway_flag(), &url]);
+        summary.push(format!(
+            "{} worker at {url} on cores {cpus:?}",
+            role.flag_value()
+        ));
+        worker_urls.push(url);
+    }
+    let limit = Duration::from_secs(args.ready_timeout_secs);
+    for url in &worker_urls {
+        wait_ready(members, url, limit).await?;
+    }
+    members.push(spawn("gateway", gateway, &[])?);
     let gateway_url = format!("http://{}:{}", args.host, args.port);
     wait_ready(members, &gateway_url, Duration::from_secs(30)).await?;
 
-    println!(
-        "pdserve is up at {gateway_url}/v1 (1 aggregated worker at {worker_url}, {cores} cores)"
-    );
+    println!("pdserve is up at {gateway_url}/v1");
+    for line in &summary {
+        println!("  {line}");
+    }
     println!(
         "try:\n  curl {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Give me three tips for staying healthy.\"}}], \"max_tokens\": 64}}'"
     );
@@ -118,14 +180,47 @@ async fn start_and_supervise(
     }
 }
 
-fn spawn(name: &str, mut cmd: Command) -> anyhow::Result<Member> {
+/// The cores each worker is pinned to: disjoint, contiguous shares while there are
+/// enough cores (the compute pools spin-wait, so shared cores collapse throughput), with
+/// leftover cores going to the last (decode) workers; past that, round-robin.
+fn split_cores(workers: usize, cores: usize) -> Vec<Vec<usize>> {
+    if workers > cores {
+        return (0..workers).map(|i| vec![i % cores]).collect();
+    }
+    let share = cores / workers;
+    let extra = cores % workers;
+    let mut next = 0;
+    (0..workers)
+        .map(|i| {
+            let n = share + usize::from(i >= workers - extra);
+            let set: Vec<usize> = (next..next + n).collect();
+            next += n;
+            set
+        })
+        .collect()
+}
+
+/// Starts a member, pinned to `cpus` (anywhere when empty).
+fn spawn(name: &str, mut cmd: Command, cpus: &[usize]) -> anyhow::Result<Member> {
     cmd.stdin(Stdio::null()).kill_on_drop(true);
-    // SAFETY: prctl(2) is async-signal-safe; it makes the child die with this process
-    // even if `up` is killed without a chance to stop it.
+    let cpus = cpus.to_vec();
+    // SAFETY: prctl(2) and sched_setaffinity(2) are async-signal-safe and touch only the
+    // child. The first makes the child die with this process even if `up` is killed
+    // without a chance to stop it; the second pins it (its threads inherit the mask).
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if !cpus.is_empty() {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                for &c in &cpus {
+                    libc::CPU_SET(c, &mut set);
+                }
+                let size = std::mem::size_of::<libc::cpu_set_t>();
+                if libc::sched_setaffinity(0, size, &set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });
@@ -201,4 +296,17 @@ async fn stop_all(members: &mut [Member]) {
 fn free_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("no free local port")?;
     Ok(listener.local_addr()?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_cores;
+
+    #[test]
+    fn cores_are_split_disjointly_then_shared() {
+        assert_eq!(split_cores(2, 2), vec![vec![0], vec![1]]);
+        assert_eq!(split_cores(1, 4), vec![vec![0, 1, 2, 3]]);
+        assert_eq!(split_cores(2, 3), vec![vec![0], vec![1, 2]]);
+        assert_eq!(split_cores(3, 2), vec![vec![0], vec![1], vec![0]]);
+    }
 }

@@ -19,7 +19,14 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
     let port = free_port();
     let mut up = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .args(["up", "--port", &port.to_string(), "--cores", "2"])
+        .args([
+            "up",
+            "--aggregated",
+            "--port",
+            &port.to_string(),
+            "--cores",
+            "2",
+        ])
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::piped())
@@ -33,8 +40,8 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
             let _ = tx.send(line);
         }
     });
-    let mut worker_url = None;
-    while worker_url.is_none() {
+    let mut worker_urls = Vec::new();
+    loop {
         let line = match rx.recv_timeout(Duration::from_secs(180)) {
             Ok(l) => l,
             Err(e) => {
@@ -42,12 +49,16 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
                 panic!("pdserve up did not come up: {e}");
             }
         };
-        if let Some(rest) = line.strip_prefix("pdserve is up at ") {
-            let start = rest.find("worker at ").unwrap() + "worker at ".len();
-            worker_url = Some(rest[start..].split(',').next().unwrap().to_string());
+        if let Some(at) = line.find(" worker at ") {
+            let rest = &line[at + " worker at ".len()..];
+            worker_urls.push(rest.split(' ').next().unwrap().to_string());
+        }
+        if line.starts_with("Ctrl-C stops everything") {
+            break;
         }
     }
-    let worker_url = worker_url.unwrap();
+    assert_eq!(worker_urls.len(), 1, "{worker_urls:?}");
+    let worker_url = worker_urls.pop().unwrap();
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let body: serde_json::Value = rt.block_on(async {
