@@ -29,6 +29,47 @@ fn peak_rss_mib() -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
+/// CPU seconds used by this process so far (all threads, user + system).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Throughput by wall clock, and by CPU time spread over `threads` (what an idle machine
+/// would give if nothing else competed for the cores; the shared build machine is noisy).
+#[derive(Clone, Copy)]
+struct Rate {
+    wall: f64,
+    cpu: f64,
+}
+
+impl Rate {
+    fn measure(tokens: usize, threads: usize, f: impl FnOnce()) -> Self {
+        let (t, c) = (Instant::now(), cpu_seconds());
+        f();
+        let (wall, cpu) = (t.elapsed().as_secs_f64(), cpu_seconds() - c);
+        Rate {
+            wall: tokens as f64 / wall,
+            cpu: tokens as f64 / (cpu / threads as f64),
+        }
+    }
+}
+
+impl std::fmt::Display for Rate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.1} ({:.1})", self.wall, self.cpu)
+    }
+}
+
 fn long_prompt(model: &Model) -> Vec<u32> {
     let text = "The history of the city begins with a small settlement by the river, where \
                 traders met to exchange grain, salt and cloth. Over the centuries it grew into \
@@ -41,7 +82,7 @@ fn long_prompt(model: &Model) -> Vec<u32> {
     ids
 }
 
-fn bench_ours(model: &Model, prompt: &[u32]) -> (f64, Vec<(usize, f64)>) {
+fn bench_ours(model: &Model, prompt: &[u32], threads: usize) -> (Rate, Vec<(usize, Rate)>) {
     let table: Vec<u32> = (0..prompt.len().div_ceil(BLOCK_SIZE) as u32).collect();
     let mut kv = KvStore::new(model.config(), table.len());
     // Warm-up (allocations, thread pools), then the timed prefill.
@@ -55,18 +96,14 @@ fn bench_ours(model: &Model, prompt: &[u32]) -> (f64, Vec<(usize, f64)>) {
             }],
         )
         .unwrap();
-    let t = Instant::now();
-    model
-        .forward(
-            &mut kv,
-            &[SequenceStep {
-                tokens: prompt,
-                start_pos: 0,
-                block_table: &table,
-            }],
-        )
-        .unwrap();
-    let prefill = prompt.len() as f64 / t.elapsed().as_secs_f64();
+    let prefill = Rate::measure(prompt.len(), threads, || {
+        let step = SequenceStep {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: &table,
+        };
+        model.forward(&mut kv, &[step]).unwrap();
+    });
 
     let mut decode = Vec::new();
     for batch in [1usize, 4, 8, 16] {
@@ -86,22 +123,20 @@ fn bench_ours(model: &Model, prompt: &[u32]) -> (f64, Vec<(usize, f64)>) {
             .collect();
         model.forward(&mut kv, &steps).unwrap();
         let mut next: Vec<u32> = vec![0; batch];
-        let t = Instant::now();
-        for step in 0..DECODE_STEPS {
-            let steps: Vec<SequenceStep> = (0..batch)
-                .map(|s| SequenceStep {
-                    tokens: std::slice::from_ref(&next[s]),
-                    start_pos: DECODE_PROMPT + step,
-                    block_table: &tables[s],
-                })
-                .collect();
-            let logits = model.forward(&mut kv, &steps).unwrap();
-            next = logits.iter().map(|l| argmax(l)).collect();
-        }
-        decode.push((
-            batch,
-            (batch * DECODE_STEPS) as f64 / t.elapsed().as_secs_f64(),
-        ));
+        let rate = Rate::measure(batch * DECODE_STEPS, threads, || {
+            for step in 0..DECODE_STEPS {
+                let steps: Vec<SequenceStep> = (0..batch)
+                    .map(|s| SequenceStep {
+                        tokens: std::slice::from_ref(&next[s]),
+                        start_pos: DECODE_PROMPT + step,
+                        block_table: &tables[s],
+                    })
+                    .collect();
+                let logits = model.forward(&mut kv, &steps).unwrap();
+                next = logits.iter().map(|l| argmax(l)).collect();
+            }
+        });
+        decode.push((batch, rate));
     }
     (prefill, decode)
 }
@@ -114,7 +149,7 @@ fn argmax(logits: &[f32]) -> u32 {
         .0 as u32
 }
 
-fn bench_candle(path: &std::path::Path, prompt: &[u32]) -> (f64, f64) {
+fn bench_candle(path: &std::path::Path, prompt: &[u32], threads: usize) -> (Rate, Rate) {
     let dev = Device::Cpu;
     let mut file = std::fs::File::open(path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
@@ -122,22 +157,23 @@ fn bench_candle(path: &std::path::Path, prompt: &[u32]) -> (f64, f64) {
     let input = |ids: &[u32]| Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
     weights.forward(&input(&prompt[..32]), 0).unwrap();
     weights.clear_kv_cache();
-    let t = Instant::now();
-    weights.forward(&input(prompt), 0).unwrap();
-    let prefill = prompt.len() as f64 / t.elapsed().as_secs_f64();
+    let prefill = Rate::measure(prompt.len(), threads, || {
+        weights.forward(&input(prompt), 0).unwrap();
+    });
     weights.clear_kv_cache();
     weights
         .forward(&input(&prompt[..DECODE_PROMPT]), 0)
         .unwrap();
     let mut next = 0u32;
-    let t = Instant::now();
-    for step in 0..DECODE_STEPS {
-        let logits = weights
-            .forward(&input(&[next]), DECODE_PROMPT + step)
-            .unwrap();
-        next = argmax(&logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap());
-    }
-    (prefill, DECODE_STEPS as f64 / t.elapsed().as_secs_f64())
+    let decode = Rate::measure(DECODE_STEPS, threads, || {
+        for step in 0..DECODE_STEPS {
+            let logits = weights
+                .forward(&input(&[next]), DECODE_PROMPT + step)
+                .unwrap();
+            next = argmax(&logits.squeeze(0).unwrap().to_vec1::<f32>().unwrap());
+        }
+    });
+    (prefill, decode)
 }
 
 fn main() {
@@ -162,16 +198,17 @@ fn main() {
     let model = Model::load_with(&path, &options).unwrap();
     let load_s = t.elapsed().as_secs_f64();
     let prompt = long_prompt(&model);
-    let (prefill, decode) = bench_ours(&model, &prompt);
+    let (prefill, decode) = bench_ours(&model, &prompt, threads);
     let ours_rss = peak_rss_mib();
     drop(model);
-    let (candle_prefill, candle_decode) = bench_candle(&path, &prompt);
+    let (candle_prefill, candle_decode) = bench_candle(&path, &prompt, threads);
     let total_rss = peak_rss_mib();
 
     println!(
         "model: {} ({threads} threads), ours loaded in {load_s:.1}s with {options:?}",
         path.display()
     );
+    println!("tokens/s by wall clock, and in parentheses by CPU time / threads (load-independent estimate)");
     println!();
     println!("| engine | prefill tok/s ({PROMPT_TOKENS}-tok prompt) | decode b=1 | b=4 | b=8 | b=16 | peak RSS |");
     println!("|---|---|---|---|---|---|---|");
@@ -179,10 +216,11 @@ fn main() {
         decode
             .iter()
             .find(|(x, _)| *x == b)
-            .map_or(f64::NAN, |(_, v)| *v)
+            .map(|(_, v)| *v)
+            .unwrap()
     };
     println!(
-        "| pdserve-model ({:?} weights, f32 GEMM from {:?} rows, f16 KV) | {prefill:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {ours_rss:.0} MiB |",
+        "| pdserve-model ({:?} weights, f32 GEMM from {:?} rows, f16 KV) | {prefill} | {} | {} | {} | {} | {ours_rss:.0} MiB |",
         options.weights,
         options.dense_min_rows,
         d(1),
@@ -191,6 +229,6 @@ fn main() {
         d(16)
     );
     println!(
-        "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill:.0} | {candle_decode:.1} | – | – | – | {total_rss:.0} MiB (process peak) |"
+        "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill} | {candle_decode} | – | – | – | {total_rss:.0} MiB (process peak) |"
     );
 }

@@ -11,7 +11,7 @@ mod gguf;
 mod kv_store;
 mod linear;
 mod model;
-mod q4_1;
+mod quant_matmul;
 mod reference_attention;
 mod threads;
 mod tokenizer;
