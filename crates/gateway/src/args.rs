@@ -46,7 +46,8 @@ pub struct GatewayArgs {
     pub prefill_timeout_secs: Duration,
 
     /// Time limit in seconds for the decode (or aggregated) leg's first byte; past it the
-    /// client gets 504.
+    /// client gets 504. A non-stream answer's first byte comes when it is complete, so for
+    /// non-stream requests this bounds the whole generation.
     #[arg(long, env = "PDSERVE_DECODE_TIMEOUT_SECS", default_value = "300", value_parser = parse_secs)]
     pub decode_timeout_secs: Duration,
 

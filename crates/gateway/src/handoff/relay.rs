@@ -235,9 +235,17 @@ impl RelayState {
                 Event::End(end)
             } else if have_output {
                 // Only what is already there: the client gets what we hold without delay.
+                // The HTTP client decodes each upstream chunk on its connection task, so
+                // give that task one turn before deciding that nothing more has arrived.
                 match self.relay.upstream.next().now_or_never() {
                     Some(next) => Event::from(next),
-                    None => break,
+                    None => {
+                        tokio::task::yield_now().await;
+                        match self.relay.upstream.next().now_or_never() {
+                            Some(next) => Event::from(next),
+                            None => break,
+                        }
+                    }
                 }
             } else {
                 self.wait().await
