@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use pdserve_engine::metrics::Metrics;
 use pdserve_engine::request::{GenerationRequest, SeqEvent, SeqEvents};
-use pdserve_engine::sampling::SamplingParams;
 use pdserve_engine::scheduler::{self, EngineHandle, SchedulerConfig};
 use pdserve_engine::step_model::ModelRunner;
 use pdserve_model::Model;
@@ -22,14 +21,8 @@ fn arg(name: &str) -> Option<String> {
 }
 
 fn request(prompt: Vec<u32>, max_new_tokens: usize) -> GenerationRequest {
-    GenerationRequest {
-        prompt,
-        sampling: SamplingParams::greedy(),
-        max_new_tokens,
-        stop_token_ids: Vec::new(),
-        min_new_tokens: 0,
-        logprobs: None,
-    }
+    // Greedy with EOS ignored: every request generates exactly `max_new_tokens`.
+    GenerationRequest::new(prompt, max_new_tokens)
 }
 
 /// Waits for the first token, then the end; returns (time to first token, time to end).

@@ -121,6 +121,11 @@ impl BlockManager {
         self.num_pinned
     }
 
+    /// Whether `id` is held by at least one pin.
+    pub fn is_pinned(&self, id: BlockId) -> bool {
+        self.blocks.get(id as usize).is_some_and(|b| b.pins > 0)
+    }
+
     /// References held on `id` (0 when free).
     pub fn ref_count(&self, id: BlockId) -> u32 {
         self.blocks.get(id as usize).map_or(0, |b| b.ref_count)

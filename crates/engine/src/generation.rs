@@ -131,7 +131,7 @@ impl Generation {
                         logprob,
                     });
                 }
-                SeqEvent::Finished { reason, usage } => {
+                SeqEvent::Finished { reason, usage, .. } => {
                     self.cached_tokens = usage.cached_tokens;
                     let tail = self.text.finish(self.app.model.tokenizer());
                     let end = Piece::End {

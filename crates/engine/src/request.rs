@@ -1,5 +1,6 @@
 //! What the HTTP side hands the scheduler, and what the scheduler streams back.
 
+use pdserve_model::BlockId;
 use tokio::sync::mpsc;
 
 use crate::sampling::{SamplingParams, TokenLogprobs};
@@ -19,6 +20,46 @@ pub struct GenerationRequest {
     pub min_new_tokens: usize,
     /// `Some(n)`: report each token's log-probability and its `n` top alternatives.
     pub logprobs: Option<usize>,
+    /// Keep the sequence's blocks pinned when it finishes, for a peer to read (KV export).
+    pub pin_on_finish: bool,
+    /// KV computed elsewhere for the leading prompt tokens, loaded instead of computed.
+    pub kv_import: Option<KvImport>,
+}
+
+impl GenerationRequest {
+    /// A request for `prompt` with everything else at its plain default: greedy, EOS
+    /// ignored, no logprobs, no KV transfer.
+    pub fn new(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        Self {
+            prompt,
+            sampling: crate::sampling::SamplingParams::greedy(),
+            max_new_tokens,
+            stop_token_ids: Vec::new(),
+            min_new_tokens: 0,
+            logprobs: None,
+            pin_on_finish: false,
+            kv_import: None,
+        }
+    }
+}
+
+/// KV blocks (as `StepModel::read_block` bytes) holding a prompt's first `num_tokens`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvImport {
+    /// Leading prompt tokens the blocks hold (fewer than the prompt: the last prompt
+    /// token is always computed here, to get logits).
+    pub num_tokens: usize,
+    /// One entry per block, `ceil(num_tokens / BLOCK_SIZE)` of them.
+    pub blocks: Vec<Vec<u8>>,
+}
+
+/// Blocks left pinned by a finished `pin_on_finish` sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinnedKv {
+    /// The blocks, in sequence order; release them with `EngineHandle::unpin`.
+    pub blocks: Vec<BlockId>,
+    /// Leading tokens of the sequence (prompt, then generated) whose KV they hold.
+    pub num_tokens: usize,
 }
 
 /// Why a sequence stopped.
@@ -72,6 +113,8 @@ pub enum SeqEvent {
         reason: FinishReason,
         /// Its token counts.
         usage: TokenUsage,
+        /// With `pin_on_finish`: the blocks kept for a peer.
+        pinned: Option<PinnedKv>,
     },
     /// The engine could not run the sequence; no more events follow.
     Failed(String),

@@ -12,12 +12,12 @@ use std::sync::{mpsc as std_mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use pdserve_model::{ModelError, SequenceStep};
-use tokio::sync::mpsc;
+use pdserve_model::{BlockId, ModelError, SequenceStep, BLOCK_SIZE};
+use tokio::sync::{mpsc, oneshot};
 
-use crate::block_manager::BlockManager;
+use crate::block_manager::{BlockError, BlockManager, PrefixHit};
 use crate::metrics::Metrics;
-use crate::request::{GenerationRequest, SeqEvent, SeqEvents};
+use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
 use crate::sequence::Sequence;
 use crate::step_model::StepModel;
 
@@ -46,8 +46,23 @@ pub enum SubmitError {
     Stopped,
 }
 
+/// Why a KV block operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("block {0} is not pinned")]
+    NotPinned(BlockId),
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, KvError>>;
+
 enum Command {
     Submit(Box<GenerationRequest>, mpsc::UnboundedSender<SeqEvent>),
+    ReadBlocks(Vec<BlockId>, Reply<Vec<Vec<u8>>>),
+    Unpin(Vec<BlockId>, Reply<()>),
     Shutdown,
 }
 
@@ -64,6 +79,8 @@ impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Submit(..) => f.write_str("Submit"),
+            Self::ReadBlocks(ids, _) => write!(f, "ReadBlocks({} blocks)", ids.len()),
+            Self::Unpin(ids, _) => write!(f, "Unpin({} blocks)", ids.len()),
             Self::Shutdown => f.write_str("Shutdown"),
         }
     }
@@ -93,6 +110,24 @@ impl EngineHandle {
         Ok(rx)
     }
 
+    /// Copies pinned blocks out of the KV pool (between scheduler steps).
+    pub async fn read_blocks(&self, ids: Vec<BlockId>) -> Result<Vec<Vec<u8>>, KvError> {
+        self.call(|reply| Command::ReadBlocks(ids, reply)).await
+    }
+
+    /// Drops the pins a `pin_on_finish` sequence left on `ids`.
+    pub async fn unpin(&self, ids: Vec<BlockId>) -> Result<(), KvError> {
+        self.call(|reply| Command::Unpin(ids, reply)).await
+    }
+
+    async fn call<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, KvError> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(command(tx))
+            .map_err(|_| KvError::Stopped)?;
+        rx.await.map_err(|_| KvError::Stopped)?
+    }
+
     /// Asks the scheduler thread to fail every sequence and exit.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
@@ -106,9 +141,7 @@ pub fn spawn<M: StepModel>(
     metrics: Arc<Metrics>,
 ) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
     // A sequence must always fit in the pool on its own, or preemption could not help.
-    config.max_model_len = config
-        .max_model_len
-        .min(model.num_blocks() * pdserve_model::BLOCK_SIZE);
+    config.max_model_len = config.max_model_len.min(model.num_blocks() * BLOCK_SIZE);
     let (tx, rx) = std_mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
     let handle = EngineHandle {
@@ -189,8 +222,23 @@ impl<M: StepModel> Scheduler<M> {
                 }
                 self.waiting.push_back(seq);
             }
+            Command::ReadBlocks(ids, reply) => {
+                let _ = reply.send(self.read_pinned(&ids));
+            }
+            Command::Unpin(ids, reply) => {
+                let result = self.blocks.unpin(&ids).map_err(KvError::from);
+                self.update_gauges();
+                let _ = reply.send(result);
+            }
             Command::Shutdown => self.stopping = true,
         }
+    }
+
+    fn read_pinned(&self, ids: &[BlockId]) -> Result<Vec<Vec<u8>>, KvError> {
+        if let Some(&id) = ids.iter().find(|&&id| !self.blocks.is_pinned(id)) {
+            return Err(KvError::NotPinned(id));
+        }
+        Ok(ids.iter().map(|&id| self.model.read_block(id)).collect())
     }
 
     /// Last line of defence behind the HTTP validation: a request that can never run
@@ -198,6 +246,19 @@ impl<M: StepModel> Scheduler<M> {
     fn check_fits(&self, seq: &Sequence) -> Result<(), String> {
         if seq.prompt_len == 0 {
             return Err("the prompt is empty".into());
+        }
+        if let Some(import) = seq.kv_import() {
+            if import.num_tokens == 0
+                || import.num_tokens >= seq.prompt_len
+                || import.blocks.len() != import.num_tokens.div_ceil(BLOCK_SIZE)
+            {
+                return Err(format!(
+                    "imported KV must cover 1..{} prompt tokens in whole blocks; got {} blocks for {} tokens",
+                    seq.prompt_len,
+                    import.blocks.len(),
+                    import.num_tokens
+                ));
+            }
         }
         if seq.prompt_len >= self.config.max_model_len {
             return Err(format!(
@@ -285,10 +346,16 @@ impl<M: StepModel> Scheduler<M> {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            let hit = self.blocks.match_prefix(&seq.tokens);
-            let num_new = (seq.tokens.len() - hit.num_tokens()).min(budget);
-            let missing =
-                (hit.num_tokens() + num_new).div_ceil(pdserve_model::BLOCK_SIZE) - hit.blocks.len();
+            // Imported KV replaces the prefix-cache lookup.
+            let imported = seq.kv_import().map_or(0, |import| import.num_tokens);
+            let hit = if imported > 0 {
+                PrefixHit::default()
+            } else {
+                self.blocks.match_prefix(&seq.tokens)
+            };
+            let start = hit.num_tokens() + imported;
+            let num_new = (seq.tokens.len() - start).min(budget);
+            let missing = (start + num_new).div_ceil(BLOCK_SIZE) - hit.blocks.len();
             let Some(new_blocks) = self.blocks.allocate(missing) else {
                 if let Err(e) = self.blocks.release(&hit.blocks) {
                     tracing::error!("releasing prefix-cache hits failed: {e}");
@@ -296,10 +363,23 @@ impl<M: StepModel> Scheduler<M> {
                 self.waiting.push_front(seq);
                 break;
             };
+            if let Some(import) = seq.take_kv_import() {
+                if let Err(e) = self.write_imported(&new_blocks, &import.blocks) {
+                    if let Err(e) = self.blocks.release(&new_blocks) {
+                        tracing::error!("releasing blocks of a failed import failed: {e}");
+                    }
+                    self.release_queue_slot(&mut seq);
+                    seq.send(SeqEvent::Failed(format!(
+                        "cannot load the imported KV: {e}"
+                    )));
+                    self.metrics.finished("error");
+                    continue;
+                }
+            }
             if seq.cached_tokens.is_none() {
-                seq.cached_tokens = Some(hit.num_tokens());
+                seq.cached_tokens = Some(start);
                 seq.send(SeqEvent::Admitted {
-                    cached_tokens: hit.num_tokens(),
+                    cached_tokens: start,
                 });
                 self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
                 self.metrics
@@ -309,10 +389,13 @@ impl<M: StepModel> Scheduler<M> {
                     .prefix_cache_hits
                     .inc_by(hit.num_tokens() as u64);
             }
-            seq.num_computed = hit.num_tokens();
+            seq.num_computed = start;
             seq.blocks = hit.blocks;
             seq.blocks.extend(new_blocks);
             seq.hashes = hit.hashes;
+            if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
+                tracing::error!("prefix-cache commit failed: {e}");
+            }
             self.release_queue_slot(&mut seq);
             self.running.push(seq);
             scheduled.push((self.running.len() - 1, num_new));
@@ -324,6 +407,28 @@ impl<M: StepModel> Scheduler<M> {
         }
         self.update_gauges();
         !scheduled.is_empty()
+    }
+
+    fn write_imported(&mut self, ids: &[BlockId], blocks: &[Vec<u8>]) -> Result<(), ModelError> {
+        for (&id, bytes) in ids.iter().zip(blocks) {
+            self.model.write_block(id, bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Pins the blocks holding a finishing sequence's computed tokens, for a peer to read.
+    fn pin_for_export(&mut self, seq: &Sequence) -> Option<PinnedKv> {
+        let blocks = seq.blocks[..seq.num_computed.div_ceil(BLOCK_SIZE)].to_vec();
+        match self.blocks.pin(&blocks) {
+            Ok(()) => Some(PinnedKv {
+                blocks,
+                num_tokens: seq.num_computed,
+            }),
+            Err(e) => {
+                tracing::error!("pinning a finished sequence's blocks failed: {e}");
+                None
+            }
+        }
     }
 
     fn run_batch(&mut self, scheduled: &[(usize, usize)]) {
@@ -365,6 +470,7 @@ impl<M: StepModel> Scheduler<M> {
                             SeqEvent::Finished {
                                 reason,
                                 usage: seq.usage(),
+                                pinned: None,
                             },
                         ));
                         self.metrics.finished(reason.as_str());
@@ -387,8 +493,13 @@ impl<M: StepModel> Scheduler<M> {
         }
         // Remove from the back so earlier indices stay valid.
         finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
-        for (i, event) in finished {
+        for (i, mut event) in finished {
             let mut seq = self.running.remove(i);
+            if let SeqEvent::Finished { pinned, .. } = &mut event {
+                if seq.pin_on_finish() {
+                    *pinned = self.pin_for_export(&seq);
+                }
+            }
             self.retire(&mut seq);
             seq.send(event);
         }

@@ -6,8 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::request::{FinishReason, TokenUsage};
-use crate::sampling::SamplingParams;
+use crate::request::{FinishReason, KvImport, TokenUsage};
 use crate::step_model::fake::{next_token, FakeModel};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -23,12 +22,8 @@ fn config() -> SchedulerConfig {
 
 fn request(prompt: Vec<u32>, max_new_tokens: usize) -> GenerationRequest {
     GenerationRequest {
-        prompt,
-        sampling: SamplingParams::greedy(),
-        max_new_tokens,
         stop_token_ids: vec![0],
-        min_new_tokens: 0,
-        logprobs: None,
+        ..GenerationRequest::new(prompt, max_new_tokens)
     }
 }
 
@@ -105,7 +100,8 @@ fn single_request_matches_the_reference_and_reports_usage() {
                 prompt_tokens: 37,
                 completion_tokens: 6,
                 cached_tokens: 0
-            }
+            },
+            pinned: None,
         }
     );
     wait_for_blocks_used(&metrics, 0);
@@ -279,4 +275,71 @@ fn prompts_that_can_never_fit_fail_instead_of_blocking() {
         reference(&p, 3)
     );
     stop(handle, thread);
+}
+
+#[test]
+fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (prefill, prefill_thread, prefill_metrics) = start(FakeModel::new(16), config());
+    let p = prompt(45, 11);
+    // "Prefill": one token, blocks kept for a peer.
+    let mut req = request(p.clone(), 1);
+    req.pin_on_finish = true;
+    let (ids, end) = collect(&mut prefill.submit(req).unwrap());
+    assert_eq!(ids, reference(&p, 1));
+    let SeqEvent::Finished {
+        pinned: Some(pinned),
+        ..
+    } = end
+    else {
+        panic!("{end:?}")
+    };
+    assert_eq!(pinned.num_tokens, 45, "every prompt token has KV");
+    assert_eq!(pinned.blocks.len(), 3);
+    wait_for_blocks_used(&prefill_metrics, 3);
+    assert_eq!(prefill_metrics.kv_blocks_pinned.get(), 3);
+    let bytes = rt
+        .block_on(prefill.read_blocks(pinned.blocks.clone()))
+        .unwrap();
+    assert_eq!(
+        rt.block_on(prefill.read_blocks(vec![15])),
+        Err(KvError::NotPinned(15))
+    );
+
+    // "Decode": a fresh engine loads all but the last prompt token and continues.
+    let (decode, decode_thread, _) = start(FakeModel::new(16), config());
+    let mut req = request(p.clone(), 6);
+    req.kv_import = Some(KvImport {
+        num_tokens: 44,
+        blocks: bytes,
+    });
+    let (ids, end) = collect(&mut decode.submit(req).unwrap());
+    assert_eq!(ids, reference(&p, 6), "imported KV continues identically");
+    let SeqEvent::Finished { usage, .. } = end else {
+        panic!("{end:?}")
+    };
+    assert_eq!(usage.cached_tokens, 44);
+
+    // A malformed import fails the request, not the engine.
+    let mut bad = request(p.clone(), 2);
+    bad.kv_import = Some(KvImport {
+        num_tokens: 44,
+        blocks: vec![vec![1, 2, 3]],
+    });
+    assert!(matches!(
+        collect(&mut decode.submit(bad).unwrap()).1,
+        SeqEvent::Failed(_)
+    ));
+
+    rt.block_on(prefill.unpin(pinned.blocks.clone())).unwrap();
+    assert_eq!(prefill_metrics.kv_blocks_pinned.get(), 0);
+    assert_eq!(prefill_metrics.kv_blocks_used.get(), 0);
+    assert!(
+        rt.block_on(prefill.unpin(pinned.blocks)).is_err(),
+        "double unpin is refused"
+    );
+    stop(prefill, prefill_thread);
+    stop(decode, decode_thread);
 }

@@ -5,7 +5,7 @@ use pdserve_model::{BlockId, BLOCK_SIZE};
 use tokio::sync::mpsc;
 
 use crate::block_manager::{BlockError, BlockHash, BlockManager};
-use crate::request::{FinishReason, GenerationRequest, SeqEvent, TokenUsage};
+use crate::request::{FinishReason, GenerationRequest, KvImport, SeqEvent, TokenUsage};
 use crate::sampling::{logprobs, Sampler};
 
 /// A sequence being scheduled.
@@ -44,6 +44,21 @@ impl Sequence {
             request,
             events,
         }
+    }
+
+    /// Whether the blocks stay pinned for a peer when the sequence finishes.
+    pub fn pin_on_finish(&self) -> bool {
+        self.request.pin_on_finish
+    }
+
+    /// The KV to load at first admission (taken: a preempted sequence recomputes).
+    pub fn take_kv_import(&mut self) -> Option<KvImport> {
+        self.request.kv_import.take()
+    }
+
+    /// The KV to load, if any, without taking it.
+    pub fn kv_import(&self) -> Option<&KvImport> {
+        self.request.kv_import.as_ref()
     }
 
     /// Tokens generated so far.

@@ -214,6 +214,8 @@ pub fn generation_request(
         stop_token_ids,
         min_new_tokens,
         logprobs,
+        pin_on_finish: false,
+        kv_import: None,
     })
 }
 
