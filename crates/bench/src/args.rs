@@ -69,6 +69,10 @@ pub struct ServerArgs {
     /// length; servers that reject unknown fields need this).
     #[arg(long, env = "PDSERVE_BENCH_NO_IGNORE_EOS")]
     pub no_ignore_eos: bool,
+    /// GGUF file of the served model: its tokenizer sizes prompts exactly (default: an
+    /// approximation of one token per common word, exact for SmolLM2 and GPT-style BPE).
+    #[arg(long, env = "PDSERVE_BENCH_TOKENIZER_GGUF")]
+    pub tokenizer_gguf: Option<PathBuf>,
 }
 
 /// Service-level objectives for goodput.

@@ -10,11 +10,21 @@
 //! The report always uses the server's `usage.prompt_tokens` when it is given, so this
 //! approximation only steers the load, it never enters a metric.
 //!
+//! With `--tokenizer-gguf PATH` the served model's tokenizer (read from its GGUF) makes
+//! the length exact instead: words are added or the token ids cut until the prompt
+//! encodes to exactly `n` tokens (without BOS).
+//!
 //! Random words make every prompt distinct from its first tokens, so prefix caches do
 //! not share work between requests of a `serve` run.
 
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use pdserve_model::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use crate::BenchError;
 
 /// Common English words that are one token each (with their leading space).
 #[rustfmt::skip]
@@ -53,10 +63,53 @@ pub struct SyntheticRequest {
     pub output_tokens: u64,
 }
 
+/// The served model's tokenizer, with the file it came from (for error messages).
+pub struct PromptTokenizer {
+    tokenizer: Tokenizer,
+    path: PathBuf,
+}
+
+impl PromptTokenizer {
+    /// Loads the tokenizer of a GGUF file (metadata only, no weights).
+    pub fn load(path: &Path) -> Result<Arc<Self>, BenchError> {
+        let tokenizer = Tokenizer::load(path).map_err(|e| BenchError::Tokenizer {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Arc::new(Self {
+            tokenizer,
+            path: path.to_path_buf(),
+        }))
+    }
+
+    fn error(&self, e: pdserve_model::ModelError) -> BenchError {
+        BenchError::Tokenizer {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        }
+    }
+
+    /// Token ids of `text`, without BOS.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, BenchError> {
+        self.tokenizer
+            .encode(text, false)
+            .map_err(|e| self.error(e))
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, BenchError> {
+        self.tokenizer.decode(ids, false).map_err(|e| self.error(e))
+    }
+}
+
+/// Loads `--tokenizer-gguf`, if given.
+pub fn load_tokenizer(path: Option<&Path>) -> Result<Option<Arc<PromptTokenizer>>, BenchError> {
+    path.map(PromptTokenizer::load).transpose()
+}
+
 /// Draws prompts and lengths from a seeded generator, so a seed fixes the workload.
-#[derive(Debug)]
 pub struct PromptGenerator {
     rng: StdRng,
+    tokenizer: Option<Arc<PromptTokenizer>>,
 }
 
 impl PromptGenerator {
@@ -64,7 +117,36 @@ impl PromptGenerator {
     pub fn new(seed: u64) -> Self {
         Self {
             rng: StdRng::seed_from_u64(seed),
+            tokenizer: None,
         }
+    }
+
+    /// Sizes prompts exactly with `tokenizer` (when given) instead of the approximation.
+    pub fn with_tokenizer(mut self, tokenizer: Option<Arc<PromptTokenizer>>) -> Self {
+        self.tokenizer = tokenizer;
+        self
+    }
+
+    /// A prompt of `tokens` tokens: exact with a tokenizer, else [`Self::words`].
+    pub fn prompt(&mut self, tokens: u64) -> Result<String, BenchError> {
+        let mut text = self.words(tokens);
+        let Some(tokenizer) = self.tokenizer.clone() else {
+            return Ok(text);
+        };
+        let want = tokens as usize;
+        // Each round either adds words (too short) or cuts ids (too long); cutting ids
+        // and decoding can re-merge at the cut, hence a few rounds.
+        for _ in 0..8 {
+            let ids = tokenizer.encode(&text)?;
+            match ids.len().cmp(&want) {
+                std::cmp::Ordering::Equal => return Ok(text),
+                std::cmp::Ordering::Less => text.push_str(&self.words((want - ids.len()) as u64)),
+                std::cmp::Ordering::Greater => {
+                    text = tokenizer.decode(&ids[..want])?;
+                }
+            }
+        }
+        Ok(text)
     }
 
     /// `tokens` random words, each with its leading space.
@@ -94,16 +176,16 @@ impl PromptGenerator {
         input_len: u64,
         output_len: u64,
         range_ratio: f64,
-    ) -> Vec<SyntheticRequest> {
+    ) -> Result<Vec<SyntheticRequest>, BenchError> {
         (0..count)
             .map(|_| {
                 let prompt_tokens = self.length(input_len, range_ratio);
                 let output_tokens = self.length(output_len, range_ratio);
-                SyntheticRequest {
-                    prompt: self.words(prompt_tokens),
+                Ok(SyntheticRequest {
+                    prompt: self.prompt(prompt_tokens)?,
                     prompt_tokens,
                     output_tokens,
-                }
+                })
             })
             .collect()
     }
@@ -115,20 +197,23 @@ mod tests {
 
     #[test]
     fn prompts_have_the_requested_word_count_and_depend_only_on_the_seed() {
-        let a = PromptGenerator::new(7).requests(20, 50, 10, 0.0);
-        let b = PromptGenerator::new(7).requests(20, 50, 10, 0.0);
+        let a = PromptGenerator::new(7).requests(20, 50, 10, 0.0).unwrap();
+        let b = PromptGenerator::new(7).requests(20, 50, 10, 0.0).unwrap();
         assert_eq!(a, b);
         for r in &a {
             assert_eq!(r.prompt.split_whitespace().count(), 50);
             assert_eq!((r.prompt_tokens, r.output_tokens), (50, 10));
         }
         assert_ne!(a[0].prompt, a[1].prompt, "prompts differ");
-        assert_ne!(a, PromptGenerator::new(8).requests(20, 50, 10, 0.0));
+        assert_ne!(
+            a,
+            PromptGenerator::new(8).requests(20, 50, 10, 0.0).unwrap()
+        );
     }
 
     #[test]
     fn range_ratio_spreads_lengths_within_bounds() {
-        let reqs = PromptGenerator::new(1).requests(500, 100, 20, 0.5);
+        let reqs = PromptGenerator::new(1).requests(500, 100, 20, 0.5).unwrap();
         assert!(reqs.iter().all(|r| (50..=150).contains(&r.prompt_tokens)));
         assert!(reqs.iter().all(|r| (10..=30).contains(&r.output_tokens)));
         let distinct: std::collections::HashSet<_> = reqs.iter().map(|r| r.prompt_tokens).collect();

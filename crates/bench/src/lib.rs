@@ -57,6 +57,14 @@ pub enum BenchError {
         /// Why it failed.
         reason: String,
     },
+    /// `--tokenizer-gguf` could not be loaded or used.
+    #[error("tokenizer {}: {reason}", path.display())]
+    Tokenizer {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// The HTTP client could not be built or used.
     #[error("HTTP client error: {0}")]
     Http(String),

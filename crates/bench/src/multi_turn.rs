@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::args::{Endpoint, MultiTurnArgs};
 use crate::client::{chat_message, request_body, ApiClient, RequestInput};
-use crate::dataset::PromptGenerator;
+use crate::dataset::{load_tokenizer, PromptGenerator};
 use crate::metrics::{cached_share, failures, summarize, Distribution, RequestRecord, Slo};
 use crate::report::{BenchResult, RunConfig, RunKind, TurnSummary, SCHEMA_VERSION};
 use crate::serve::{probe, probe_prompt, resolve_model};
@@ -50,25 +50,27 @@ pub async fn run_multi_turn(
     let model = resolve_model(&client, args.server.model.as_deref()).await?;
     let ignore_eos = !args.server.no_ignore_eos;
     let started_at_unix_s = unix_now();
-    let mut generator = PromptGenerator::new(args.seed);
-    let scripts: Vec<Script> = (0..args.conversations)
-        .map(|k| Script {
+    let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
+    let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer);
+    let mut scripts = Vec::with_capacity(args.conversations as usize);
+    for k in 0..args.conversations {
+        let mut user_messages = Vec::with_capacity(args.turns as usize);
+        for t in 0..args.turns {
+            let len = if t == 0 {
+                args.input_len
+            } else {
+                args.turn_input_len
+            };
+            user_messages.push((generator.prompt(len)?, len));
+        }
+        scripts.push(Script {
             index: k,
             conversation_id: args
                 .send_conversation_id
                 .then(|| format!("pdserve-bench-{started_at_unix_s}-{}-{k}", args.seed)),
-            user_messages: (0..args.turns)
-                .map(|t| {
-                    let len = if t == 0 {
-                        args.input_len
-                    } else {
-                        args.turn_input_len
-                    };
-                    (generator.words(len), len)
-                })
-                .collect(),
-        })
-        .collect();
+            user_messages,
+        });
+    }
     let probe_input = RequestInput::Prompt(probe_prompt(args.seed));
     probe(&client, Endpoint::Chat, &model, probe_input, ignore_eos).await?;
 

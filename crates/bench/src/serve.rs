@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::args::{Endpoint, ServeArgs};
 use crate::client::{request_body, ApiClient, RequestError, RequestInput};
-use crate::dataset::PromptGenerator;
+use crate::dataset::{load_tokenizer, PromptGenerator};
 use crate::metrics::{failures, summarize, RequestRecord, Slo};
 use crate::report::{BenchResult, RunConfig, RunKind, SCHEMA_VERSION};
 use crate::schedule::Dispatcher;
@@ -80,12 +80,10 @@ pub async fn run_serve(
     let ignore_eos = !args.server.no_ignore_eos;
     let endpoint = args.endpoint;
     let planned = args.num_prompts;
-    let workload = PromptGenerator::new(args.seed).requests(
-        planned,
-        args.input_len,
-        args.output_len,
-        args.range_ratio,
-    );
+    let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
+    let workload = PromptGenerator::new(args.seed)
+        .with_tokenizer(tokenizer)
+        .requests(planned, args.input_len, args.output_len, args.range_ratio)?;
     probe(
         &client,
         endpoint,
