@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -49,6 +49,8 @@ pub enum Behavior {
 /// One request as the double received it.
 #[derive(Debug, Clone)]
 pub struct Recorded {
+    /// The gateway's side of the TCP connection the request came on.
+    pub peer: std::net::SocketAddr,
     pub path: String,
     pub headers: HeaderMap,
     pub body: Value,
@@ -121,6 +123,7 @@ impl Double {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let task = tokio::spawn(async move {
+            let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
             axum::serve(listener, app).await.unwrap();
         });
         Self { url, shared, task }
@@ -205,11 +208,13 @@ async fn models() -> Json<Value> {
 
 async fn generate(
     State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
     uri: Uri,
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
     shared.requests.lock().unwrap().push(Recorded {
+        peer,
         path: uri.path().to_string(),
         headers: headers.clone(),
         body: body.clone(),

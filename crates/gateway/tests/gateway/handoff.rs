@@ -275,3 +275,39 @@ async fn serve_returns_when_its_shutdown_future_completes() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_are_retired_before_the_worker_closes_them() {
+    bounded(async {
+        let w = Double::start(Role::Decode, "W").await;
+        let peers = |idle_ms: u64| {
+            let w = &w;
+            async move {
+                let mut config = GatewayConfig::new(vec![], vec![], urls(&[w]));
+                config.upstream_idle_timeout = std::time::Duration::from_millis(idle_ms);
+                let gw = Gateway::start(config).await;
+                let before = w.requests().len();
+                for _ in 0..2 {
+                    let resp = client()
+                        .post(gw.at("/v1/completions"))
+                        .json(&json!({"prompt": "x"}))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(resp.status(), 200);
+                    resp.bytes().await.unwrap();
+                    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+                }
+                let requests = w.requests();
+                (requests[before].peer, requests[before + 1].peer)
+            }
+        };
+        // A connection idle past the pool timeout is not reused...
+        let (a, b) = peers(100).await;
+        assert_ne!(a, b);
+        // ...while one within it is (so the check above is meaningful).
+        let (a, b) = peers(60_000).await;
+        assert_eq!(a, b);
+    })
+    .await;
+}
