@@ -60,3 +60,45 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: WorkerArgs,
+    }
+
+    #[test]
+    fn flags_are_consistent_and_default_sensibly() {
+        Cli::command().debug_assert();
+        let args = Cli::try_parse_from(["worker"]).unwrap().args;
+        assert_eq!(
+            (args.role, args.host.as_str(), args.port),
+            (Role::Both, "127.0.0.1", 8100)
+        );
+        assert!(args.model.is_none() && args.max_model_len.is_none());
+        let args = Cli::try_parse_from([
+            "worker",
+            "--port",
+            "0",
+            "--threads",
+            "2",
+            "--num-kv-blocks",
+            "64",
+        ])
+        .unwrap()
+        .args;
+        assert_eq!(
+            (args.port, args.threads, args.num_kv_blocks),
+            (0, Some(2), 64)
+        );
+        assert!(
+            Cli::try_parse_from(["worker", "--role", "prefill"]).is_err(),
+            "not yet"
+        );
+    }
+}
