@@ -32,10 +32,13 @@ impl BlockHash {
 /// the cache).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BlockError {
+    /// The id is outside the pool.
     #[error("block {0} does not exist")]
     UnknownBlock(BlockId),
+    /// The block has no reference to drop or share.
     #[error("block {0} is not in use")]
     NotInUse(BlockId),
+    /// The block has no pin to drop.
     #[error("block {0} is not pinned")]
     NotPinned(BlockId),
 }

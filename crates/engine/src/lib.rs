@@ -4,6 +4,7 @@
 // `pdserve_protocol::ApiError` (status + OpenAI body) is ~150 bytes; it is only built on
 // the request-rejection path, where moving it costs nothing that matters.
 #![allow(clippy::result_large_err)]
+#![warn(missing_docs)]
 
 pub mod args;
 pub mod block_manager;

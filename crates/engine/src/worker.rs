@@ -22,12 +22,16 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Errors that stop a worker.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// A flag value is unusable.
     #[error("invalid worker arguments: {0}")]
     InvalidArgs(String),
+    /// The model could not be fetched or loaded.
     #[error("model: {0}")]
     Model(#[from] ModelError),
+    /// Binding or serving the socket failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// A background task or thread died.
     #[error("background task failed: {0}")]
     Task(String),
 }
