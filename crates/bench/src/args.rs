@@ -106,6 +106,7 @@ pub struct OutputArgs {
 #[derive(Debug, Clone, Args)]
 #[command(group(ArgGroup::new("load").required(true).args(["concurrency", "request_rate"])))]
 pub struct ServeArgs {
+    /// Where the server is and how to talk to it.
     #[command(flatten)]
     pub server: ServerArgs,
     /// Number of requests to send.
@@ -136,8 +137,10 @@ pub struct ServeArgs {
     /// message (the chat template adds a few tokens).
     #[arg(long, env = "PDSERVE_BENCH_ENDPOINT", value_enum, default_value_t = Endpoint::Completions)]
     pub endpoint: Endpoint,
+    /// SLOs for goodput.
     #[command(flatten)]
     pub slo: SloArgs,
+    /// Result file, plot and label.
     #[command(flatten)]
     pub output: OutputArgs,
 }
@@ -145,6 +148,7 @@ pub struct ServeArgs {
 /// `pdserve bench multi-turn`.
 #[derive(Debug, Clone, Args)]
 pub struct MultiTurnArgs {
+    /// Where the server is and how to talk to it.
     #[command(flatten)]
     pub server: ServerArgs,
     /// Number of conversations.
@@ -172,8 +176,10 @@ pub struct MultiTurnArgs {
     /// Seed for the prompts.
     #[arg(long, env = "PDSERVE_BENCH_SEED", default_value_t = 0)]
     pub seed: u64,
+    /// SLOs for goodput.
     #[command(flatten)]
     pub slo: SloArgs,
+    /// Result file, plot and label.
     #[command(flatten)]
     pub output: OutputArgs,
 }
