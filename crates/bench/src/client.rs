@@ -219,7 +219,10 @@ impl ApiClient {
         if !status.is_success() {
             return Err(BenchError::NotOpenAi {
                 url,
-                reason: format!("HTTP {status}: {}", error_message(&body)),
+                reason: format!(
+                    "HTTP {status} with {content_type}: {}",
+                    error_message(&body)
+                ),
             });
         }
         let list: ModelList = serde_json::from_str(&body).map_err(|e| BenchError::NotOpenAi {
@@ -275,6 +278,13 @@ impl ApiClient {
         let content_type = content_type(&resp);
         if !status.is_success() {
             let body = resp.text().await.unwrap_or_default();
+            // An error page (e.g. a web server's 404) means this is no OpenAI API at all.
+            if content_type.contains("html") && serde_json::from_str::<ErrorBody>(&body).is_err() {
+                return Err(RequestError::NotOpenAi(format!(
+                    "HTTP {status} with {content_type}: {}",
+                    snippet(&body)
+                )));
+            }
             return Err(RequestError::Status {
                 status: status.as_u16(),
                 message: error_message(&body),

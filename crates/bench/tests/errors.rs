@@ -5,6 +5,7 @@ mod support;
 
 use std::time::Duration;
 
+use axum::http::StatusCode;
 use pdserve_bench::serve::run_serve;
 use pdserve_bench::BenchError;
 use support::scripted_server::ScriptedServer;
@@ -46,7 +47,13 @@ async fn unreachable_server_is_a_clear_error() {
 
 #[tokio::test]
 async fn html_server_is_not_openai() {
-    let server = ScriptedServer::start_html().await;
+    for status in [StatusCode::OK, StatusCode::NOT_FOUND] {
+        html_server_case(status).await;
+    }
+}
+
+async fn html_server_case(status: StatusCode) {
+    let server = ScriptedServer::start_html(status).await;
     let url = server.url();
     for extra in [&[][..], &["--model", "m"][..]] {
         let mut flags = vec!["--url", url.as_str(), "--concurrency", "1"];
@@ -55,7 +62,10 @@ async fn html_server_is_not_openai() {
             .await
             .expect("bounded")
             .unwrap_err();
-        assert!(matches!(err, BenchError::NotOpenAi { .. }), "{err:?}");
+        assert!(
+            matches!(err, BenchError::NotOpenAi { .. }),
+            "{status}: {err:?}"
+        );
         let text = err.to_string();
         assert!(
             text.contains("not an OpenAI-compatible API") && text.contains("text/html"),

@@ -109,12 +109,13 @@ impl ScriptedServer {
         Self { addr, state, task }
     }
 
-    /// A server that answers every request with an HTML page (not OpenAI).
-    pub async fn start_html() -> Self {
+    /// A server that answers every request with an HTML page and `status` (not OpenAI).
+    pub async fn start_html(status: StatusCode) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
-        let app = Router::new().fallback(|| async {
+        let app = Router::new().fallback(move || async move {
             (
+                status,
                 [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
                 "<!doctype html><html><body>Welcome to nginx!</body></html>",
             )
