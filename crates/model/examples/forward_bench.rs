@@ -208,7 +208,15 @@ fn main() {
         "model: {} ({threads} threads), ours loaded in {load_s:.1}s with {options:?}",
         path.display()
     );
-    println!("tokens/s by wall clock, and in parentheses by CPU time / threads (load-independent estimate)");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "tokens/s by wall clock, and in parentheses by CPU time / threads (an estimate for an \
+         idle machine; spin-waiting code is penalised); load average at the end: {}",
+        load.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     println!();
     println!("| engine | prefill tok/s ({PROMPT_TOKENS}-tok prompt) | decode b=1 | b=4 | b=8 | b=16 | peak RSS |");
     println!("|---|---|---|---|---|---|---|");
@@ -220,9 +228,11 @@ fn main() {
             .unwrap()
     };
     println!(
-        "| pdserve-model ({:?} weights, f32 GEMM from {:?} rows, f16 KV) | {prefill} | {} | {} | {} | {} | {ours_rss:.0} MiB |",
+        "| pdserve-model ({:?} weights, {}, f16 KV) | {prefill} | {} | {} | {} | {} | {ours_rss:.0} MiB |",
         options.weights,
-        options.dense_min_rows,
+        options
+            .dense_min_rows
+            .map_or("no f32 GEMM".to_string(), |r| format!("f32 GEMM for steps of {r}+ rows")),
         d(1),
         d(4),
         d(8),
