@@ -37,7 +37,15 @@ pub fn ensure_default_model(home: &Path) -> Result<PathBuf, ModelError> {
 /// Like [`ensure_default_model`], running pip through the given Python interpreter.
 pub fn ensure_default_model_with_python(home: &Path, python: &str) -> Result<PathBuf, ModelError> {
     let target = default_model_path(home);
-    if target.is_file() && crate::gguf::has_gguf_magic(&target).unwrap_or(false) {
+    let present = |t: &Path| t.is_file() && crate::gguf::has_gguf_magic(t).unwrap_or(false);
+    if present(&target) {
+        return Ok(target);
+    }
+    // One download per process at a time (parallel tests all ask at once); other
+    // processes are safe through the private scratch directory and atomic rename.
+    static FETCHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = FETCHING.lock().unwrap_or_else(|e| e.into_inner());
+    if present(&target) {
         return Ok(target);
     }
     let models_dir = target.parent().expect("model path has a parent");
