@@ -1,6 +1,29 @@
 //! Llama-family GGUF models on the CPU: tokenizer and chat template from the GGUF
 //! metadata, and a forward pass over an explicit, paged KV store whose blocks can be
 //! read out and written in as bytes.
+//!
+//! # Numeric paths ([`LoadOptions`])
+//!
+//! - [`WeightFormat::Native`] (default): weights exactly as the GGUF ships them; Q4_1 and
+//!   Q8_0 matrices go through this crate's AVX2 kernels (activations quantized to 8 bits per
+//!   32 values, as llama.cpp does), tiled over rows so batched decode and prefill reuse
+//!   each unpacked weight block. Everything runs on the rayon global pool ([`set_threads`]).
+//! - [`WeightFormat::AsShipped`]: candle's own kernels and attention arithmetic; greedy
+//!   tokens are bit-identical to candle-transformers' `quantized_llama` (tested).
+//! - [`WeightFormat::Q8_0`]: requantized at load for candle's AVX Q8_0 kernels.
+//! - [`WeightFormat::F32`]: dequantized; the numerical reference the default path is
+//!   tested against (max |Δlogit| and top-1 agreement, see `tests/reference.rs`).
+//!
+//! [`LoadOptions::dense_min_rows`] adds f32 copies of the weights and a GEMM for steps with
+//! many rows; on the 2-core development machine our int8 kernels were faster for every
+//! step size, so it is off by default.
+//!
+//! # KV blocks
+//!
+//! [`KvStore`] holds every layer's K (after RoPE) and V in blocks of [`BLOCK_SIZE`] tokens,
+//! f16 by default (23,040 bytes per token for SmolLM2-135M). `read_block` / `write_block`
+//! move a block as bytes; the layout is documented on the `kv_store` module and named by
+//! [`KvStore::layout`], which two processes should compare before exchanging blocks.
 
 mod attention;
 mod chat_template;
