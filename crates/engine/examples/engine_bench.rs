@@ -2,8 +2,10 @@
 //! without HTTP: prefill tokens/s for a ~500-token prompt and decode tokens/s at several
 //! batch sizes, plus peak RSS.
 //!
-//! `cargo run --release -p pdserve-engine --example engine_bench -- [--threads N] [--model PATH]`
+//! `cargo run --release -p pdserve-engine --example engine_bench -- [--threads N] [--model PATH]
+//! [--max-num-batched-tokens N]`
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,13 +32,47 @@ fn drain(rx: &mut SeqEvents, start: Instant) -> (Duration, Duration) {
     let mut first = None;
     while let Some(event) = rx.blocking_recv() {
         match event {
-            SeqEvent::Token { .. } if first.is_none() => first = Some(start.elapsed()),
+            SeqEvent::Token { .. } if first.is_none() => {
+                first = Some(start.elapsed());
+                FIRST_TOKENS.fetch_add(1, Ordering::SeqCst);
+            }
             SeqEvent::Finished { .. } => break,
             SeqEvent::Failed(e) => panic!("request failed: {e}"),
             _ => {}
         }
     }
     (first.unwrap_or_default(), start.elapsed())
+}
+
+/// CPU seconds this process has used (user + system), from /proc/self/stat.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    // `rest` starts at field 3 (state); utime and stime are fields 14 and 15.
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // Kernel clock ticks are 100 Hz on Linux.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Prints a rate per wall second and per `threads` CPU seconds used, so runs on a busy
+/// machine (other processes taking the cores) stay comparable.
+fn report(label: &str, tokens: usize, wall: Duration, cpu: f64, threads: usize) {
+    let per_cpu = if cpu > 0.0 {
+        tokens as f64 / (cpu / threads as f64)
+    } else {
+        0.0
+    };
+    println!(
+        "{label}: {:.0} tok/s wall, {per_cpu:.0} tok/s per {threads} CPU-seconds",
+        tokens as f64 / wall.as_secs_f64()
+    );
 }
 
 fn peak_rss_mib() -> f64 {
@@ -54,11 +90,8 @@ fn peak_rss_mib() -> f64 {
 fn prompt(model: &Model, len: usize, salt: usize) -> Vec<u32> {
     let text = (0..)
         .map(|i| {
-            format!(
-                "item {} of list {salt} is a {} thing. ",
-                i,
-                ["red", "blue", "small", "warm"][i % 4]
-            )
+            let colour = ["red", "blue", "small", "warm"][i % 4];
+            format!("item {i} of list {salt} is a {colour} thing. ")
         })
         .take(len)
         .collect::<String>();
@@ -67,13 +100,16 @@ fn prompt(model: &Model, len: usize, salt: usize) -> Vec<u32> {
     ids
 }
 
-fn decode_rate(
+/// Runs `batch` requests of `tokens` new tokens each at once; decode time is measured
+/// from the moment every sequence has its first token (prefills done) to the end.
+fn decode(
     engine: &EngineHandle,
     model: &Model,
     batch: usize,
     tokens: usize,
     salt: usize,
-) -> f64 {
+    threads: usize,
+) {
     let start = Instant::now();
     let mut rxs: Vec<_> = (0..batch)
         .map(|i| {
@@ -82,19 +118,34 @@ fn decode_rate(
                 .unwrap()
         })
         .collect();
-    // Drain all concurrently so each first-token time is when it really arrived.
-    let times: Vec<_> = std::thread::scope(|s| {
+    // Drain concurrently so each first-token time is when it really arrived.
+    let (times, cpu_after_prefill) = std::thread::scope(|s| {
         let handles: Vec<_> = rxs
             .iter_mut()
             .map(|rx| s.spawn(move || drain(rx, start)))
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        // CPU time is sampled once every sequence has its first token (polled).
+        while FIRST_TOKENS.load(Ordering::SeqCst) < batch {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let cpu_after_prefill = cpu_seconds();
+        let times: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (times, cpu_after_prefill)
     });
     let first_all = times.iter().map(|t| t.0).max().unwrap();
     let end = times.iter().map(|t| t.1).max().unwrap();
-    // Tokens after every sequence's first, over the time after the last first token.
-    (batch * (tokens - 1)) as f64 / (end - first_all).as_secs_f64()
+    let cpu = cpu_seconds() - cpu_after_prefill;
+    report(
+        &format!("decode batch {batch:>2}"),
+        batch * (tokens - 1),
+        end - first_all,
+        cpu,
+        threads,
+    );
 }
+
+/// Sequences of the current phase that have their first token.
+static FIRST_TOKENS: AtomicUsize = AtomicUsize::new(0);
 
 fn main() {
     let threads: usize = arg("--threads").and_then(|t| t.parse().ok()).unwrap_or(2);
@@ -107,34 +158,35 @@ fn main() {
     let config = SchedulerConfig {
         max_num_seqs: 32,
         max_waiting: 1024,
-        max_num_batched_tokens: 1024,
+        max_num_batched_tokens: arg("--max-num-batched-tokens")
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(1024),
         max_model_len: 4096,
     };
     let (engine, thread) = scheduler::spawn(runner, config, Arc::new(Metrics::new())).unwrap();
     println!("model {} threads {threads}", path.display());
 
-    // Warm-up (first-touch of weights and KV pages).
-    let _ = drain(
-        &mut engine.submit(request(prompt(&model, 64, 999), 4)).unwrap(),
-        Instant::now(),
-    );
+    // Warm-up (first touch of weights and KV pages).
+    let warm = request(prompt(&model, 64, 999), 4);
+    let _ = drain(&mut engine.submit(warm).unwrap(), Instant::now());
 
-    let mut prefill = Vec::new();
     for salt in 0..3 {
         let p = prompt(&model, 500, salt);
         let n = p.len();
+        let cpu = cpu_seconds();
         let start = Instant::now();
         let (ttft, _) = drain(&mut engine.submit(request(p, 1)).unwrap(), start);
-        prefill.push(n as f64 / ttft.as_secs_f64());
+        report(
+            &format!("prefill {n}-token prompt"),
+            n,
+            ttft,
+            cpu_seconds() - cpu,
+            threads,
+        );
     }
-    prefill.sort_by(f64::total_cmp);
-    println!(
-        "prefill ~500-token prompt: {:.0} tok/s (median of 3)",
-        prefill[1]
-    );
     for (i, batch) in [1usize, 4, 8, 16].into_iter().enumerate() {
-        let rate = decode_rate(&engine, &model, batch, 64, 100 + i * 100);
-        println!("decode batch {batch:>2}: {rate:.0} tok/s");
+        FIRST_TOKENS.store(0, Ordering::SeqCst);
+        decode(&engine, &model, batch, 64, 100 + i * 100, threads);
     }
     println!("peak RSS: {:.0} MiB", peak_rss_mib());
     engine.shutdown();
