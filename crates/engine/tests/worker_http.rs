@@ -81,6 +81,15 @@ impl TestWorker {
 
     /// The data events of a streamed request, `[DONE]` included as the string "[DONE]".
     async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        self.stream_timed(path, body)
+            .await
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect()
+    }
+
+    /// Like `stream`, with the arrival time of each event.
+    async fn stream_timed(&self, path: &str, body: &Value) -> Vec<(Instant, Value)> {
         let resp = self
             .http
             .post(format!("{}{path}", self.base))
@@ -95,9 +104,12 @@ impl TestWorker {
             "{content_type}"
         );
         messages(resp.bytes_stream())
-            .map(|m| match m.unwrap() {
-                SseMessage::Data(d) => serde_json::from_str(&d).unwrap(),
-                SseMessage::Done => Value::String("[DONE]".into()),
+            .map(|m| {
+                let value = match m.unwrap() {
+                    SseMessage::Data(d) => serde_json::from_str(&d).unwrap(),
+                    SseMessage::Done => Value::String("[DONE]".into()),
+                };
+                (Instant::now(), value)
             })
             .collect()
             .await
@@ -235,9 +247,17 @@ async fn streaming_sends_one_chunk_per_token_and_matches_non_streaming() {
         let mut streamed = ask.clone();
         streamed["stream"] = json!(true);
         streamed["stream_options"] = json!({"include_usage": true});
-        let events = w
-            .stream("/v1/chat/completions", &chat("Name a fruit.", streamed))
+        let timed = w
+            .stream_timed("/v1/chat/completions", &chat("Name a fruit.", streamed))
             .await;
+        // Chunks leave as tokens are generated, not buffered to the end: twelve tokens
+        // take at least eleven forward steps between the first and the last chunk.
+        let spread = timed[timed.len() - 4].0 - timed[1].0;
+        assert!(
+            spread > Duration::from_millis(20),
+            "chunks arrived together ({spread:?})"
+        );
+        let events: Vec<Value> = timed.into_iter().map(|(_, v)| v).collect();
 
         assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
         assert_eq!(events.last().unwrap(), "[DONE]");
