@@ -254,7 +254,7 @@ async fn streaming_sends_one_chunk_per_token_and_matches_non_streaming() {
         // take at least eleven forward steps between the first and the last chunk.
         let spread = timed[timed.len() - 4].0 - timed[1].0;
         assert!(
-            spread > Duration::from_millis(20),
+            spread > Duration::from_millis(5),
             "chunks arrived together ({spread:?})"
         );
         let events: Vec<Value> = timed.into_iter().map(|(_, v)| v).collect();
