@@ -38,6 +38,12 @@ pub struct Metrics {
     pub preemptions: Counter,
     /// Finished requests by finish reason (`stop`, `length`, `abort`, `error`).
     pub requests_finished: Family<ReasonLabels, Counter>,
+    /// From arrival at the scheduler to the first generated token.
+    pub time_to_first_token_seconds: Histogram,
+    /// From arrival at the scheduler to the first admission into the running batch.
+    pub queue_seconds: Histogram,
+    /// From arrival at the scheduler to the last token.
+    pub request_seconds: Histogram,
     /// Wall time of one scheduler step (forward pass plus sampling).
     pub step_seconds: Histogram,
     /// Sequences per forward step.
@@ -69,6 +75,9 @@ impl Metrics {
             prefix_cache_hits: Counter::default(),
             preemptions: Counter::default(),
             requests_finished: Family::default(),
+            time_to_first_token_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            queue_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            request_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
             batch_size_max: Gauge::default(),
@@ -133,6 +142,21 @@ impl Metrics {
             "requests_finished",
             "Finished requests by reason",
             m.requests_finished.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "From arrival at the scheduler to the first generated token",
+            m.time_to_first_token_seconds.clone(),
+        );
+        r.register(
+            "queue_seconds",
+            "From arrival at the scheduler to first admission into the running batch",
+            m.queue_seconds.clone(),
+        );
+        r.register(
+            "request_seconds",
+            "From arrival at the scheduler to the last token",
+            m.request_seconds.clone(),
         );
         r.register(
             "step_seconds",

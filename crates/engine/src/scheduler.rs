@@ -382,6 +382,9 @@ impl<M: StepModel> Scheduler<M> {
                 }
             }
             if seq.cached_tokens.is_none() {
+                self.metrics
+                    .queue_seconds
+                    .observe(seq.arrived.elapsed().as_secs_f64());
                 seq.cached_tokens = Some(start);
                 seq.send(SeqEvent::Admitted {
                     cached_tokens: start,
@@ -469,6 +472,13 @@ impl<M: StepModel> Scheduler<M> {
                     }
                     let reason = seq.append_sampled(logits, self.config.max_model_len);
                     self.metrics.generation_tokens.inc();
+                    let elapsed = seq.arrived.elapsed().as_secs_f64();
+                    if seq.num_generated() == 1 {
+                        self.metrics.time_to_first_token_seconds.observe(elapsed);
+                    }
+                    if reason.is_some() {
+                        self.metrics.request_seconds.observe(elapsed);
+                    }
                     if let Some(reason) = reason {
                         finished.push((
                             i,

@@ -105,6 +105,16 @@ fn single_request_matches_the_reference_and_reports_usage() {
         }
     );
     wait_for_blocks_used(&metrics, 0);
+    let text = metrics.encode();
+    for line in [
+        "pdserve_time_to_first_token_seconds_count 1",
+        "pdserve_queue_seconds_count 1",
+        "pdserve_request_seconds_count 1",
+        "pdserve_generation_tokens_total 6",
+        "pdserve_prompt_tokens_total 37",
+    ] {
+        assert!(text.contains(line), "missing {line}:\n{text}");
+    }
     stop(handle, thread);
 }
 

@@ -1,6 +1,8 @@
 //! One request's state inside the scheduler: its tokens, how many of them have KV in the
 //! pool, its block table, and the channel its output goes to.
 
+use std::time::Instant;
+
 use pdserve_model::{BlockId, BLOCK_SIZE};
 use tokio::sync::mpsc;
 
@@ -24,6 +26,8 @@ pub(crate) struct Sequence {
     pub cached_tokens: Option<usize>,
     /// Still holds a slot of the bounded waiting queue (never admitted yet).
     pub holds_queue_slot: bool,
+    /// When the scheduler received the request.
+    pub arrived: Instant,
     request: GenerationRequest,
     sampler: Sampler,
     events: mpsc::UnboundedSender<SeqEvent>,
@@ -40,6 +44,7 @@ impl Sequence {
             hashes: Vec::new(),
             cached_tokens: None,
             holds_queue_slot: true,
+            arrived: Instant::now(),
             sampler: Sampler::new(request.sampling.clone()),
             request,
             events,
