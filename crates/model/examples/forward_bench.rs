@@ -82,8 +82,11 @@ fn long_prompt(model: &Model) -> Vec<u32> {
     ids
 }
 
-fn bench_ours(model: &Model, prompt: &[u32], threads: usize) -> (Rate, Vec<(usize, Rate)>) {
-    let table: Vec<u32> = (0..prompt.len().div_ceil(BLOCK_SIZE) as u32).collect();
+/// Prefill rate, decode rates by batch size, and the batch-1 decode rate right after the
+/// long prompt (attention over ~500 positions).
+fn bench_ours(model: &Model, prompt: &[u32], threads: usize) -> (Rate, Vec<(usize, Rate)>, Rate) {
+    let table: Vec<u32> =
+        (0..(prompt.len() + DECODE_STEPS + 1).div_ceil(BLOCK_SIZE) as u32).collect();
     let mut kv = KvStore::new(model.config(), table.len());
     // Warm-up (allocations, thread pools), then the timed prefill.
     model
@@ -103,6 +106,17 @@ fn bench_ours(model: &Model, prompt: &[u32], threads: usize) -> (Rate, Vec<(usiz
             block_table: &table,
         };
         model.forward(&mut kv, &[step]).unwrap();
+    });
+    let mut next = 0u32;
+    let long_decode = Rate::measure(DECODE_STEPS, threads, || {
+        for step in 0..DECODE_STEPS {
+            let step = SequenceStep {
+                tokens: std::slice::from_ref(&next),
+                start_pos: prompt.len() + step,
+                block_table: &table,
+            };
+            next = argmax(&model.forward(&mut kv, &[step]).unwrap()[0]);
+        }
     });
 
     let mut decode = Vec::new();
@@ -138,7 +152,7 @@ fn bench_ours(model: &Model, prompt: &[u32], threads: usize) -> (Rate, Vec<(usiz
         });
         decode.push((batch, rate));
     }
-    (prefill, decode)
+    (prefill, decode, long_decode)
 }
 
 fn argmax(logits: &[f32]) -> u32 {
@@ -198,7 +212,7 @@ fn main() {
     let model = Model::load_with(&path, &options).unwrap();
     let load_s = t.elapsed().as_secs_f64();
     let prompt = long_prompt(&model);
-    let (prefill, decode) = bench_ours(&model, &prompt, threads);
+    let (prefill, decode, long_decode) = bench_ours(&model, &prompt, threads);
     let ours_rss = peak_rss_mib();
     drop(model);
     let (candle_prefill, candle_decode) = bench_candle(&path, &prompt, threads);
@@ -218,8 +232,8 @@ fn main() {
             .join(" ")
     );
     println!();
-    println!("| engine | prefill tok/s ({PROMPT_TOKENS}-tok prompt) | decode b=1 | b=4 | b=8 | b=16 | peak RSS |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| engine | prefill tok/s ({PROMPT_TOKENS}-tok prompt) | decode b=1 | b=4 | b=8 | b=16 | b=1 after the prompt | peak RSS |");
+    println!("|---|---|---|---|---|---|---|---|");
     let d = |b: usize| {
         decode
             .iter()
@@ -228,7 +242,7 @@ fn main() {
             .unwrap()
     };
     println!(
-        "| pdserve-model ({:?} weights, {}, f16 KV) | {prefill} | {} | {} | {} | {} | {ours_rss:.0} MiB |",
+        "| pdserve-model ({:?} weights, {}, f16 KV) | {prefill} | {} | {} | {} | {} | {long_decode} | {ours_rss:.0} MiB |",
         options.weights,
         options
             .dense_min_rows
@@ -239,6 +253,6 @@ fn main() {
         d(16)
     );
     println!(
-        "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill} | {candle_decode} | – | – | – | {total_rss:.0} MiB (process peak) |"
+        "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill} | {candle_decode} | – | – | – | – | {total_rss:.0} MiB (process peak) |"
     );
 }

@@ -27,61 +27,55 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// Attention output (all query heads, `num_heads * head_dim`) of the token at `pos`, which
-/// attends to positions `0..=pos` of the sequence whose blocks are `block_table`.
+/// Attention output of the query heads sharing `kv_head` (`q` and `out` are those heads,
+/// `group * head_dim` values) for the token at `pos`, which attends to positions `0..=pos`
+/// of the sequence whose blocks are `block_table`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attend_row<T: KvElement>(
+pub(crate) fn attend_group<T: KvElement>(
     data: &[T],
     g: &KvGeometry,
     layer: usize,
     block_table: &[BlockId],
     pos: usize,
+    kv_head: usize,
     q: &[f32],
-    num_heads: usize,
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
     let hd = g.head_dim;
-    let group = num_heads / g.num_kv_heads;
+    let group = q.len() / hd;
     let n_ctx = pos + 1;
     let n_blocks = n_ctx.div_ceil(BLOCK_SIZE);
     let scale = 1.0 / (hd as f32).sqrt();
     scratch.block.resize(BLOCK_SIZE * hd, 0.0);
     scratch.scores.resize(group * n_ctx, 0.0);
     let AttnScratch { block, scores } = scratch;
-    for kv_head in 0..g.num_kv_heads {
-        let heads = kv_head * group..(kv_head + 1) * group;
-        // Scores q·k for every position, one block of keys at a time.
-        for (bi, &b) in block_table[..n_blocks].iter().enumerate() {
-            let valid = (n_ctx - bi * BLOCK_SIZE).min(BLOCK_SIZE);
-            let at = g.offset(b as usize, layer, 0, kv_head);
-            T::load(&data[at..at + valid * hd], &mut block[..valid * hd]);
-            for j in 0..valid {
-                let k = &block[j * hd..(j + 1) * hd];
-                for (hh, h) in heads.clone().enumerate() {
-                    scores[hh * n_ctx + bi * BLOCK_SIZE + j] =
-                        dot(&q[h * hd..(h + 1) * hd], k) * scale;
-                }
+    // Scores q·k for every position, one block of keys at a time.
+    for (bi, &b) in block_table[..n_blocks].iter().enumerate() {
+        let valid = (n_ctx - bi * BLOCK_SIZE).min(BLOCK_SIZE);
+        let at = g.offset(b as usize, layer, 0, kv_head);
+        T::load(&data[at..at + valid * hd], &mut block[..valid * hd]);
+        for j in 0..valid {
+            let k = &block[j * hd..(j + 1) * hd];
+            for (h, qh) in q.chunks_exact(hd).enumerate() {
+                scores[h * n_ctx + bi * BLOCK_SIZE + j] = dot(qh, k) * scale;
             }
         }
-        for hh in 0..group {
-            softmax(&mut scores[hh * n_ctx..(hh + 1) * n_ctx]);
-        }
-        for h in heads.clone() {
-            out[h * hd..(h + 1) * hd].fill(0.0);
-        }
-        // Weighted sum of values.
-        for (bi, &b) in block_table[..n_blocks].iter().enumerate() {
-            let valid = (n_ctx - bi * BLOCK_SIZE).min(BLOCK_SIZE);
-            let at = g.offset(b as usize, layer, 1, kv_head);
-            T::load(&data[at..at + valid * hd], &mut block[..valid * hd]);
-            for (hh, h) in heads.clone().enumerate() {
-                let o = &mut out[h * hd..(h + 1) * hd];
-                for j in 0..valid {
-                    let w = scores[hh * n_ctx + bi * BLOCK_SIZE + j];
-                    for (o, v) in o.iter_mut().zip(&block[j * hd..(j + 1) * hd]) {
-                        *o += w * v;
-                    }
+    }
+    for row in scores.chunks_exact_mut(n_ctx) {
+        softmax(row);
+    }
+    out.fill(0.0);
+    // Weighted sum of values.
+    for (bi, &b) in block_table[..n_blocks].iter().enumerate() {
+        let valid = (n_ctx - bi * BLOCK_SIZE).min(BLOCK_SIZE);
+        let at = g.offset(b as usize, layer, 1, kv_head);
+        T::load(&data[at..at + valid * hd], &mut block[..valid * hd]);
+        for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+            for j in 0..valid {
+                let w = scores[h * n_ctx + bi * BLOCK_SIZE + j];
+                for (o, v) in o.iter_mut().zip(&block[j * hd..(j + 1) * hd]) {
+                    *o += w * v;
                 }
             }
         }

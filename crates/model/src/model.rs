@@ -6,7 +6,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::attention::{attend_row, AttnScratch};
+use crate::attention::{attend_group, AttnScratch};
 use crate::chat_template::ChatTemplate;
 use crate::config::{Hyperparams, ModelConfig};
 use crate::error::ModelError;
@@ -371,25 +371,36 @@ impl Model {
             }
             return Ok(());
         }
-        let run = |(r, out): (usize, &mut [f32]), scratch: &mut AttnScratch| {
+        // Work units are (row, KV head): each writes the query heads of its group.
+        let kvh = c.num_kv_heads;
+        let group_width = q_dim / kvh;
+        let run = |(unit, out): (usize, &mut [f32]), scratch: &mut AttnScratch| {
+            let (r, kv_head) = (unit / kvh, unit % kvh);
             let (seq, pos) = rows[r];
-            let q = &qkv[r * width..r * width + q_dim];
-            attend_row(
+            let q =
+                &qkv[r * width + kv_head * group_width..r * width + (kv_head + 1) * group_width];
+            attend_group(
                 data,
                 g,
                 layer,
                 batch[seq].block_table,
                 pos,
+                kv_head,
                 q,
-                c.num_heads,
                 out,
                 scratch,
             );
         };
-        if rows.len() == 1 {
-            run((0, out), &mut AttnScratch::default());
+        // Below this much work (positions attended, summed over rows) threads cost more
+        // than they save.
+        let positions: usize = rows.iter().map(|&(_, pos)| pos + 1).sum();
+        if positions < 256 {
+            let mut scratch = AttnScratch::default();
+            out.chunks_mut(group_width)
+                .enumerate()
+                .for_each(|item| run(item, &mut scratch));
         } else {
-            out.par_chunks_mut(q_dim)
+            out.par_chunks_mut(group_width)
                 .enumerate()
                 .for_each_init(AttnScratch::default, |scratch, item| run(item, scratch));
         }
