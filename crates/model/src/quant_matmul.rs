@@ -80,21 +80,8 @@ impl QuantMatrix {
             .for_each(|(item, out)| {
                 let first = item * per_item;
                 let count = out.len() / m;
-                let mut i = 0;
-                while i < m {
-                    let tile = (m - i).min(ACT_ROWS_PER_TILE);
-                    for r in 0..count {
-                        let w = &self.data[(first + r) * row_bytes..(first + r + 1) * row_bytes];
-                        dot_tile(
-                            self.format,
-                            w,
-                            &acts[i * nb..(i + tile) * nb],
-                            nb,
-                            &mut out[r * m + i..r * m + i + tile],
-                        );
-                    }
-                    i += tile;
-                }
+                let w = &self.data[first * row_bytes..(first + count) * row_bytes];
+                item_product(self.format, w, count, row_bytes, &acts, m, nb, out);
             });
         if m == 1 {
             return out_t;
@@ -114,51 +101,177 @@ const WEIGHT_ROWS_PER_ITEM: usize = 16;
 /// Activation rows multiplied together against one unpacked weight block.
 const ACT_ROWS_PER_TILE: usize = 4;
 
-/// Dot products of one weight row with `out.len()` (≤ [`ACT_ROWS_PER_TILE`]) activation
-/// rows of `nb` blocks each.
-fn dot_tile(format: BlockFormat, w: &[u8], acts: &[ActBlock], nb: usize, out: &mut [f32]) {
+/// `out[r * m + i] = w_r · act_i` for the `count` weight rows of one work item.
+#[allow(clippy::too_many_arguments)]
+fn item_product(
+    format: BlockFormat,
+    w: &[u8],
+    count: usize,
+    row_bytes: usize,
+    acts: &[ActBlock],
+    m: usize,
+    nb: usize,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            // SAFETY: the CPU supports the features the kernels are compiled for, `acts`
-            // holds `out.len() * nb` blocks and `w` holds `nb` blocks.
+            // SAFETY: the CPU supports the features the kernels are compiled for; `w` holds
+            // `count` rows of `row_bytes`, `acts` holds `m` rows of `nb` blocks.
             unsafe {
                 match format {
-                    BlockFormat::Q4_1 => tile_avx2(
-                        out,
-                        |o: &mut [f32; 4]| *o = q4_1_avx2::<4>(w, acts, nb),
-                        |g, o| o.copy_from_slice(&q4_1_avx2::<1>(w, &acts[g * nb..], nb)),
-                    ),
-                    BlockFormat::Q8_0 => tile_avx2(
-                        out,
-                        |o: &mut [f32; 4]| *o = q8_0_avx2::<4>(w, acts, nb),
-                        |g, o| o.copy_from_slice(&q8_0_avx2::<1>(w, &acts[g * nb..], nb)),
-                    ),
+                    BlockFormat::Q4_1 => {
+                        item_product_avx2::<false>(w, count, row_bytes, acts, m, nb, out)
+                    }
+                    BlockFormat::Q8_0 => {
+                        item_product_avx2::<true>(w, count, row_bytes, acts, m, nb, out)
+                    }
                 }
             }
             return;
         }
     }
-    for (i, o) in out.iter_mut().enumerate() {
-        let a = &acts[i * nb..(i + 1) * nb];
-        *o = match format {
-            BlockFormat::Q4_1 => dot_q4_1_scalar(w, a),
-            BlockFormat::Q8_0 => dot_q8_0_scalar(w, a),
-        };
+    for r in 0..count {
+        let wr = &w[r * row_bytes..(r + 1) * row_bytes];
+        for i in 0..m {
+            let a = &acts[i * nb..(i + 1) * nb];
+            out[r * m + i] = match format {
+                BlockFormat::Q4_1 => dot_q4_1_scalar(wr, a),
+                BlockFormat::Q8_0 => dot_q8_0_scalar(wr, a),
+            };
+        }
     }
 }
 
-/// A full tile of four rows in one pass, otherwise row by row.
-fn tile_avx2(out: &mut [f32], four: impl FnOnce(&mut [f32; 4]), one: impl Fn(usize, &mut [f32])) {
-    match <&mut [f32; 4]>::try_from(&mut *out) {
-        Ok(o) => four(o),
-        Err(_) => {
-            for g in 0..out.len() {
-                one(g, &mut out[g..g + 1]);
+/// Register tiles: two weight rows × four activation rows for full tiles (each unpacked
+/// weight block and each loaded activation block is used several times), four weight
+/// rows × one activation row otherwise (independent accumulators hide FMA latency).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn item_product_avx2<const Q8: bool>(
+    w: &[u8],
+    count: usize,
+    row_bytes: usize,
+    acts: &[ActBlock],
+    m: usize,
+    nb: usize,
+    out: &mut [f32],
+) {
+    let mut i = 0;
+    while i < m {
+        let tile = (m - i).min(ACT_ROWS_PER_TILE);
+        let a = &acts[i * nb..];
+        if tile == ACT_ROWS_PER_TILE {
+            let mut r = 0;
+            while r < count {
+                let wr = &w[r * row_bytes..];
+                if r + 2 <= count {
+                    let res = kernel::<Q8, 2, 4>(wr, row_bytes, a, nb);
+                    for (dr, row) in res.iter().enumerate() {
+                        out[(r + dr) * m + i..(r + dr) * m + i + 4].copy_from_slice(row);
+                    }
+                    r += 2;
+                } else {
+                    out[r * m + i..r * m + i + 4]
+                        .copy_from_slice(&kernel::<Q8, 1, 4>(wr, row_bytes, a, nb)[0]);
+                    r += 1;
+                }
+            }
+        } else {
+            for g in 0..tile {
+                let a = &acts[(i + g) * nb..];
+                let mut r = 0;
+                while r < count {
+                    let wr = &w[r * row_bytes..];
+                    if r + 4 <= count {
+                        let res = kernel::<Q8, 4, 1>(wr, row_bytes, a, nb);
+                        for (dr, row) in res.iter().enumerate() {
+                            out[(r + dr) * m + i + g] = row[0];
+                        }
+                        r += 4;
+                    } else {
+                        out[r * m + i + g] = kernel::<Q8, 1, 1>(wr, row_bytes, a, nb)[0][0];
+                        r += 1;
+                    }
+                }
+            }
+        }
+        i += tile;
+    }
+}
+
+/// Dot products of `R` weight rows (`row_bytes` apart in `w`) with `G` activation rows
+/// (`nb` blocks apart in `acts`): Q8_0 weights when `Q8`, Q4_1 otherwise.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel<const Q8: bool, const R: usize, const G: usize>(
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[ActBlock],
+    nb: usize,
+) -> [[f32; G]; R] {
+    use std::arch::x86_64::*;
+    let block_bytes = if Q8 { Q8_0_BYTES } else { Q4_1_BYTES };
+    debug_assert!(w.len() >= (R - 1) * row_bytes + nb * block_bytes && acts.len() >= G * nb);
+    let mut acc = [[_mm256_setzero_ps(); G]; R];
+    let mut offsets = [[0f32; G]; R];
+    let low_nibbles = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..nb {
+        // Unpack this block of every weight row: unsigned 8-bit operand for maddubs (and,
+        // for Q8_0, the signs to move onto the activations), scale and offset.
+        let mut qw = [_mm256_setzero_si256(); R];
+        let mut signs = [_mm256_setzero_si256(); R];
+        let mut dw = [0f32; R];
+        let mut mw = [0f32; R];
+        for r in 0..R {
+            let wb = w.as_ptr().add(r * row_bytes + b * block_bytes);
+            dw[r] = f16::from_bits(u16::from_le_bytes([*wb, *wb.add(1)])).to_f32();
+            if Q8 {
+                let q = _mm256_loadu_si256(wb.add(2) as *const __m256i);
+                qw[r] = _mm256_sign_epi8(q, q);
+                signs[r] = q;
+            } else {
+                mw[r] = f16::from_bits(u16::from_le_bytes([*wb.add(2), *wb.add(3)])).to_f32();
+                // Element j is the low nibble of byte j, element j+16 its high nibble.
+                let packed = _mm_loadu_si128(wb.add(4) as *const __m128i);
+                qw[r] = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                    low_nibbles,
+                );
+            }
+        }
+        for g in 0..G {
+            let ab = acts.get_unchecked(g * nb + b);
+            let qa = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
+            for r in 0..R {
+                let qa = if Q8 {
+                    _mm256_sign_epi8(qa, signs[r])
+                } else {
+                    qa
+                };
+                // u8 × i8 pairs summed to i16 (|w| ≤ 128, |a| ≤ 127: at most 2·128·127, no
+                // saturation), then to i32.
+                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(qw[r], qa), ones);
+                acc[r][g] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(dw[r] * ab.d),
+                    _mm256_cvtepi32_ps(sums),
+                    acc[r][g],
+                );
+                if !Q8 {
+                    offsets[r][g] += mw[r] * ab.s;
+                }
             }
         }
     }
+    let mut out = [[0f32; G]; R];
+    for r in 0..R {
+        for g in 0..G {
+            out[r][g] = hsum(acc[r][g]) + offsets[r][g];
+        }
+    }
+    out
 }
 
 fn quantize_block(x: &[f32]) -> ActBlock {
@@ -223,64 +336,6 @@ unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q8_0_avx2<const G: usize>(w: &[u8], acts: &[ActBlock], nb: usize) -> [f32; G] {
-    use std::arch::x86_64::*;
-    debug_assert!(w.len() >= nb * Q8_0_BYTES && acts.len() >= G * nb);
-    let mut acc = [_mm256_setzero_ps(); G];
-    let ones = _mm256_set1_epi16(1);
-    for b in 0..nb {
-        let wb = w.get_unchecked(b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES);
-        let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32();
-        let qw = _mm256_loadu_si256(wb.as_ptr().add(2) as *const __m256i);
-        // maddubs wants an unsigned operand: |w| times a with w's sign.
-        let abs_w = _mm256_sign_epi8(qw, qw);
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let ab = acts.get_unchecked(r * nb + b);
-            let qa = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
-            let signed_a = _mm256_sign_epi8(qa, qw);
-            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, signed_a), ones);
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(sums), *acc);
-        }
-    }
-    acc.map(|a| hsum(a))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q4_1_avx2<const G: usize>(w: &[u8], acts: &[ActBlock], nb: usize) -> [f32; G] {
-    use std::arch::x86_64::*;
-    debug_assert!(w.len() >= nb * Q4_1_BYTES && acts.len() >= G * nb);
-    let mut acc = [_mm256_setzero_ps(); G];
-    let mut offsets = [0f32; G];
-    let low_nibbles = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    for b in 0..nb {
-        let wb = w.get_unchecked(b * Q4_1_BYTES..(b + 1) * Q4_1_BYTES);
-        let (d, m) = block_scales(wb);
-        // Element j is the low nibble of byte j, element j+16 its high nibble.
-        let packed = _mm_loadu_si128(wb.as_ptr().add(4) as *const __m128i);
-        let qw = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-            low_nibbles,
-        );
-        for (r, (acc, offset)) in acc.iter_mut().zip(offsets.iter_mut()).enumerate() {
-            let ab = acts.get_unchecked(r * nb + b);
-            *offset += m * ab.s;
-            let qa = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
-            // u8 × i8 pairs summed to i16 (at most 2·15·128: no saturation), then to i32.
-            let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
-            *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(sums), *acc);
-        }
-    }
-    let mut out = [0f32; G];
-    for ((o, a), offset) in out.iter_mut().zip(acc).zip(offsets) {
-        *o = hsum(a) + offset;
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,8 +380,15 @@ mod tests {
 
     #[test]
     fn matmul_matches_dequantized_weights() {
-        // 7 activation rows: one full tile of four and three single rows.
-        let (rows, cols, m) = (37, 96, 7);
+        // 1, 7 and 8 activation rows: single rows, a tile of four plus three single rows,
+        // two tiles; 37 weight rows: work items of 16, 16 and 5 rows.
+        for m in [1, 7, 8] {
+            check_matmul(m);
+        }
+    }
+
+    fn check_matmul(m: usize) {
+        let (rows, cols) = (37, 96);
         let x: Vec<f32> = (0..m * cols)
             .map(|i| ((i * 31 % 17) as f32 - 8.0) * 0.1)
             .collect();
