@@ -7,6 +7,10 @@ use std::path::PathBuf;
 pub enum Role {
     /// Prefill and decode in one process (aggregated serving).
     Both,
+    /// Prefill only: keeps a `do_remote_decode` request's KV pinned for a decode peer.
+    Prefill,
+    /// Decode: pulls a `do_remote_prefill` request's KV from its prefill peer.
+    Decode,
 }
 
 /// `pdserve worker` flags.
@@ -59,6 +63,26 @@ pub struct WorkerArgs {
     /// length, capped by the KV cache size.
     #[arg(long, env = "PDSERVE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
+
+    /// Port of the KV transfer service (TCP) that peers pull pinned blocks from. Prefill
+    /// and decode workers always run it (0 or unset: a free port); a `both` worker only
+    /// when this is given.
+    #[arg(long, env = "PDSERVE_KV_PORT")]
+    pub kv_port: Option<u16>,
+
+    /// Host peers reach the KV transfer service at (`remote_host` in
+    /// `kv_transfer_params`). Default: --host.
+    #[arg(long, env = "PDSERVE_KV_HOST")]
+    pub kv_host: Option<String>,
+
+    /// Seconds pinned blocks wait for a peer to read them before they are freed.
+    #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
+    pub kv_abort_timeout: u64,
+
+    /// This engine's id (`remote_engine_id`); a peer naming another id is refused.
+    /// Default: a random UUID.
+    #[arg(long, env = "PDSERVE_ENGINE_ID")]
+    pub engine_id: Option<String>,
 }
 
 #[cfg(test)]
@@ -96,9 +120,22 @@ mod tests {
             (args.port, args.threads, args.num_kv_blocks),
             (0, Some(2), 64)
         );
-        assert!(
-            Cli::try_parse_from(["worker", "--role", "prefill"]).is_err(),
-            "not yet"
+        assert_eq!(args.kv_abort_timeout, 480);
+        let args = Cli::try_parse_from([
+            "worker",
+            "--role",
+            "decode",
+            "--kv-port",
+            "9000",
+            "--kv-abort-timeout",
+            "5",
+        ])
+        .unwrap()
+        .args;
+        assert_eq!(
+            (args.role, args.kv_port, args.kv_abort_timeout),
+            (Role::Decode, Some(9000), 5)
         );
+        assert!(Cli::try_parse_from(["worker", "--role", "encode"]).is_err());
     }
 }

@@ -11,12 +11,13 @@ use pdserve_model::ChatTurn;
 use pdserve_protocol::{
     sse, unix_now, ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
-    MessageContent, TokenLogprob, TopLogprob, Usage,
+    KvTransferParams, MessageContent, TokenLogprob, TopLogprob, Usage,
 };
 
 use crate::generation::{
-    collect_response, response_id, stream_response, Generation, ResolvedLogprob, ResponseFormat,
+    collect_response, response_id, stream_response, ResolvedLogprob, ResponseFormat,
 };
+use crate::kv_handoff;
 use crate::server::{parse_json, AppState};
 use crate::validate::{check_model, generation_request, output_options, top_logprobs};
 
@@ -75,9 +76,13 @@ async fn run(
         &app.limits,
         "messages",
     )?;
-    let prompt_tokens = request.prompt.len();
-    let events = app.submit(request)?;
-    let generation = Generation::new(app.clone(), events, prompt_tokens, options.stop);
+    let generation = kv_handoff::submit(
+        &app,
+        req.transport.kv_transfer_params.as_ref(),
+        request,
+        options.stop,
+    )
+    .await?;
     let format = ChatFormat {
         id: response_id("chatcmpl"),
         created: unix_now(),
@@ -146,7 +151,12 @@ struct ChatFormat {
 }
 
 impl ChatFormat {
-    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> Bytes {
+    fn chunk(
+        &self,
+        choices: Vec<ChatChunkChoice>,
+        usage: Option<Usage>,
+        kv_transfer_params: Option<KvTransferParams>,
+    ) -> Bytes {
         sse::data_event(&ChatCompletionChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk".into(),
@@ -154,7 +164,7 @@ impl ChatFormat {
             model: self.model.clone(),
             choices,
             usage,
-            kv_transfer_params: None,
+            kv_transfer_params,
             extra: Default::default(),
         })
     }
@@ -180,7 +190,7 @@ impl ResponseFormat for ChatFormat {
             content: Some(String::new()),
             ..Default::default()
         };
-        Some(self.chunk(vec![Self::choice(delta, None, None)], None))
+        Some(self.chunk(vec![Self::choice(delta, None, None)], None, None))
     }
 
     fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
@@ -191,10 +201,14 @@ impl ResponseFormat for ChatFormat {
         let logprobs = logprob.map(|lp| ChatLogprobs {
             content: vec![token_logprob(lp)],
         });
-        self.chunk(vec![Self::choice(delta, logprobs, None)], None)
+        self.chunk(vec![Self::choice(delta, logprobs, None)], None, None)
     }
 
-    fn finish_chunk(&self, finish_reason: &'static str) -> Bytes {
+    fn finish_chunk(
+        &self,
+        finish_reason: &'static str,
+        kv_transfer_params: Option<KvTransferParams>,
+    ) -> Bytes {
         self.chunk(
             vec![Self::choice(
                 ChatDelta::default(),
@@ -202,11 +216,12 @@ impl ResponseFormat for ChatFormat {
                 Some(finish_reason),
             )],
             None,
+            kv_transfer_params,
         )
     }
 
     fn usage_chunk(&self, usage: Usage) -> Bytes {
-        self.chunk(Vec::new(), Some(usage))
+        self.chunk(Vec::new(), Some(usage), None)
     }
 
     fn response(
@@ -215,6 +230,7 @@ impl ResponseFormat for ChatFormat {
         logprobs: Option<Vec<ResolvedLogprob>>,
         finish_reason: &'static str,
         usage: Usage,
+        kv_transfer_params: Option<KvTransferParams>,
     ) -> Response {
         Json(ChatCompletionResponse {
             id: self.id.clone(),
@@ -235,7 +251,7 @@ impl ResponseFormat for ChatFormat {
                 extra: Default::default(),
             }],
             usage: Some(usage),
-            kv_transfer_params: None,
+            kv_transfer_params,
             extra: Default::default(),
         })
         .into_response()

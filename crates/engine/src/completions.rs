@@ -9,13 +9,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use pdserve_protocol::{
     sse, unix_now, ApiError, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, Prompt, Usage,
+    CompletionResponse, KvTransferParams, Prompt, Usage,
 };
 use serde_json::{Map, Value};
 
 use crate::generation::{
-    collect_response, response_id, stream_response, Generation, ResolvedLogprob, ResponseFormat,
+    collect_response, response_id, stream_response, ResolvedLogprob, ResponseFormat,
 };
+use crate::kv_handoff;
 use crate::server::{parse_json, AppState};
 use crate::validate::{check_model, generation_request, output_options, top_logprobs};
 
@@ -66,9 +67,13 @@ async fn run(
         &app.limits,
         "prompt",
     )?;
-    let prompt_tokens = request.prompt.len();
-    let events = app.submit(request)?;
-    let generation = Generation::new(app.clone(), events, prompt_tokens, options.stop);
+    let generation = kv_handoff::submit(
+        &app,
+        req.transport.kv_transfer_params.as_ref(),
+        request,
+        options.stop,
+    )
+    .await?;
     let format = CompletionFormat {
         id: response_id("cmpl"),
         created: unix_now(),
@@ -114,7 +119,12 @@ struct CompletionFormat {
 }
 
 impl CompletionFormat {
-    fn body(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {
+    fn body(
+        &self,
+        choices: Vec<CompletionChoice>,
+        usage: Option<Usage>,
+        kv_transfer_params: Option<KvTransferParams>,
+    ) -> CompletionResponse {
         CompletionResponse {
             id: self.id.clone(),
             object: "text_completion".into(),
@@ -122,7 +132,7 @@ impl CompletionFormat {
             model: self.model.clone(),
             choices,
             usage,
-            kv_transfer_params: None,
+            kv_transfer_params,
             extra: Default::default(),
         }
     }
@@ -149,18 +159,23 @@ impl ResponseFormat for CompletionFormat {
 
     fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
         let logprobs = logprob.map(|lp| completion_logprobs(vec![lp]));
-        sse::data_event(&self.body(vec![Self::choice(text, logprobs, None)], None))
+        sse::data_event(&self.body(vec![Self::choice(text, logprobs, None)], None, None))
     }
 
-    fn finish_chunk(&self, finish_reason: &'static str) -> Bytes {
+    fn finish_chunk(
+        &self,
+        finish_reason: &'static str,
+        kv_transfer_params: Option<KvTransferParams>,
+    ) -> Bytes {
         sse::data_event(&self.body(
             vec![Self::choice(String::new(), None, Some(finish_reason))],
             None,
+            kv_transfer_params,
         ))
     }
 
     fn usage_chunk(&self, usage: Usage) -> Bytes {
-        sse::data_event(&self.body(Vec::new(), Some(usage)))
+        sse::data_event(&self.body(Vec::new(), Some(usage), None))
     }
 
     fn response(
@@ -169,8 +184,9 @@ impl ResponseFormat for CompletionFormat {
         logprobs: Option<Vec<ResolvedLogprob>>,
         finish_reason: &'static str,
         usage: Usage,
+        kv_transfer_params: Option<KvTransferParams>,
     ) -> Response {
         let choice = Self::choice(text, logprobs.map(completion_logprobs), Some(finish_reason));
-        Json(self.body(vec![choice], Some(usage))).into_response()
+        Json(self.body(vec![choice], Some(usage), kv_transfer_params)).into_response()
     }
 }

@@ -7,10 +7,11 @@ use std::sync::Arc;
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
-use pdserve_protocol::{sse, ApiError, Usage};
+use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
 
+use crate::kv_service::{release_unpublished, PublishKind};
 use crate::output_text::{OutputText, TokenText};
-use crate::request::{FinishReason, SeqEvent, SeqEvents};
+use crate::request::{FinishReason, PinnedKv, SeqEvent, SeqEvents};
 use crate::sampling::TokenLogprobs;
 use crate::server::{sse_response, AppState};
 
@@ -45,6 +46,8 @@ pub enum Piece {
         finish_reason: &'static str,
         /// Token counts.
         usage: Usage,
+        /// Where a peer can read this request's KV (`kv_transfer_params`), if published.
+        kv_transfer_params: Option<KvTransferParams>,
     },
     /// The engine failed; nothing follows.
     Error(ApiError),
@@ -61,6 +64,8 @@ pub struct Generation {
     /// Set when a stop string ended the output before the scheduler did.
     pending_end: Option<Vec<Piece>>,
     done: bool,
+    /// How to publish the blocks the finished sequence leaves pinned.
+    publish: Option<PublishKind>,
 }
 
 impl Generation {
@@ -80,6 +85,26 @@ impl Generation {
             cached_tokens: 0,
             pending_end: None,
             done: false,
+            publish: None,
+        }
+    }
+
+    /// Publishes the finished sequence's pinned blocks as `kind` (the request was
+    /// submitted with `pin_on_finish`); the end piece then carries their
+    /// `kv_transfer_params`.
+    pub fn publishing(mut self, kind: Option<PublishKind>) -> Self {
+        self.publish = kind;
+        self
+    }
+
+    fn publish(&self, pinned: Option<PinnedKv>) -> Option<KvTransferParams> {
+        let pinned = pinned?;
+        match (&self.app.kv_service, self.publish) {
+            (Some(service), Some(kind)) => service.publish(pinned, kind),
+            _ => {
+                release_unpublished(&self.app.engine, pinned.blocks);
+                None
+            }
         }
     }
 
@@ -124,6 +149,7 @@ impl Generation {
                         self.pending_end = Some(vec![Piece::End {
                             finish_reason: FinishReason::Stop.as_str(),
                             usage: self.usage(),
+                            kv_transfer_params: None,
                         }]);
                     }
                     return Some(Piece::Token {
@@ -131,12 +157,18 @@ impl Generation {
                         logprob,
                     });
                 }
-                SeqEvent::Finished { reason, usage, .. } => {
+                SeqEvent::Finished {
+                    reason,
+                    usage,
+                    pinned,
+                } => {
                     self.cached_tokens = usage.cached_tokens;
+                    let kv_transfer_params = self.publish(pinned);
                     let tail = self.text.finish(self.app.model.tokenizer());
                     let end = Piece::End {
                         finish_reason: reason.as_str(),
                         usage: self.usage(),
+                        kv_transfer_params,
                     };
                     if tail.is_empty() {
                         self.done = true;
@@ -149,6 +181,23 @@ impl Generation {
                     self.done = true;
                     return Some(Piece::Error(ApiError::internal(msg)));
                 }
+            }
+        }
+    }
+}
+
+impl Drop for Generation {
+    /// A response dropped early (client gone) must not strand blocks the scheduler left
+    /// pinned for it: stop further events, then unpin any already queued.
+    fn drop(&mut self) {
+        self.events.close();
+        while let Ok(event) = self.events.try_recv() {
+            if let SeqEvent::Finished {
+                pinned: Some(pinned),
+                ..
+            } = event
+            {
+                release_unpublished(&self.app.engine, pinned.blocks);
             }
         }
     }
@@ -173,8 +222,12 @@ pub trait ResponseFormat: Send + Sync + 'static {
     fn start_chunk(&self) -> Option<Bytes>;
     /// A chunk with one piece of text and its logprob.
     fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes;
-    /// The chunk carrying `finish_reason`.
-    fn finish_chunk(&self, finish_reason: &'static str) -> Bytes;
+    /// The chunk carrying `finish_reason` (and the request's `kv_transfer_params`).
+    fn finish_chunk(
+        &self,
+        finish_reason: &'static str,
+        kv_transfer_params: Option<KvTransferParams>,
+    ) -> Bytes;
     /// The `stream_options.include_usage` chunk (no choices).
     fn usage_chunk(&self, usage: Usage) -> Bytes;
     /// The non-streaming response.
@@ -184,6 +237,7 @@ pub trait ResponseFormat: Send + Sync + 'static {
         logprobs: Option<Vec<ResolvedLogprob>>,
         finish_reason: &'static str,
         usage: Usage,
+        kv_transfer_params: Option<KvTransferParams>,
     ) -> Response;
 }
 
@@ -213,8 +267,10 @@ pub fn stream_response<F: ResponseFormat>(
                     Piece::End {
                         finish_reason,
                         usage,
+                        kv_transfer_params,
                     } => {
-                        let mut out = BytesMut::from(&format.finish_chunk(finish_reason)[..]);
+                        let finish = format.finish_chunk(finish_reason, kv_transfer_params);
+                        let mut out = BytesMut::from(&finish[..]);
                         if include_usage {
                             out.extend_from_slice(&format.usage_chunk(usage));
                         }
@@ -254,12 +310,14 @@ pub async fn collect_response<F: ResponseFormat>(
             Piece::End {
                 finish_reason,
                 usage,
+                kv_transfer_params,
             } => {
                 return format.response(
                     text,
                     want_logprobs.then_some(logprobs),
                     finish_reason,
                     usage,
+                    kv_transfer_params,
                 );
             }
             Piece::Error(e) => return e.into_response(),

@@ -50,6 +50,120 @@ pub struct Metrics {
     pub batch_size: Histogram,
     /// Largest batch of any step so far.
     pub batch_size_max: Gauge,
+    /// KV transfer (P/D) metrics.
+    pub kv: KvTransferMetrics,
+}
+
+/// Metrics of the KV transfer service and of pulls from peers.
+#[derive(Debug)]
+pub struct KvTransferMetrics {
+    /// Blocks pinned for a peer to read (published or being read).
+    pub pinned_blocks: Gauge,
+    /// Block sets published for peers (prefill exports and conversation hand-backs).
+    pub published: Counter,
+    /// Blocks sent to peers.
+    pub blocks_sent: Counter,
+    /// Bytes of blocks sent to peers.
+    pub bytes_sent: Counter,
+    /// Blocks received from peers.
+    pub blocks_received: Counter,
+    /// Bytes of blocks received from peers.
+    pub bytes_received: Counter,
+    /// Prompt tokens whose KV was loaded from a peer instead of computed.
+    pub imported_tokens: Counter,
+    /// Wall time of one completed transfer, either direction.
+    pub transfer_seconds: Histogram,
+    /// Published blocks freed because no peer read them within --kv-abort-timeout.
+    pub aborted_by_timeout: Counter,
+    /// Published conversation blocks freed early to keep room for new requests.
+    pub evicted: Counter,
+    /// Accepted reads that broke off (the peer's blocks are freed).
+    pub serve_failures: Counter,
+    /// Pulls from a peer that failed.
+    pub pull_failures: Counter,
+}
+
+impl KvTransferMetrics {
+    fn new() -> Self {
+        Self {
+            pinned_blocks: Gauge::default(),
+            published: Counter::default(),
+            blocks_sent: Counter::default(),
+            bytes_sent: Counter::default(),
+            blocks_received: Counter::default(),
+            bytes_received: Counter::default(),
+            imported_tokens: Counter::default(),
+            transfer_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            aborted_by_timeout: Counter::default(),
+            evicted: Counter::default(),
+            serve_failures: Counter::default(),
+            pull_failures: Counter::default(),
+        }
+    }
+
+    fn register(&self, r: &mut Registry) {
+        let r = r.sub_registry_with_prefix("kv_transfer");
+        r.register(
+            "pinned_blocks",
+            "KV blocks pinned for a peer to read",
+            self.pinned_blocks.clone(),
+        );
+        r.register(
+            "published",
+            "Block sets published for peers",
+            self.published.clone(),
+        );
+        r.register(
+            "blocks_sent",
+            "KV blocks sent to peers",
+            self.blocks_sent.clone(),
+        );
+        r.register(
+            "bytes_sent",
+            "Bytes of KV blocks sent to peers",
+            self.bytes_sent.clone(),
+        );
+        r.register(
+            "blocks_received",
+            "KV blocks received from peers",
+            self.blocks_received.clone(),
+        );
+        r.register(
+            "bytes_received",
+            "Bytes of KV blocks received from peers",
+            self.bytes_received.clone(),
+        );
+        r.register(
+            "imported_tokens",
+            "Prompt tokens whose KV was loaded from a peer",
+            self.imported_tokens.clone(),
+        );
+        r.register(
+            "seconds",
+            "Wall time of one completed KV transfer",
+            self.transfer_seconds.clone(),
+        );
+        r.register(
+            "aborted_by_timeout",
+            "Published blocks freed because no peer read them in time",
+            self.aborted_by_timeout.clone(),
+        );
+        r.register(
+            "evicted",
+            "Published conversation blocks freed early for room",
+            self.evicted.clone(),
+        );
+        r.register(
+            "serve_failures",
+            "Accepted reads that broke off",
+            self.serve_failures.clone(),
+        );
+        r.register(
+            "pull_failures",
+            "Pulls from a peer that failed",
+            self.pull_failures.clone(),
+        );
+    }
 }
 
 impl Default for Metrics {
@@ -81,6 +195,7 @@ impl Metrics {
             step_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
             batch_size_max: Gauge::default(),
+            kv: KvTransferMetrics::new(),
         };
         let r = &mut m.registry;
         r.register(
@@ -173,6 +288,7 @@ impl Metrics {
             "Largest batch of any forward step",
             m.batch_size_max.clone(),
         );
+        m.kv.register(r);
         m
     }
 
@@ -208,6 +324,8 @@ mod tests {
             "pdserve_batch_size_count 1",
             "pdserve_prefix_cache_hits_total 0",
             "pdserve_requests_finished_total{reason=\"stop\"} 1",
+            "pdserve_kv_transfer_pinned_blocks 0",
+            "pdserve_kv_transfer_aborted_by_timeout_total 0",
             "# EOF",
         ] {
             assert!(text.contains(needle), "missing {needle}:\n{text}");

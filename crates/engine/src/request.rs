@@ -60,6 +60,8 @@ pub struct PinnedKv {
     pub blocks: Vec<BlockId>,
     /// Leading tokens of the sequence (prompt, then generated) whose KV they hold.
     pub num_tokens: usize,
+    /// Those tokens, so a reader can check its own tokens against them.
+    pub tokens: Vec<u32>,
 }
 
 /// Why a sequence stopped.

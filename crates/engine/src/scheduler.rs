@@ -431,6 +431,7 @@ impl<M: StepModel> Scheduler<M> {
             Ok(()) => Some(PinnedKv {
                 blocks,
                 num_tokens: seq.num_computed,
+                tokens: seq.tokens[..seq.num_computed].to_vec(),
             }),
             Err(e) => {
                 tracing::error!("pinning a finished sequence's blocks failed: {e}");
@@ -516,7 +517,21 @@ impl<M: StepModel> Scheduler<M> {
                 }
             }
             self.retire(&mut seq);
-            seq.send(event);
+            if let SeqEvent::Finished {
+                pinned: Some(pinned),
+                ..
+            } = &event
+            {
+                let blocks = pinned.blocks.clone();
+                if !seq.send(event) {
+                    // The requester is gone: nobody will ever publish these blocks.
+                    if let Err(e) = self.blocks.unpin(&blocks) {
+                        tracing::error!("unpinning an unclaimed export failed: {e}");
+                    }
+                }
+            } else {
+                seq.send(event);
+            }
         }
 
         let batch = scheduled.len();

@@ -144,8 +144,8 @@ impl Sequence {
         }
     }
 
-    /// Sends the last event of the sequence.
-    pub fn send(&self, event: SeqEvent) {
-        let _ = self.events.send(event);
+    /// Sends an event of the sequence; false when nobody listens any more.
+    pub fn send(&self, event: SeqEvent) -> bool {
+        self.events.send(event).is_ok()
     }
 }

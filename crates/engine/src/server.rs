@@ -15,6 +15,7 @@ use pdserve_model::Model;
 use pdserve_protocol::{unix_now, ApiError, ModelCard, ModelList};
 use serde::de::DeserializeOwned;
 
+use crate::kv_service::KvService;
 use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, SeqEvents};
 use crate::scheduler::{EngineHandle, SubmitError};
@@ -34,6 +35,12 @@ pub struct AppState {
     pub limits: ModelLimits,
     /// Engine metrics.
     pub metrics: Arc<Metrics>,
+    /// The KV block format peers must share (`KvStore::layout`).
+    pub kv_layout: String,
+    /// Bytes in one KV block.
+    pub kv_block_bytes: usize,
+    /// The KV transfer service, when this worker runs one (prefill and decode roles).
+    pub kv_service: Option<Arc<KvService>>,
 }
 
 impl AppState {

@@ -30,6 +30,16 @@ impl ModelRunner {
         let kv = KvStore::new(model.config(), num_blocks);
         Self { model, kv }
     }
+
+    /// The KV block format; peers exchange blocks only when theirs is equal.
+    pub fn kv_layout(&self) -> String {
+        self.kv.layout()
+    }
+
+    /// Bytes in one KV block as `read_block` returns it.
+    pub fn kv_block_bytes(&self) -> usize {
+        self.kv.block_bytes()
+    }
 }
 
 impl StepModel for ModelRunner {

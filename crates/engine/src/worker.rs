@@ -9,7 +9,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::args::WorkerArgs;
+use crate::args::{Role, WorkerArgs};
+use crate::kv_service::{KvService, KvServiceConfig};
 use crate::metrics::Metrics;
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
 use crate::server::{router, AppState};
@@ -43,6 +44,9 @@ pub struct Worker {
     server: JoinHandle<std::io::Result<()>>,
     engine: EngineHandle,
     scheduler: std::thread::JoinHandle<()>,
+    kv_addr: Option<SocketAddr>,
+    /// The KV transfer server and its abort-timeout sweeper.
+    kv_tasks: Vec<JoinHandle<()>>,
 }
 
 fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
@@ -111,6 +115,8 @@ impl Worker {
             .min(capacity);
         let metrics = Arc::new(Metrics::new());
         let runner = ModelRunner::new(model.clone(), args.num_kv_blocks);
+        let kv_layout = runner.kv_layout();
+        let kv_block_bytes = runner.kv_block_bytes();
         let (engine, scheduler) = scheduler::spawn(
             runner,
             SchedulerConfig {
@@ -127,11 +133,50 @@ impl Worker {
             eos_token_ids: model.tokenizer().eos_token_ids().to_vec(),
             vocab_size: config.vocab_size,
         };
+        let mut kv_tasks = Vec::new();
+        let mut kv_addr = None;
+        let kv_service = if args.role != Role::Both || args.kv_port.is_some() {
+            let kv_listener =
+                TcpListener::bind((args.host.as_str(), args.kv_port.unwrap_or(0))).await?;
+            let addr = kv_listener.local_addr()?;
+            kv_addr = Some(addr);
+            let service = Arc::new(KvService::new(
+                KvServiceConfig {
+                    engine_id: args
+                        .engine_id
+                        .clone()
+                        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                    layout: kv_layout.clone(),
+                    block_bytes: kv_block_bytes,
+                    host: args.kv_host.clone().unwrap_or_else(|| args.host.clone()),
+                    port: addr.port(),
+                    abort_timeout: Duration::from_secs(args.kv_abort_timeout),
+                    // Conversation hand-backs may hold at most half the pool.
+                    conversation_budget: args.num_kv_blocks / 2,
+                },
+                engine.clone(),
+                metrics.clone(),
+            ));
+            kv_tasks.push(tokio::spawn(pdserve_kv_transfer::server::serve(
+                kv_listener,
+                service.clone(),
+                pdserve_kv_transfer::ServerConfig::default(),
+                std::future::pending(),
+            )));
+            kv_tasks.push(tokio::spawn(service.clone().sweep_forever()));
+            tracing::info!(%addr, role = ?args.role, "KV transfer service listening");
+            Some(service)
+        } else {
+            None
+        };
         let state = Arc::new(AppState {
             engine: engine.clone(),
             model,
             limits,
             metrics,
+            kv_layout,
+            kv_block_bytes,
+            kv_service,
         });
         let addr = listener.local_addr()?;
         let (stop_http, stopped) = oneshot::channel::<()>();
@@ -156,7 +201,14 @@ impl Worker {
             server,
             engine,
             scheduler,
+            kv_addr,
+            kv_tasks,
         })
+    }
+
+    /// The address of the KV transfer service, when the worker runs one.
+    pub fn kv_addr(&self) -> Option<SocketAddr> {
+        self.kv_addr
     }
 
     /// The address the worker listens on.
@@ -178,6 +230,9 @@ impl Worker {
                 self.server.await
             }
         };
+        for task in self.kv_tasks.drain(..) {
+            task.abort();
+        }
         self.engine.shutdown();
         let scheduler = self.scheduler;
         tokio::task::spawn_blocking(move || scheduler.join())

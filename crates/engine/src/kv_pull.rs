@@ -1,0 +1,149 @@
+//! Pulling a peer's published KV blocks, named by `kv_transfer_params`, with bounded
+//! waits; failures become OpenAI-shaped 502/504 errors.
+
+use std::time::Duration;
+
+use pdserve_kv_transfer::{pull, PullConfig, PulledBlocks, ReadRequest, TransferError};
+use pdserve_protocol::{ApiError, KvTransferParams};
+
+use crate::server::AppState;
+
+/// Longest wait to connect to a peer's KV service.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest wait for any one frame from a peer.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The peer and read a set of `kv_transfer_params` name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoteBlocks {
+    /// `host:port` of the peer's KV service.
+    pub addr: String,
+    /// What to ask the peer for (`token_ids` still empty).
+    pub read: ReadRequest,
+}
+
+impl RemoteBlocks {
+    /// The remote side of `params`; a 400 naming the first missing field.
+    pub fn from_params(params: &KvTransferParams, layout: &str) -> Result<Self, ApiError> {
+        let missing = |field: &str| {
+            ApiError::bad_request(format!(
+                "kv_transfer_params.{field} is required to read KV from a peer"
+            ))
+            .with_param("kv_transfer_params")
+        };
+        let host = params
+            .remote_host
+            .as_deref()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| missing("remote_host"))?;
+        let port = params.remote_port.ok_or_else(|| missing("remote_port"))?;
+        let engine_id = params
+            .remote_engine_id
+            .clone()
+            .ok_or_else(|| missing("remote_engine_id"))?;
+        let request_id = params
+            .remote_request_id
+            .clone()
+            .ok_or_else(|| missing("remote_request_id"))?;
+        let block_ids = params
+            .remote_block_ids
+            .as_ref()
+            .ok_or_else(|| missing("remote_block_ids"))?
+            .flatten();
+        let addr = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        Ok(Self {
+            addr,
+            read: ReadRequest {
+                engine_id,
+                request_id,
+                block_ids,
+                token_ids: Vec::new(),
+                layout: layout.to_string(),
+            },
+        })
+    }
+
+    /// Whether `params` name a peer's blocks at all (a fresh prefill request has them
+    /// all null).
+    pub fn named_by(params: &KvTransferParams) -> bool {
+        params.remote_host.is_some()
+            || params.remote_port.is_some()
+            || params.remote_block_ids.is_some()
+            || params.remote_request_id.is_some()
+    }
+}
+
+/// Reads the blocks `remote` names, for `token_ids`; the peer frees them afterwards.
+pub async fn pull_blocks(
+    app: &AppState,
+    mut remote: RemoteBlocks,
+    token_ids: &[u32],
+) -> Result<PulledBlocks, ApiError> {
+    remote.read.token_ids = token_ids.to_vec();
+    let config = PullConfig {
+        connect_timeout: CONNECT_TIMEOUT,
+        io_timeout: IO_TIMEOUT,
+    };
+    let kv = &app.metrics.kv;
+    match pull(&remote.addr, &remote.read, app.kv_block_bytes, &config).await {
+        Ok(pulled) => {
+            kv.blocks_received.inc_by(pulled.blocks.len() as u64);
+            kv.bytes_received.inc_by(pulled.bytes as u64);
+            kv.transfer_seconds.observe(pulled.elapsed.as_secs_f64());
+            tracing::debug!(
+                addr = %remote.addr,
+                blocks = pulled.blocks.len(),
+                matched_tokens = pulled.matched_tokens,
+                ms = pulled.elapsed.as_secs_f64() * 1e3,
+                "KV blocks received"
+            );
+            Ok(pulled)
+        }
+        Err(e) => {
+            kv.pull_failures.inc();
+            tracing::warn!(addr = %remote.addr, error = %e, "KV pull failed");
+            Err(pull_error(&remote.addr, e))
+        }
+    }
+}
+
+fn pull_error(addr: &str, e: TransferError) -> ApiError {
+    let message = format!("reading KV blocks from {addr} failed: {e}");
+    match e {
+        TransferError::Timeout(_) => ApiError::gateway_timeout(message),
+        _ => ApiError::bad_gateway(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_protocol::RemoteBlockIds;
+
+    #[test]
+    fn params_name_the_peer_or_a_missing_field() {
+        let mut params = KvTransferParams {
+            do_remote_prefill: true,
+            remote_engine_id: Some("e".into()),
+            remote_block_ids: Some(RemoteBlockIds::Grouped(vec![vec![4, 5]])),
+            remote_host: Some("::1".into()),
+            remote_port: Some(9),
+            remote_request_id: Some("r".into()),
+            ..Default::default()
+        };
+        let remote = RemoteBlocks::from_params(&params, "L").unwrap();
+        assert_eq!(remote.addr, "[::1]:9");
+        assert_eq!(remote.read.block_ids, vec![4, 5]);
+        assert_eq!(remote.read.layout, "L");
+        params.remote_request_id = None;
+        let err = RemoteBlocks::from_params(&params, "L").unwrap_err();
+        assert_eq!(err.status, http::StatusCode::BAD_REQUEST);
+        assert!(err.to_string().contains("remote_request_id"), "{err}");
+        assert!(RemoteBlocks::named_by(&params));
+        assert!(!RemoteBlocks::named_by(&KvTransferParams::prefill_request()));
+    }
+}

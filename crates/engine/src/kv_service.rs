@@ -1,0 +1,359 @@
+//! The worker's KV transfer service: blocks it published for peers (a prefill's prompt
+//! KV for the decode worker, or a decode worker's finished conversation for the next
+//! turn's prefill), served over the `pdserve-kv-transfer` protocol. Published blocks are
+//! freed when a peer has read them, when an accepted read breaks off, when the abort
+//! timeout passes unread, or (conversations only) when they crowd the KV pool.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pdserve_kv_transfer::{
+    BlockSource, ErrorCode, Export, PinTable, ReadOutcome, ReadRequest, TransferStats,
+};
+use pdserve_model::{BlockId, BLOCK_SIZE};
+use pdserve_protocol::{KvTransferParams, RemoteBlockIds};
+use serde_json::Value;
+
+use crate::metrics::Metrics;
+use crate::request::PinnedKv;
+use crate::scheduler::EngineHandle;
+
+/// Why blocks were published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishKind {
+    /// A prefill's prompt KV, for the decode worker that gets the request next.
+    Prefill,
+    /// A finished P/D request's KV (prompt and output), for the conversation's next
+    /// prefill. Best effort: evicted first when conversations crowd the pool.
+    Conversation,
+}
+
+/// How the service is reached and what it may hold.
+#[derive(Debug, Clone)]
+pub struct KvServiceConfig {
+    /// This engine's id (`remote_engine_id`).
+    pub engine_id: String,
+    /// The block format peers must share.
+    pub layout: String,
+    /// Bytes in one block.
+    pub block_bytes: usize,
+    /// Host peers connect to (`remote_host`).
+    pub host: String,
+    /// Port the service listens on (`remote_port`).
+    pub port: u16,
+    /// How long published blocks wait for a reader.
+    pub abort_timeout: Duration,
+    /// Most blocks held for conversations at once (the rest of the pool stays free for
+    /// requests).
+    pub conversation_budget: usize,
+}
+
+#[derive(Debug)]
+struct Published {
+    blocks: Vec<BlockId>,
+    /// The tokens whose KV the blocks hold.
+    tokens: Vec<u32>,
+    kind: PublishKind,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    pins: PinTable<Published>,
+    /// Blocks of accepted reads in progress, by request id.
+    reading: HashMap<String, Vec<BlockId>>,
+    /// Conversation publications, oldest first (may name entries already gone).
+    conversations: VecDeque<String>,
+    conversation_blocks: usize,
+}
+
+impl State {
+    fn take(&mut self, request_id: &str) -> Option<Published> {
+        let entry = self.pins.remove(request_id)?;
+        if entry.kind == PublishKind::Conversation {
+            self.conversation_blocks -= entry.blocks.len();
+        }
+        Some(entry)
+    }
+}
+
+/// Published blocks of one engine, served to peers (implements [`BlockSource`]).
+#[derive(Debug)]
+pub struct KvService {
+    config: KvServiceConfig,
+    engine: EngineHandle,
+    metrics: Arc<Metrics>,
+    state: Mutex<State>,
+}
+
+impl KvService {
+    /// A service over `engine`'s KV pool; nothing is published yet.
+    pub fn new(config: KvServiceConfig, engine: EngineHandle, metrics: Arc<Metrics>) -> Self {
+        Self {
+            config,
+            engine,
+            metrics,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every critical section leaves the state consistent; a panic elsewhere must not
+        // stop blocks from being freed.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How long published blocks wait for a reader.
+    pub fn abort_timeout(&self) -> Duration {
+        self.config.abort_timeout
+    }
+
+    /// Keeps `pinned` for a peer and returns the `kv_transfer_params` naming them, or
+    /// `None` (blocks freed) when a conversation would not fit its budget.
+    ///
+    /// Synchronous on purpose: once the blocks left the scheduler they are either in the
+    /// table (and the sweeper frees them) or being freed, with no await in between.
+    pub fn publish(&self, pinned: PinnedKv, kind: PublishKind) -> Option<KvTransferParams> {
+        let num_blocks = pinned.blocks.len();
+        let mut evicted = Vec::new();
+        let request_id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
+        {
+            let mut st = self.lock();
+            if kind == PublishKind::Conversation {
+                if num_blocks > self.config.conversation_budget {
+                    drop(st);
+                    release_unpublished(&self.engine, pinned.blocks);
+                    return None;
+                }
+                while st.conversation_blocks + num_blocks > self.config.conversation_budget {
+                    let Some(oldest) = st.conversations.pop_front() else {
+                        break;
+                    };
+                    if let Some(entry) = st.take(&oldest) {
+                        evicted.push(entry.blocks);
+                    }
+                }
+                st.conversation_blocks += num_blocks;
+                st.conversations.push_back(request_id.clone());
+                // Forget ids that were read or expired meanwhile, so the queue stays bounded.
+                if st.conversations.len() > 2 * st.pins.len() + 16 {
+                    let State {
+                        pins,
+                        conversations,
+                        ..
+                    } = &mut *st;
+                    conversations.retain(|id| pins.get(id).is_some());
+                }
+            }
+            let deadline = Instant::now() + self.config.abort_timeout;
+            let published = Published {
+                blocks: pinned.blocks.clone(),
+                tokens: pinned.tokens,
+                kind,
+            };
+            st.pins.insert(request_id.clone(), published, deadline);
+        }
+        self.metrics.kv.pinned_blocks.inc_by(num_blocks as i64);
+        self.metrics.kv.published.inc();
+        for blocks in evicted {
+            self.metrics.kv.evicted.inc();
+            self.release_in_background(blocks);
+        }
+        let mut extra = serde_json::Map::new();
+        extra.insert("tp_size".into(), Value::from(1));
+        Some(KvTransferParams {
+            // A prefill's answer tells the proxy "decode remotely from here" (as vLLM's
+            // NIXL connector does); a decode worker's hand-back is only a handle for the
+            // proxy to give the next turn's prefill, so it asks nothing of anyone.
+            do_remote_prefill: kind == PublishKind::Prefill,
+            do_remote_decode: false,
+            remote_engine_id: Some(self.config.engine_id.clone()),
+            // One list per KV-cache group (one group: full attention everywhere).
+            remote_block_ids: Some(RemoteBlockIds::Grouped(vec![pinned
+                .blocks
+                .iter()
+                .map(|&b| u64::from(b))
+                .collect()])),
+            remote_host: Some(self.config.host.clone()),
+            remote_port: Some(self.config.port),
+            remote_request_id: Some(request_id),
+            extra,
+        })
+    }
+
+    /// Frees every publication whose abort deadline passed; returns how many.
+    pub async fn sweep(&self) -> usize {
+        let expired = {
+            let mut st = self.lock();
+            let expired = st.pins.remove_expired(Instant::now());
+            for (_, entry) in &expired {
+                if entry.kind == PublishKind::Conversation {
+                    st.conversation_blocks -= entry.blocks.len();
+                }
+            }
+            expired
+        };
+        let count = expired.len();
+        for (request_id, entry) in expired {
+            tracing::info!(
+                request_id,
+                blocks = entry.blocks.len(),
+                "published KV blocks were not read within the abort timeout; freed"
+            );
+            self.metrics.kv.aborted_by_timeout.inc();
+            release(&self.engine, &self.metrics, entry.blocks).await;
+        }
+        count
+    }
+
+    /// Runs [`KvService::sweep`] periodically (a fraction of the abort timeout) forever.
+    pub async fn sweep_forever(self: Arc<Self>) {
+        let period = (self.config.abort_timeout / 4)
+            .clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            self.sweep().await;
+        }
+    }
+
+    fn release_in_background(&self, blocks: Vec<BlockId>) {
+        let engine = self.engine.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move { release(&engine, &metrics, blocks).await });
+    }
+}
+
+/// Unpins published blocks and updates the gauge.
+async fn release(engine: &EngineHandle, metrics: &Metrics, blocks: Vec<BlockId>) {
+    let n = blocks.len() as i64;
+    if let Err(e) = engine.unpin(blocks).await {
+        tracing::error!("unpinning published KV blocks failed: {e}");
+    }
+    metrics.kv.pinned_blocks.dec_by(n);
+}
+
+/// Unpins blocks a finished sequence left pinned but that were never published.
+pub fn release_unpublished(engine: &EngineHandle, blocks: Vec<BlockId>) {
+    let engine = engine.clone();
+    let unpin = async move {
+        if let Err(e) = engine.unpin(blocks).await {
+            tracing::error!("unpinning unpublished KV blocks failed: {e}");
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(unpin);
+        }
+        Err(_) => tracing::error!("no runtime to unpin KV blocks on; they stay pinned"),
+    }
+}
+
+/// Leading tokens `a` and `b` share.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl BlockSource for KvService {
+    fn engine_id(&self) -> &str {
+        &self.config.engine_id
+    }
+
+    fn layout(&self) -> &str {
+        &self.config.layout
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.config.block_bytes
+    }
+
+    async fn export(&self, request: &ReadRequest) -> Result<Export, (ErrorCode, String)> {
+        let entry = {
+            let mut st = self.lock();
+            let Some(entry) = st.pins.get(&request.request_id) else {
+                return Err((
+                    ErrorCode::UnknownRequest,
+                    format!(
+                        "nothing is published under {:?} (never, already read, or expired)",
+                        request.request_id
+                    ),
+                ));
+            };
+            let published = entry.blocks.iter().map(|&b| u64::from(b));
+            if !published.eq(request.block_ids.iter().copied()) {
+                return Err((
+                    ErrorCode::BlockMismatch,
+                    format!(
+                        "the read names {} blocks that differ from the {} published under {:?}",
+                        request.block_ids.len(),
+                        entry.blocks.len(),
+                        request.request_id
+                    ),
+                ));
+            }
+            // Taken out of the table: one read per publication, and the sweeper cannot
+            // free blocks while they are being sent.
+            let entry = st
+                .take(&request.request_id)
+                .expect("present under the lock");
+            st.reading
+                .insert(request.request_id.clone(), entry.blocks.clone());
+            entry
+        };
+        let matched = common_prefix(&request.token_ids, &entry.tokens);
+        let wanted = entry.blocks[..matched.div_ceil(BLOCK_SIZE)].to_vec();
+        match self.engine.read_blocks(wanted).await {
+            Ok(blocks) => Ok(Export {
+                matched_tokens: matched,
+                blocks,
+            }),
+            Err(e) => {
+                self.lock().reading.remove(&request.request_id);
+                release(&self.engine, &self.metrics, entry.blocks).await;
+                Err((ErrorCode::Internal, format!("cannot read the blocks: {e}")))
+            }
+        }
+    }
+
+    fn finish(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
+        let blocks = self.lock().reading.remove(request_id);
+        match outcome {
+            ReadOutcome::Completed => {
+                let kv = &self.metrics.kv;
+                kv.blocks_sent.inc_by(stats.blocks as u64);
+                kv.bytes_sent.inc_by(stats.bytes as u64);
+                kv.transfer_seconds.observe(stats.elapsed.as_secs_f64());
+                tracing::debug!(
+                    request_id,
+                    blocks = stats.blocks,
+                    ms = stats.elapsed.as_secs_f64() * 1e3,
+                    "KV blocks sent"
+                );
+            }
+            ReadOutcome::Failed(reason) => {
+                self.metrics.kv.serve_failures.inc();
+                tracing::warn!(request_id, %reason, "a KV read broke off; its blocks are freed");
+            }
+        }
+        if let Some(blocks) = blocks {
+            self.release_in_background(blocks);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefix_counts_leading_equal_tokens() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[7, 8], &[7, 8]), 2);
+    }
+}
+
+#[cfg(test)]
+#[path = "kv_service_tests.rs"]
+mod service_tests;

@@ -1,0 +1,173 @@
+//! The service over a real scheduler (fake model) and real sockets on 127.0.0.1:0.
+
+use std::time::Duration;
+
+use pdserve_kv_transfer::{pull, PullConfig, ServerConfig, TransferError};
+use tokio::net::TcpListener;
+
+use super::*;
+use crate::request::{GenerationRequest, SeqEvent};
+use crate::scheduler::{spawn, SchedulerConfig};
+use crate::step_model::fake::FakeModel;
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+async fn finished_pinned(engine: &EngineHandle, prompt: Vec<u32>) -> PinnedKv {
+    let mut req = GenerationRequest::new(prompt, 1);
+    req.pin_on_finish = true;
+    let mut events = engine.submit(req).unwrap();
+    loop {
+        match tokio::time::timeout(DEADLINE, events.recv()).await.unwrap() {
+            Some(SeqEvent::Finished {
+                pinned: Some(p), ..
+            }) => return p,
+            Some(SeqEvent::Finished { .. } | SeqEvent::Failed(_)) | None => {
+                panic!("no pinned blocks")
+            }
+            Some(_) => {}
+        }
+    }
+}
+
+async fn settle(metrics: &Metrics, pinned: i64) {
+    let start = Instant::now();
+    while metrics.kv_blocks_pinned.get() != pinned || metrics.kv.pinned_blocks.get() != pinned {
+        assert!(start.elapsed() < DEADLINE, "pins never settled at {pinned}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn read_of(params: &KvTransferParams, tokens: &[u32]) -> ReadRequest {
+    ReadRequest {
+        engine_id: params.remote_engine_id.clone().unwrap(),
+        request_id: params.remote_request_id.clone().unwrap(),
+        block_ids: params.remote_block_ids.as_ref().unwrap().flatten(),
+        token_ids: tokens.to_vec(),
+        layout: "fake".into(),
+    }
+}
+
+#[tokio::test]
+async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
+    let metrics = Arc::new(Metrics::new());
+    let config = SchedulerConfig {
+        max_num_seqs: 4,
+        max_waiting: 8,
+        max_num_batched_tokens: 256,
+        max_model_len: 256,
+    };
+    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let service = Arc::new(KvService::new(
+        KvServiceConfig {
+            engine_id: "engine-p".into(),
+            layout: "fake".into(),
+            block_bytes: 64,
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().unwrap().port(),
+            abort_timeout: Duration::from_millis(200),
+            conversation_budget: 4,
+        },
+        engine.clone(),
+        metrics.clone(),
+    ));
+    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
+        listener,
+        service.clone(),
+        ServerConfig::default(),
+        std::future::pending(),
+    ));
+    let pull_config = PullConfig::default();
+
+    let prompt: Vec<u32> = (1..=40).collect();
+    let pinned = finished_pinned(&engine, prompt.clone()).await;
+    let params = service.publish(pinned, PublishKind::Prefill).unwrap();
+    assert!(params.do_remote_prefill && !params.do_remote_decode);
+    assert_eq!(params.extra["tp_size"], 1);
+    assert!(matches!(
+        params.remote_block_ids,
+        Some(RemoteBlockIds::Grouped(ref g)) if g.len() == 1 && g[0].len() == 3
+    ));
+    settle(&metrics, 3).await;
+
+    // Wrong blocks or an unknown id are refused and leave the publication in place.
+    let mut wrong = read_of(&params, &prompt);
+    wrong.block_ids.reverse();
+    let err = pull(&addr, &wrong, 64, &pull_config).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::BlockMismatch,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let mut unknown = read_of(&params, &prompt);
+    unknown.request_id = "nope".into();
+    let err = pull(&addr, &unknown, 64, &pull_config).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::UnknownRequest,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // A read of a longer token list that diverges at 20 gets the blocks of 20 tokens.
+    let mut diverging = prompt.clone();
+    diverging[20] = 99;
+    let pulled = pull(&addr, &read_of(&params, &diverging), 64, &pull_config)
+        .await
+        .unwrap();
+    assert_eq!((pulled.matched_tokens, pulled.blocks.len()), (20, 2));
+    assert_eq!(&pulled.blocks[0][..4], &1u32.to_le_bytes());
+    settle(&metrics, 0).await;
+    let err = pull(&addr, &read_of(&params, &prompt), 64, &pull_config)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::UnknownRequest,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    // Unread blocks are freed after the abort timeout.
+    let pinned = finished_pinned(&engine, prompt.clone()).await;
+    service.publish(pinned, PublishKind::Prefill).unwrap();
+    settle(&metrics, 3).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(service.sweep().await, 1);
+    settle(&metrics, 0).await;
+    assert_eq!(metrics.kv.aborted_by_timeout.get(), 1);
+
+    // Conversations keep within their budget (4 blocks): the oldest is evicted.
+    let first = finished_pinned(&engine, (1..=40).collect()).await;
+    let first = service.publish(first, PublishKind::Conversation).unwrap();
+    assert!(!first.do_remote_prefill && !first.do_remote_decode);
+    let second = finished_pinned(&engine, (2..=41).collect()).await;
+    service.publish(second, PublishKind::Conversation).unwrap();
+    settle(&metrics, 3).await;
+    assert_eq!(metrics.kv.evicted.get(), 1);
+    let too_big = finished_pinned(&engine, (3..=90).collect()).await;
+    assert!(service
+        .publish(too_big, PublishKind::Conversation)
+        .is_none());
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    service.sweep().await;
+    settle(&metrics, 0).await;
+
+    server.abort();
+    engine.shutdown();
+    thread.join().unwrap();
+}
