@@ -103,7 +103,11 @@ impl ApiError {
 
     /// 503: no worker can take the request.
     pub fn service_unavailable(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message)
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            message,
+        )
     }
 
     /// 504: an upstream did not answer in time.

@@ -76,7 +76,10 @@ mod tests {
             r#"{"do_remote_prefill":true,"remote_block_ids":[1,2],"tp_size":2}"#,
         )
         .unwrap();
-        assert_eq!(flat.remote_block_ids, Some(RemoteBlockIds::Flat(vec![1, 2])));
+        assert_eq!(
+            flat.remote_block_ids,
+            Some(RemoteBlockIds::Flat(vec![1, 2]))
+        );
         assert_eq!(flat.extra["tp_size"], 2);
         let grouped: KvTransferParams =
             serde_json::from_str(r#"{"remote_block_ids":[[3,4],[5]]}"#).unwrap();

@@ -397,9 +397,15 @@ mod tests {
     fn completion_prompt_shapes() {
         for (v, want) in [
             (json!("a"), Prompt::Text("a".into())),
-            (json!(["a", "b"]), Prompt::Texts(vec!["a".into(), "b".into()])),
+            (
+                json!(["a", "b"]),
+                Prompt::Texts(vec!["a".into(), "b".into()]),
+            ),
             (json!([1, 2]), Prompt::Tokens(vec![1, 2])),
-            (json!([[1], [2]]), Prompt::TokenBatches(vec![vec![1], vec![2]])),
+            (
+                json!([[1], [2]]),
+                Prompt::TokenBatches(vec![vec![1], vec![2]]),
+            ),
         ] {
             let req: CompletionRequest =
                 serde_json::from_value(json!({"model": "m", "prompt": v})).unwrap();
