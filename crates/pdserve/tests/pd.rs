@@ -1,0 +1,462 @@
+//! Prefill/decode disaggregation end to end, in one process over real sockets on
+//! 127.0.0.1: an aggregated (`both`) worker as the oracle, a `prefill` and a `decode`
+//! worker, and the gateway in front of the pair. Greedy output through gateway + P + D
+//! must be the aggregated output token for token; a conversation's second turn must
+//! reuse the first turn's KV; failed pulls must fail fast; nothing may stay pinned.
+//!
+//! One test drives every scenario in turn: the workers load the model once, and the
+//! final leak check sees the whole suite's traffic.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use pdserve_engine::{Worker, WorkerArgs};
+use reqwest::Url;
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
+
+/// Bounds the whole suite, model loads included (2 slow CI cores).
+const SUITE_DEADLINE: Duration = Duration::from_secs(900);
+/// Unread KV is freed this long after it was published (shortened for the test).
+const ABORT_TIMEOUT_SECS: u64 = 4;
+/// What a failed pull may take at most (connect and I/O timeouts are 3 s and 10 s).
+const FAILED_PULL_BOUND: Duration = Duration::from_secs(12);
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: WorkerArgs,
+}
+
+async fn start_worker(role: &str, model: &Path) -> (Worker, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let args = Cli::try_parse_from([
+        "worker",
+        "--role",
+        role,
+        "--model",
+        &model.display().to_string(),
+        "--served-model-name",
+        "smollm2",
+        "--threads",
+        "1",
+        "--num-kv-blocks",
+        "256",
+        "--kv-abort-timeout",
+        &ABORT_TIMEOUT_SECS.to_string(),
+    ])
+    .unwrap()
+    .args;
+    let worker = Worker::start(listener, args).await.unwrap();
+    let url = format!("http://{}", worker.local_addr());
+    (worker, url)
+}
+
+struct Stack {
+    http: reqwest::Client,
+    agg: String,
+    prefill: String,
+    decode: String,
+    gateway: String,
+}
+
+impl Stack {
+    async fn post(&self, base: &str, path: &str, body: &Value) -> (u16, Value) {
+        let response = self
+            .http
+            .post(format!("{base}{path}"))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        if body["stream"] == json!(true) && status == 200 {
+            return (status, sse_to_value(&text));
+        }
+        let value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        (status, value)
+    }
+
+    async fn ok(&self, base: &str, path: &str, body: &Value) -> Value {
+        let (status, value) = self.post(base, path, body).await;
+        assert_eq!(status, 200, "{base}{path}: {value}");
+        value
+    }
+
+    async fn metric(&self, base: &str, name: &str) -> f64 {
+        let text = self
+            .http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name} at {base}"))
+    }
+}
+
+/// A streamed answer folded into the shape of a non-streamed one: the text (chat
+/// `message.content` or completion `text`), plus the final `kv_transfer_params`.
+fn sse_to_value(body: &str) -> Value {
+    let mut text = String::new();
+    let mut kv = Value::Null;
+    let mut chat = false;
+    for data in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert!(chunk.get("error").is_none(), "error event: {chunk}");
+        if let Some(choice) = chunk["choices"].get(0) {
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                chat = true;
+                text.push_str(t);
+            } else if let Some(t) = choice["text"].as_str() {
+                text.push_str(t);
+            }
+        }
+        if !chunk["kv_transfer_params"].is_null() {
+            kv = chunk["kv_transfer_params"].clone();
+        }
+    }
+    if chat {
+        json!({"choices": [{"message": {"content": text}}], "kv_transfer_params": kv})
+    } else {
+        json!({"choices": [{"text": text}], "kv_transfer_params": kv})
+    }
+}
+
+fn text_of(v: &Value) -> String {
+    let choice = &v["choices"][0];
+    choice["message"]["content"]
+        .as_str()
+        .or(choice["text"].as_str())
+        .unwrap_or_else(|| panic!("no text in {v}"))
+        .to_string()
+}
+
+fn chat(content: &str, stream: bool) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12, "temperature": 0, "stream": stream,
+    })
+}
+
+fn completion(prompt: &str, stream: bool) -> Value {
+    json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream})
+}
+
+const LONG: &str = "The history of the printing press begins in the fifteenth century, when \
+                    Johannes Gutenberg combined movable metal type with oil-based ink and a \
+                    screw press. Explain in one sentence why this mattered";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_serving_matches_aggregated_and_leaks_nothing() {
+    tokio::time::timeout(SUITE_DEADLINE, suite())
+        .await
+        .expect("the P/D suite ran past its deadline");
+}
+
+async fn suite() {
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let (agg_worker, agg) = start_worker("both", &model).await;
+    let (prefill_worker, prefill) = start_worker("prefill", &model).await;
+    let (decode_worker, decode) = start_worker("decode", &model).await;
+    assert!(
+        agg_worker.kv_addr().is_none(),
+        "a plain both worker serves no KV"
+    );
+    assert!(prefill_worker.kv_addr().is_some() && decode_worker.kv_addr().is_some());
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = format!("http://{}", listener.local_addr().unwrap());
+    let config = pdserve_gateway::GatewayConfig::new(
+        vec![Url::parse(&prefill).unwrap()],
+        vec![Url::parse(&decode).unwrap()],
+        Vec::new(),
+    );
+    let (stop_gateway, stopped) = tokio::sync::oneshot::channel::<()>();
+    let gateway_task = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let stack = Stack {
+        http: reqwest::Client::new(),
+        agg,
+        prefill,
+        decode,
+        gateway,
+    };
+
+    oracle(&stack).await;
+    multi_turn_through_the_gateway(&stack).await;
+    multi_turn_by_hand(&stack).await;
+    faults(&stack).await;
+    aborted_stream(&stack).await;
+    no_leaks(&stack).await;
+
+    let _ = stop_gateway.send(());
+    gateway_task.await.unwrap().unwrap();
+    for worker in [agg_worker, prefill_worker, decode_worker] {
+        worker.shutdown().await.unwrap();
+    }
+}
+
+/// Chat and completions, streamed and not, prompts of one token, of under one block
+/// and of several blocks: P/D text equals the aggregated text.
+async fn oracle(stack: &Stack) {
+    let cases = [
+        ("/v1/chat/completions", chat("Hi", false)),
+        ("/v1/chat/completions", chat(LONG, false)),
+        ("/v1/completions", completion("Hello", false)),
+        ("/v1/completions", completion("Once upon a time", false)),
+        ("/v1/completions", completion(LONG, false)),
+    ];
+    for (path, body) in cases {
+        let expected = text_of(&stack.ok(&stack.agg, path, &body).await);
+        assert!(!expected.is_empty(), "{path} {body}");
+        for stream in [false, true] {
+            let mut body = body.clone();
+            body["stream"] = json!(stream);
+            let got = stack.ok(&stack.gateway, path, &body).await;
+            assert_eq!(text_of(&got), expected, "{path} stream={stream} {body}");
+        }
+    }
+    let imported = stack
+        .metric(&stack.decode, "pdserve_kv_transfer_imported_tokens_total")
+        .await;
+    assert!(imported > 100.0, "decode imported only {imported} tokens");
+}
+
+/// Turn 2 of a conversation through the gateway: P reads turn 1's KV from D.
+async fn multi_turn_through_the_gateway(stack: &Stack) {
+    let mut turn = chat(LONG, false);
+    turn["conversation_id"] = json!("conversation-1");
+    let first = text_of(
+        &stack
+            .ok(&stack.gateway, "/v1/chat/completions", &turn)
+            .await,
+    );
+    let before = stack
+        .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
+        .await;
+    turn["messages"] = json!([
+        {"role": "user", "content": LONG},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "Now say it in five words."},
+    ]);
+    let second = text_of(
+        &stack
+            .ok(&stack.gateway, "/v1/chat/completions", &turn)
+            .await,
+    );
+    let reused = stack
+        .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
+        .await
+        - before;
+    assert!(
+        reused > 32.0,
+        "prefill reused only {reused} tokens of turn 1"
+    );
+    turn.as_object_mut().unwrap().remove("conversation_id");
+    let expected = text_of(&stack.ok(&stack.agg, "/v1/chat/completions", &turn).await);
+    assert_eq!(second, expected);
+}
+
+/// The same flow as vLLM's multi-turn proxy drives it, checking each leg's answer.
+async fn multi_turn_by_hand(stack: &Stack) {
+    let path = "/v1/completions";
+    let prompt1 = format!("{LONG}.");
+    let mut p1 = completion(&prompt1, false);
+    p1["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
+        "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+    let p1 = stack.ok(&stack.prefill, path, &p1).await;
+    let kv = &p1["kv_transfer_params"];
+    assert_eq!(kv["do_remote_prefill"], true, "{p1}");
+    assert_eq!(kv["do_remote_decode"], false);
+    assert_eq!(kv["tp_size"], 1);
+    assert_eq!(kv["remote_host"], "127.0.0.1");
+    assert!(kv["remote_port"].as_u64().unwrap() > 0);
+    assert!(kv["remote_engine_id"].is_string() && kv["remote_request_id"].is_string());
+    let groups = kv["remote_block_ids"].as_array().unwrap();
+    assert_eq!(groups.len(), 1, "one list per KV-cache group: {kv}");
+    assert!(groups[0].as_array().unwrap().len() >= 2, "{kv}");
+    assert_eq!(
+        p1["usage"]["completion_tokens"], 1,
+        "prefill computes one token"
+    );
+
+    let mut d1 = completion(&prompt1, true);
+    d1["kv_transfer_params"] = kv.clone();
+    let d1 = stack.ok(&stack.decode, path, &d1).await;
+    let hand_back = d1["kv_transfer_params"].clone();
+    assert_eq!(hand_back["do_remote_prefill"], false, "{d1}");
+    assert!(hand_back["remote_request_id"].is_string(), "{d1}");
+
+    // Turn 2 extends turn 1's prompt and output.
+    let prompt2 = format!("{prompt1}{} And then?", text_of(&d1));
+    let mut p2 = completion(&prompt2, false);
+    let mut reuse = hand_back.clone();
+    reuse["do_remote_decode"] = json!(true);
+    reuse["do_remote_prefill"] = json!(false);
+    p2["kv_transfer_params"] = reuse;
+    let p2 = stack.ok(&stack.prefill, path, &p2).await;
+    let cached = p2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt_tokens = p2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached > 32 && cached < prompt_tokens,
+        "turn 2 reused {cached} of {prompt_tokens} prompt tokens"
+    );
+    let mut d2 = completion(&prompt2, false);
+    d2["kv_transfer_params"] = p2["kv_transfer_params"].clone();
+    let d2 = stack.ok(&stack.decode, path, &d2).await;
+    let expected = stack
+        .ok(&stack.agg, path, &completion(&prompt2, false))
+        .await;
+    assert_eq!(text_of(&d2), text_of(&expected));
+
+    // The hand-back was read once; reading it again is refused and P computes alone.
+    let imported = stack
+        .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
+        .await;
+    let mut again = completion(&prompt2, false);
+    let mut stale = hand_back;
+    stale["do_remote_decode"] = json!(true);
+    again["kv_transfer_params"] = stale;
+    let again = stack.ok(&stack.prefill, path, &again).await;
+    let imported_again = stack
+        .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
+        .await;
+    assert_eq!(
+        imported, imported_again,
+        "a read-once hand-back was read twice"
+    );
+    // Leave P's export of `again` unread: the abort timeout frees it (checked at the end).
+    assert!(again["kv_transfer_params"]["remote_request_id"].is_string());
+}
+
+/// A decode pull from a dead peer, a garbage-speaking peer, with a mismatched prompt,
+/// or with incomplete params fails with an OpenAI-shaped error in bounded time.
+async fn faults(stack: &Stack) {
+    let path = "/v1/completions";
+    let dead_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let garbage = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let garbage_port = garbage.local_addr().unwrap().port();
+    let garbage_task = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = garbage.accept().await {
+            let _ = socket
+                .write_all(b"HTTP/1.1 400 Bad Request\r\n\r\nnot KV")
+                .await;
+        }
+    });
+    let handle = |port: u16| {
+        json!({"do_remote_prefill": true, "do_remote_decode": false,
+            "remote_engine_id": "someone", "remote_block_ids": [[0, 1]],
+            "remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "r-1",
+            "tp_size": 1})
+    };
+    for (what, port) in [("dead", dead_port), ("garbage", garbage_port)] {
+        let mut body = completion(LONG, false);
+        body["kv_transfer_params"] = handle(port);
+        let started = Instant::now();
+        let (status, err) = stack.post(&stack.decode, path, &body).await;
+        assert!(
+            started.elapsed() < FAILED_PULL_BOUND,
+            "{what} peer: too slow"
+        );
+        assert!(
+            status == 502 || status == 504,
+            "{what} peer: {status} {err}"
+        );
+        assert!(
+            err["error"]["message"].as_str().unwrap().contains("KV"),
+            "{err}"
+        );
+    }
+    garbage_task.abort();
+
+    let mut incomplete = completion(LONG, false);
+    incomplete["kv_transfer_params"] = json!({"do_remote_prefill": true});
+    let (status, err) = stack.post(&stack.decode, path, &incomplete).await;
+    assert_eq!(status, 400, "{err}");
+
+    // A decode request for another prompt than the one prefilled: detected, not decoded.
+    let mut p = completion(LONG, false);
+    p["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let p = stack.ok(&stack.prefill, path, &p).await;
+    let mut d = completion(
+        "A different prompt entirely, about cooking pasta well.",
+        false,
+    );
+    d["kv_transfer_params"] = p["kv_transfer_params"].clone();
+    let (status, err) = stack.post(&stack.decode, path, &d).await;
+    assert_eq!(status, 502, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("another prompt"),
+        "{err}"
+    );
+}
+
+/// A client that drops a P/D stream mid-way leaves no pinned block behind.
+async fn aborted_stream(stack: &Stack) {
+    let mut body = chat(LONG, true);
+    body["max_tokens"] = json!(200);
+    body["ignore_eos"] = json!(true);
+    let mut response = stack
+        .http
+        .post(format!("{}/v1/chat/completions", stack.gateway))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.chunk().await.unwrap().is_some());
+    drop(response);
+}
+
+/// After everything above (and the abort timeout), no worker holds a pinned block.
+async fn no_leaks(stack: &Stack) {
+    let started = Instant::now();
+    let limit = Duration::from_secs(ABORT_TIMEOUT_SECS + 10);
+    for base in [&stack.agg, &stack.prefill, &stack.decode] {
+        loop {
+            let pinned = stack.metric(base, "pdserve_kv_blocks_pinned").await;
+            let published = stack
+                .metric(base, "pdserve_kv_transfer_pinned_blocks")
+                .await;
+            let running = stack.metric(base, "pdserve_num_requests_running").await;
+            if pinned == 0.0 && published == 0.0 && running == 0.0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < limit,
+                "{base}: {pinned} blocks pinned, {published} published, {running} running"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let aborted = stack
+        .metric(
+            &stack.prefill,
+            "pdserve_kv_transfer_aborted_by_timeout_total",
+        )
+        .await;
+    assert!(
+        aborted >= 1.0,
+        "the unread export was not freed by the timeout"
+    );
+}
