@@ -1,6 +1,6 @@
 //! The paged KV store: blocks exported after a prefill and imported into a fresh store
 //! under other block ids continue decoding identically; a batched step equals running each
-//! sequence alone; bad input is rejected.
+//! sequence alone (bit for bit on the default path); bad input is rejected.
 
 mod common;
 
@@ -111,10 +111,10 @@ fn batched_step_equals_each_sequence_alone() {
                 .zip(&logits[s])
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            assert!(
-                diff < 1e-2,
-                "sequence {s}, step {step}: max |Δlogit| {diff}"
-            );
+            // The default kernels treat every row alone (per-row activation quantization,
+            // fixed summation order), so batching changes nothing, bit for bit: the
+            // property P/D disaggregation relies on to match aggregated output.
+            assert_eq!(diff, 0.0, "sequence {s}, step {step}: max |Δlogit| {diff}");
         }
         let batch: Vec<SequenceStep> = (0..prompts.len())
             .map(|s| SequenceStep {
@@ -209,5 +209,6 @@ fn chunked_prefill_equals_one_prefill() {
         .zip(&whole)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    assert!(diff < 1e-3, "max |Δlogit| {diff}");
+    // Rows are computed alone, so chunk boundaries change nothing, bit for bit.
+    assert_eq!(diff, 0.0, "max |Δlogit| {diff}");
 }
