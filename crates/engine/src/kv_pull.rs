@@ -10,8 +10,10 @@ use crate::server::AppState;
 
 /// Longest wait to connect to a peer's KV service.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Longest wait for any one frame from a peer.
-pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for any one frame from a peer. Generous: the peer copies blocks out
+/// between its scheduler steps, and one step of a long prompt chunk on a loaded CPU can
+/// take seconds.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The peer and read a set of `kv_transfer_params` name.
 #[derive(Debug, Clone, PartialEq)]

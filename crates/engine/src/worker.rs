@@ -57,6 +57,7 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--threads", args.threads.unwrap_or(1)),
         ("--max-model-len", args.max_model_len.unwrap_or(2)),
+        ("--kv-abort-timeout", args.kv_abort_timeout as usize),
     ] {
         if value == 0 {
             return Err(WorkerError::InvalidArgs(format!(
