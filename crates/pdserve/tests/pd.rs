@@ -229,6 +229,15 @@ async fn oracle(stack: &Stack) {
             assert_eq!(text_of(&got), expected, "{path} stream={stream} {body}");
         }
     }
+    // Token for token, not only the same text.
+    let mut body = completion(LONG, false);
+    body["logprobs"] = json!(0);
+    body["ignore_eos"] = json!(true);
+    let tokens = |v: Value| v["choices"][0]["logprobs"]["tokens"].clone();
+    let expected = tokens(stack.ok(&stack.agg, "/v1/completions", &body).await);
+    assert_eq!(expected.as_array().map(Vec::len), Some(12), "{expected}");
+    let got = tokens(stack.ok(&stack.gateway, "/v1/completions", &body).await);
+    assert_eq!(got, expected);
     let imported = stack
         .metric(&stack.decode, "pdserve_kv_transfer_imported_tokens_total")
         .await;
