@@ -1,5 +1,6 @@
-//! `pdserve up` end to end: the real binary starts a worker and a gateway, answers a
-//! chat request through the gateway, and stops every process on Ctrl-C (SIGINT).
+//! `pdserve up` end to end: the real binary starts a prefill worker, a decode worker and
+//! a gateway, answers a chat request through them, and stops every process on Ctrl-C
+//! (SIGINT).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -19,14 +20,7 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
     let port = free_port();
     let mut up = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .args([
-            "up",
-            "--aggregated",
-            "--port",
-            &port.to_string(),
-            "--cores",
-            "2",
-        ])
+        .args(["up", "--port", &port.to_string(), "--cores", "2"])
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::piped())
@@ -57,8 +51,8 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
             break;
         }
     }
-    assert_eq!(worker_urls.len(), 1, "{worker_urls:?}");
-    let worker_url = worker_urls.pop().unwrap();
+    // The default stack is disaggregated: one prefill and one decode worker.
+    assert_eq!(worker_urls.len(), 2, "{worker_urls:?}");
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let body: serde_json::Value = rt.block_on(async {
@@ -94,14 +88,16 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(status.success(), "{status}");
-    // Its children are gone too: nothing answers on the worker's port any more.
-    let worker_alive = rt.block_on(async {
-        reqwest::Client::new()
-            .get(format!("{worker_url}/health"))
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-            .is_ok()
-    });
-    assert!(!worker_alive, "the worker outlived pdserve up");
+    // Its children are gone too: nothing answers on the workers' ports any more.
+    for url in &worker_urls {
+        let alive = rt.block_on(async {
+            reqwest::Client::new()
+                .get(format!("{url}/health"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok()
+        });
+        assert!(!alive, "{url} outlived pdserve up");
+    }
 }
