@@ -20,19 +20,10 @@ use crate::kv_handoff;
 use crate::server::{parse_json, AppState};
 use crate::validate::{check_model, generation_request, output_options, top_logprobs};
 
-/// Handles one completion request.
+/// Handles one completion request. Errors become OpenAI-shaped responses through
+/// `ApiError`'s `IntoResponse`.
 pub async fn handle(
     State(app): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match run(app, body).await {
-        Ok(response) => response,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn run(
-    app: Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_json(body)?;
