@@ -7,24 +7,16 @@
 #![warn(missing_docs)]
 
 pub mod args;
+pub mod api;
 pub mod block_manager;
-mod chat;
-mod completions;
-pub mod generation;
-mod kv_handoff;
-pub mod kv_pull;
-pub mod kv_service;
+pub mod kv;
 pub mod metrics;
 pub mod output_text;
-mod remote_decode;
-mod remote_prefill;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
 mod sequence;
-pub mod server;
 pub mod step_model;
-pub mod validate;
 pub mod worker;
 
 pub use args::{Role, WorkerArgs};

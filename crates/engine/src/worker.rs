@@ -10,12 +10,12 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::args::{Role, WorkerArgs};
-use crate::kv_service::{KvService, KvServiceConfig};
+use crate::kv::service::{KvService, KvServiceConfig};
 use crate::metrics::Metrics;
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
-use crate::server::{router, AppState};
+use crate::api::server::{router, AppState};
 use crate::step_model::ModelRunner;
-use crate::validate::ModelLimits;
+use crate::api::validate::ModelLimits;
 
 /// How long in-flight requests may run on after shutdown is asked for.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);

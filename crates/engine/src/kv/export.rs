@@ -8,9 +8,9 @@
 
 use pdserve_protocol::KvTransferParams;
 
-use crate::kv_pull::{pull_blocks, RemoteBlocks};
+use crate::kv::pull::{pull_blocks, RemoteBlocks};
 use crate::request::{GenerationRequest, KvImport};
-use crate::server::AppState;
+use crate::api::server::AppState;
 use pdserve_model::BLOCK_SIZE;
 
 /// Turns `request` into a one-token prefill whose blocks stay pinned, importing a

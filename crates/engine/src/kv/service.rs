@@ -355,5 +355,5 @@ mod tests {
 }
 
 #[cfg(test)]
-#[path = "kv_service_tests.rs"]
+#[path = "service_tests.rs"]
 mod service_tests;

@@ -15,12 +15,12 @@ use pdserve_model::Model;
 use pdserve_protocol::{unix_now, ApiError, ModelCard, ModelList};
 use serde::de::DeserializeOwned;
 
-use crate::kv_service::KvService;
+use crate::kv::service::KvService;
 use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, SeqEvents};
 use crate::scheduler::{EngineHandle, SubmitError};
-use crate::validate::ModelLimits;
-use crate::{chat, completions};
+use crate::api::validate::ModelLimits;
+use super::{chat, completions};
 
 /// Largest request body accepted (long prompts fit easily).
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;

@@ -5,12 +5,12 @@ use std::sync::Arc;
 
 use pdserve_protocol::{ApiError, KvTransferParams};
 
-use crate::generation::Generation;
-use crate::kv_service::PublishKind;
-use crate::remote_decode::import_prompt_kv;
-use crate::remote_prefill::prepare_prefill;
+use crate::api::generation::Generation;
+use crate::kv::service::PublishKind;
+use crate::kv::import::import_prompt_kv;
+use crate::kv::export::prepare_prefill;
 use crate::request::GenerationRequest;
-use crate::server::AppState;
+use crate::api::server::AppState;
 
 /// Applies `params` to `request` (pulling a peer's blocks where they say so) and returns
 /// how the finished request's blocks are to be published, if at all.

@@ -9,11 +9,11 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
 
-use crate::kv_service::{release_unpublished, PublishKind};
+use crate::kv::service::{release_unpublished, PublishKind};
 use crate::output_text::{OutputText, TokenText};
 use crate::request::{FinishReason, PinnedKv, SeqEvent, SeqEvents};
 use crate::sampling::TokenLogprobs;
-use crate::server::{sse_response, AppState};
+use crate::api::server::{sse_response, AppState};
 
 /// A token's log-probability information, with token text resolved.
 #[derive(Debug, Clone, PartialEq)]

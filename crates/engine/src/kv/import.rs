@@ -8,9 +8,9 @@
 use pdserve_model::BLOCK_SIZE;
 use pdserve_protocol::{ApiError, KvTransferParams};
 
-use crate::kv_pull::{pull_blocks, RemoteBlocks};
+use crate::kv::pull::{pull_blocks, RemoteBlocks};
 use crate::request::{GenerationRequest, KvImport};
-use crate::server::AppState;
+use crate::api::server::AppState;
 
 /// Pulls the prompt's KV named by `params` into `request.kv_import`. The pull always
 /// runs to the end (so the prefill worker frees its blocks) even when there is nothing

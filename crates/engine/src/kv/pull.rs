@@ -6,7 +6,7 @@ use std::time::Duration;
 use pdserve_kv_transfer::{pull, PullConfig, PulledBlocks, ReadRequest, TransferError};
 use pdserve_protocol::{ApiError, KvTransferParams};
 
-use crate::server::AppState;
+use crate::api::server::AppState;
 
 /// Longest wait to connect to a peer's KV service.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

@@ -13,12 +13,12 @@ use pdserve_protocol::{
 };
 use serde_json::{Map, Value};
 
-use crate::generation::{
+use crate::api::generation::{
     collect_response, response_id, stream_response, ResolvedLogprob, ResponseFormat,
 };
-use crate::kv_handoff;
-use crate::server::{parse_json, AppState};
-use crate::validate::{check_model, generation_request, output_options, top_logprobs};
+use crate::kv::handoff as kv_handoff;
+use crate::api::server::{parse_json, AppState};
+use crate::api::validate::{check_model, generation_request, output_options, top_logprobs};
 
 /// Handles one completion request. Errors become OpenAI-shaped responses through
 /// `ApiError`'s `IntoResponse`.
