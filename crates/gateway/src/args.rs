@@ -3,8 +3,12 @@
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
+use pdserve_protocol::WorkerRole;
 use reqwest::Url;
 
+use crate::policy::POLICY_NAMES;
+use crate::registry::probe::ProbeSettings;
+use crate::registry::{HealthPolicy, WorkerSpec};
 use crate::GatewayError;
 
 /// `pdserve gateway` flags.
@@ -73,6 +77,50 @@ pub struct GatewayArgs {
     /// Time limit in seconds for opening a TCP connection to a worker.
     #[arg(long, env = "PDSERVE_CONNECT_TIMEOUT_SECS", default_value = "5", value_parser = parse_secs)]
     pub connect_timeout_secs: Duration,
+
+    /// How a worker is chosen among the live workers of a role.
+    #[arg(long, env = "PDSERVE_POLICY", default_value = "round_robin", value_parser = clap::builder::PossibleValuesParser::new(POLICY_NAMES))]
+    pub policy: String,
+
+    /// Let workers join and leave at run time through `POST /instances` and
+    /// `DELETE /instances?url=...` (admin calls need ADMIN_API_KEY). Static
+    /// --prefill/--decode/--worker flags may be combined with it.
+    #[arg(long, env = "PDSERVE_DYNAMIC_REGISTRATION")]
+    pub dynamic_registration: bool,
+
+    /// The key admin calls must send in `X-API-Key` (or `Authorization: Bearer`).
+    /// Required by --dynamic-registration.
+    #[arg(long, env = "ADMIN_API_KEY", hide_env_values = true)]
+    pub admin_api_key: Option<String>,
+
+    /// Seconds between health probes (`GET /health`) of every registered worker; 0 turns
+    /// probing off.
+    #[arg(long, env = "PDSERVE_PROBE_INTERVAL", default_value = "5", value_parser = parse_secs)]
+    pub probe_interval: Duration,
+
+    /// Time limit in seconds of one health probe.
+    #[arg(long, env = "PDSERVE_PROBE_TIMEOUT", default_value = "2", value_parser = parse_secs)]
+    pub probe_timeout: Duration,
+
+    /// Consecutive failed probes that evict a worker (no new requests go to it until a
+    /// probe succeeds). A request that cannot connect to a worker evicts it at once.
+    #[arg(long, env = "PDSERVE_FAIL_THRESHOLD", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub fail_threshold: u32,
+
+    /// Seconds an evicted worker is still probed before it is forgotten; 0 probes it forever.
+    #[arg(long, env = "PDSERVE_EVICTED_TTL", default_value = "900", value_parser = parse_secs)]
+    pub evicted_ttl: Duration,
+
+    /// On SIGTERM or Ctrl-C, seconds to let open requests (streams included) finish
+    /// before the gateway exits anyway.
+    #[arg(long, env = "PDSERVE_SHUTDOWN_TIMEOUT", default_value = "30", value_parser = parse_secs)]
+    pub shutdown_timeout: Duration,
+
+    /// Send one tiny request (prompt " x", one token) through every prefill/decode pair
+    /// (or prefill_decode worker) as it becomes routable, so the first user request does
+    /// not pay connection and KV-transfer set-up. Retried every 5 s, up to 60 times.
+    #[arg(long, env = "PDSERVE_PREWARM")]
+    pub prewarm: bool,
 }
 
 /// Parses a non-negative number of seconds (fractions allowed) into a `Duration`.
@@ -110,6 +158,18 @@ pub struct GatewayConfig {
     pub upstream_idle_timeout: Duration,
     /// Limit for opening an upstream connection.
     pub connect_timeout: Duration,
+    /// The routing policy's name.
+    pub policy: String,
+    /// The admin key; `Some` enables `POST`/`DELETE /instances`.
+    pub admin_api_key: Option<String>,
+    /// Health probe timing.
+    pub probe: ProbeSettings,
+    /// Eviction settings.
+    pub health: HealthPolicy,
+    /// Drain limit on shutdown.
+    pub shutdown_timeout: Duration,
+    /// Whether new pairs are pre-warmed.
+    pub prewarm: bool,
 }
 
 impl GatewayConfig {
@@ -128,7 +188,29 @@ impl GatewayConfig {
             max_conversations: NonZeroUsize::new(100_000).expect("non-zero"),
             upstream_idle_timeout: Duration::from_millis(2500),
             connect_timeout: Duration::from_secs(5),
+            policy: "round_robin".into(),
+            admin_api_key: None,
+            probe: ProbeSettings {
+                interval: Duration::from_secs(5),
+                timeout: Duration::from_secs(2),
+            },
+            health: HealthPolicy::default(),
+            shutdown_timeout: Duration::from_secs(30),
+            prewarm: false,
         }
+    }
+
+    /// The static workers as registrations.
+    pub fn static_workers(&self) -> impl Iterator<Item = WorkerSpec> + '_ {
+        let of = |role, urls: &'_ [Url]| {
+            urls.iter()
+                .map(move |u| WorkerSpec::new(role, u.clone()))
+                .collect::<Vec<_>>()
+        };
+        of(WorkerRole::Prefill, &self.prefill)
+            .into_iter()
+            .chain(of(WorkerRole::Decode, &self.decode))
+            .chain(of(WorkerRole::PrefillDecode, &self.worker))
     }
 }
 
@@ -154,11 +236,31 @@ impl GatewayArgs {
         let prefill = urls("--prefill", &self.prefill)?;
         let decode = urls("--decode", &self.decode)?;
         let worker = urls("--worker", &self.worker)?;
-        if prefill.is_empty() != decode.is_empty() && worker.is_empty() {
+        let split = !prefill.is_empty() || !decode.is_empty();
+        if !worker.is_empty() && split {
+            return Err(GatewayError::Config(
+                "--worker (prefill_decode) workers cannot be mixed with --prefill/--decode workers"
+                    .into(),
+            ));
+        }
+        // With registration on, the missing half of a pair may join later.
+        if prefill.is_empty() != decode.is_empty() && !self.dynamic_registration {
             return Err(GatewayError::Config(
                 "prefill/decode disaggregation needs at least one --prefill and one --decode worker \
                  (or give --worker for aggregated serving)"
                     .into(),
+            ));
+        }
+        let admin_api_key = self.admin_api_key.clone().filter(|k| !k.is_empty());
+        if self.dynamic_registration && admin_api_key.is_none() {
+            return Err(GatewayError::Config(
+                "--dynamic-registration needs an admin key: set ADMIN_API_KEY (or --admin-api-key)"
+                    .into(),
+            ));
+        }
+        if self.probe_timeout.is_zero() {
+            return Err(GatewayError::Config(
+                "--probe-timeout must be positive".into(),
             ));
         }
         if self.max_body_bytes == 0 {
@@ -179,6 +281,19 @@ impl GatewayArgs {
             max_conversations: self.max_conversations,
             upstream_idle_timeout: self.upstream_idle_timeout_secs,
             connect_timeout: self.connect_timeout_secs,
+            policy: self.policy.clone(),
+            // Without dynamic registration the key has no use; admin routes stay closed.
+            admin_api_key: admin_api_key.filter(|_| self.dynamic_registration),
+            probe: ProbeSettings {
+                interval: self.probe_interval,
+                timeout: self.probe_timeout,
+            },
+            health: HealthPolicy {
+                fail_threshold: self.fail_threshold,
+                evicted_ttl: (!self.evicted_ttl.is_zero()).then_some(self.evicted_ttl),
+            },
+            shutdown_timeout: self.shutdown_timeout,
+            prewarm: self.prewarm,
         })
     }
 }
@@ -244,5 +359,46 @@ mod tests {
         assert!(cli.args.to_config().is_err());
         let cli = Cli::parse_from(["x", "--worker", "http://127.0.0.1:9"]);
         assert!(cli.args.to_config().is_ok());
+        let cli = Cli::parse_from([
+            "x",
+            "--worker",
+            "http://127.0.0.1:9",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+        ]);
+        assert!(
+            cli.args.to_config().is_err(),
+            "prefill_decode mixed with P/D"
+        );
+    }
+
+    #[test]
+    fn dynamic_registration_needs_an_admin_key() {
+        let cli = Cli::parse_from(["x", "--dynamic-registration", "--admin-api-key", ""]);
+        assert!(cli.args.to_config().is_err());
+        let cli = Cli::parse_from([
+            "x",
+            "--dynamic-registration",
+            "--admin-api-key",
+            "k",
+            "--prefill",
+            "http://127.0.0.1:1",
+        ]);
+        let cfg = cli.args.to_config().unwrap();
+        assert_eq!(cfg.admin_api_key.as_deref(), Some("k"));
+        assert_eq!(cfg.health.fail_threshold, 3);
+        assert_eq!(cfg.health.evicted_ttl, Some(Duration::from_secs(900)));
+        assert_eq!(cfg.probe.interval, Duration::from_secs(5));
+        let cli = Cli::parse_from(["x", "--admin-api-key", "k", "--evicted-ttl", "0"]);
+        let cfg = cli.args.to_config().unwrap();
+        assert!(
+            cfg.admin_api_key.is_none(),
+            "admin routes stay closed without the flag"
+        );
+        assert!(cfg.health.evicted_ttl.is_none());
+        assert!(Cli::try_parse_from(["x", "--fail-threshold", "0"]).is_err());
+        assert!(Cli::try_parse_from(["x", "--policy", "nope"]).is_err());
     }
 }

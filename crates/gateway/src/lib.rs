@@ -1,17 +1,24 @@
 //! The OpenAI-compatible gateway behind `pdserve gateway`.
 //!
-//! Clients speak the OpenAI API; the gateway routes each request across static pools of
-//! prefill, decode and aggregated workers, moving the KV cache from prefill to decode
-//! with vLLM's `kv_transfer_params` protocol and reusing a conversation's decode KV on
-//! its next turn.
+//! Clients speak the OpenAI API; the gateway routes each request across a live registry
+//! of prefill, decode and prefill_decode workers (static flags, or registered at run time
+//! through the admin API; health-probed, evicted and re-admitted), moving the KV cache
+//! from prefill to decode with vLLM's `kv_transfer_params` protocol and reusing a
+//! conversation's decode KV on its next turn.
 
+pub mod admin;
 pub mod args;
 pub mod conversation;
+pub mod endpoint;
 pub mod error;
 pub mod handoff;
 pub mod metrics;
+pub mod policy;
+pub mod prewarm;
+pub mod readiness;
 pub mod registry;
 pub mod server;
+pub mod state;
 pub mod upstream;
 pub mod validation;
 
@@ -19,7 +26,8 @@ pub use args::{GatewayArgs, GatewayConfig};
 pub use error::GatewayError;
 pub use server::{router, serve};
 
-/// Runs the gateway until Ctrl-C, then drains open requests.
+/// Runs the gateway until SIGTERM or Ctrl-C, then drains open requests for up to
+/// `--shutdown-timeout`.
 pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
     let config = args.to_config()?;
     let addr = args.listen_addr();
@@ -34,18 +42,44 @@ pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
         addr = %local,
         prefill = config.prefill.len(),
         decode = config.decode.len(),
-        worker = config.worker.len(),
+        prefill_decode = config.worker.len(),
+        dynamic_registration = config.admin_api_key.is_some(),
+        policy = %config.policy,
         "gateway listening"
     );
-    if config.prefill.is_empty() && config.decode.is_empty() && config.worker.is_empty() {
-        tracing::warn!("no --prefill/--decode/--worker given: every request will get 503");
+    if config.static_workers().next().is_none() && config.admin_api_key.is_none() {
+        tracing::warn!(
+            "no --prefill/--decode/--worker given and --dynamic-registration is off: every request will get 503"
+        );
     }
     serve(listener, config, async {
+        shutdown_signal().await;
+        tracing::info!("shutting down: no new connections; draining open requests");
+    })
+    .await
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::error!("cannot listen for Ctrl-C: {e}");
             std::future::pending::<()>().await;
         }
-        tracing::info!("shutting down: draining open requests");
-    })
-    .await
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
 }

@@ -24,6 +24,19 @@ struct WorkerLabels {
     worker: String,
 }
 
+/// Labels of per-role worker metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RoleLabels {
+    role: String,
+}
+
+/// Labels of the worker count gauge.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RoleHealthLabels {
+    role: String,
+    health: String,
+}
+
 /// Labels of per-route latency.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RouteLabels {
@@ -48,6 +61,9 @@ pub struct Metrics {
     stream_errors: Counter,
     conversation_hits: Counter,
     conversation_misses: Counter,
+    workers: Family<RoleHealthLabels, Gauge>,
+    evictions: Family<RoleLabels, Counter>,
+    readmissions: Family<RoleLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -108,8 +124,29 @@ impl Default for Metrics {
             "Turns with a conversation_id but no usable cached decode KV",
             conversation_misses.clone(),
         );
+        let workers = Family::<RoleHealthLabels, Gauge>::default();
+        registry.register(
+            "workers",
+            "Registered workers by role and health (live or evicted)",
+            workers.clone(),
+        );
+        let evictions = Family::<RoleLabels, Counter>::default();
+        registry.register(
+            "worker_evictions",
+            "Workers evicted after failed health probes or refused connections",
+            evictions.clone(),
+        );
+        let readmissions = Family::<RoleLabels, Counter>::default();
+        registry.register(
+            "worker_readmissions",
+            "Evicted workers re-admitted after a healthy probe",
+            readmissions.clone(),
+        );
         Self {
             registry,
+            workers,
+            evictions,
+            readmissions,
             requests,
             worker_in_flight,
             prefill_seconds,
@@ -180,6 +217,36 @@ impl Metrics {
         } else {
             self.conversation_misses.inc();
         }
+    }
+
+    /// Sets the number of live and evicted workers of `role`.
+    pub fn set_workers(&self, role: &str, live: i64, evicted: i64) {
+        for (health, n) in [("live", live), ("evicted", evicted)] {
+            self.workers
+                .get_or_create(&RoleHealthLabels {
+                    role: role.to_string(),
+                    health: health.to_string(),
+                })
+                .set(n);
+        }
+    }
+
+    /// Counts an eviction.
+    pub fn inc_evictions(&self, role: &str) {
+        self.evictions
+            .get_or_create(&RoleLabels {
+                role: role.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a re-admission.
+    pub fn inc_readmissions(&self, role: &str) {
+        self.readmissions
+            .get_or_create(&RoleLabels {
+                role: role.to_string(),
+            })
+            .inc();
     }
 
     /// All metrics in the Prometheus text format.

@@ -1,6 +1,6 @@
 //! axum routes, tower layers and graceful shutdown.
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,66 +9,41 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
-use axum::{Json, Router};
+use axum::Router;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, StatusCode};
-use pdserve_protocol::ApiError;
-use serde_json::{json, Value};
+use pdserve_protocol::{ApiError, WorkerRole};
+use serde_json::Value;
 use tokio::net::TcpListener;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
 use crate::args::GatewayConfig;
-use crate::conversation::ConversationCache;
-use crate::error::{error_chain, truncate, Failure, GatewayError};
+use crate::endpoint::Endpoint;
+use crate::error::{Failure, GatewayError};
 use crate::handoff::{self, RequestContext};
-use crate::metrics::Metrics;
-use crate::registry::{Endpoint, Mode, Registry};
-use crate::upstream::{ForwardHeaders, Upstream};
+use crate::policy::RouteRequest;
+use crate::state::AppState;
+use crate::upstream::{Exchange, ForwardHeaders, LegErrorKind};
 use crate::validation::{body_rejection, GenerateRequest};
+use crate::{admin, prewarm, readiness, registry};
 
-/// State shared by all requests.
-#[derive(Debug)]
-pub struct AppState {
-    /// The resolved configuration.
-    pub config: GatewayConfig,
-    /// Worker pools.
-    pub registry: Registry,
-    /// The upstream HTTP client.
-    pub upstream: Upstream,
-    /// Decode KV handles kept for conversations' next turns.
-    pub conversations: Arc<ConversationCache>,
-    /// Metrics.
-    pub metrics: Arc<Metrics>,
-}
-
-impl AppState {
-    /// State for `config`.
-    pub fn new(config: GatewayConfig) -> Result<Self, GatewayError> {
-        let metrics = Arc::new(Metrics::default());
-        let registry = Registry::new(&config.prefill, &config.decode, &config.worker, &metrics);
-        Ok(Self {
-            upstream: Upstream::new(&config)?,
-            conversations: Arc::new(ConversationCache::new(
-                config.max_conversations,
-                config.conversation_ttl,
-            )),
-            registry,
-            metrics,
-            config,
-        })
-    }
-}
-
-/// The gateway's routes and layers for `config`.
-pub fn router(config: GatewayConfig) -> Result<Router, GatewayError> {
-    let limit = config.max_body_bytes;
-    let state = Arc::new(AppState::new(config)?);
-    Ok(Router::new()
+/// The gateway's routes and layers over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .route("/health", get(readiness::readiness))
+        .route("/readiness", get(readiness::readiness))
+        .route("/liveness", get(readiness::liveness))
+        .route(
+            "/instances",
+            get(admin::list)
+                .post(admin::register)
+                .delete(admin::unregister),
+        )
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -77,16 +52,40 @@ pub fn router(config: GatewayConfig) -> Result<Router, GatewayError> {
         .layer(TraceLayer::new_for_http())
         // Outermost: every request (and so both legs and the response) has an id.
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
-        .with_state(state))
+        .with_state(state)
 }
 
-/// Serves the gateway on `listener` until `shutdown` completes, then drains open requests.
+/// Aborts the gateway's background tasks when the server stops.
+struct BackgroundTasks(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for BackgroundTasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+/// Serves the gateway on `listener` until `shutdown` completes, then lets open requests
+/// finish for up to `--shutdown-timeout`.
 pub async fn serve(
     listener: TcpListener,
     config: GatewayConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
-    let app = router(config)?;
+    let drain_limit = config.shutdown_timeout;
+    let state = Arc::new(AppState::new(config)?);
+    let mut tasks = Vec::new();
+    tasks.extend(registry::probe::spawn(
+        &state.registry,
+        state.upstream.client().clone(),
+        state.config.probe,
+    ));
+    if state.config.prewarm {
+        tasks.push(prewarm::spawn(state.clone()));
+    }
+    let _tasks = BackgroundTasks(tasks);
+    let app = router(state);
     // Stream chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
     // one back until the client's delayed ACK (tens of milliseconds per token).
     let listener = listener.tap_io(|tcp| {
@@ -94,9 +93,25 @@ pub async fn serve(
             tracing::debug!("cannot set TCP_NODELAY: {e}");
         }
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let draining = Arc::new(tokio::sync::Notify::new());
+    let server = axum::serve(listener, app)
+        .with_graceful_shutdown({
+            let draining = draining.clone();
+            async move {
+                shutdown.await;
+                draining.notify_one();
+            }
+        })
+        .into_future();
+    tokio::select! {
+        result = server => result?,
+        () = async {
+            draining.notified().await;
+            tokio::time::sleep(drain_limit).await;
+        } => {
+            tracing::warn!("open requests did not finish within --shutdown-timeout ({drain_limit:?}); exiting anyway");
+        }
+    }
     Ok(())
 }
 
@@ -126,6 +141,7 @@ async fn generate(
         endpoint,
         route: endpoint.path(),
         headers: ForwardHeaders::from_client(&headers),
+        client_headers: headers,
         started: Instant::now(),
     };
     let result = async {
@@ -156,7 +172,7 @@ async fn generate(
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     const ROUTE: &str = "/v1/models";
-    let response = match fetch_models(&state, &ForwardHeaders::from_client(&headers)).await {
+    let response = match fetch_models(&state, &headers).await {
         Ok(body) => (
             [(
                 header::CONTENT_TYPE,
@@ -173,87 +189,41 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     response
 }
 
-/// `/v1/models` of a decode (or aggregated) worker, passed through.
-async fn fetch_models(state: &AppState, headers: &ForwardHeaders) -> Result<Bytes, Failure> {
-    let worker = state
-        .registry
-        .models_worker()
-        .ok_or_else(|| ApiError::service_unavailable("no worker is configured"))?;
-    let exchange = async {
-        let response = state
-            .upstream
-            .get(worker.models_url(), headers)
-            .send()
-            .await?;
-        let status = response.status();
-        Ok::<_, reqwest::Error>((status, response.bytes().await?))
-    };
-    let (status, body) = match tokio::time::timeout(state.config.decode_timeout, exchange).await {
-        Err(_) => {
-            return Err(ApiError::gateway_timeout(format!(
-                "worker {} did not list its models within {:?}",
-                worker.base, state.config.decode_timeout
-            ))
-            .into())
+/// `/v1/models` of a live decode (or prefill_decode, or prefill) worker, passed through.
+async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Failure> {
+    let route = RouteRequest::bodyless(Endpoint::Chat, headers);
+    let worker = [
+        WorkerRole::Decode,
+        WorkerRole::PrefillDecode,
+        WorkerRole::Prefill,
+    ]
+    .into_iter()
+    .find_map(|role| state.pick(role, &[], &route))
+    .ok_or_else(|| ApiError::service_unavailable("no healthy worker is available"))?;
+    let exchange = Exchange::new(&worker, "worker", state.config.decode_timeout);
+    let request = state
+        .upstream
+        .get(worker.models_url(), &ForwardHeaders::from_client(headers));
+    let body = match exchange.send_and_read(request).await {
+        Ok(body) => body,
+        Err(e) => {
+            state.report(&worker, &e);
+            return Err(e.failure);
         }
-        Ok(Err(e)) => {
-            return Err(ApiError::bad_gateway(format!(
-                "worker {} failed: {}",
-                worker.base,
-                error_chain(&e)
-            ))
-            .into())
-        }
-        Ok(Ok(answer)) => answer,
     };
-    if status.is_client_error() {
-        return Err(Failure::from_upstream_client_error(
-            status,
-            body,
-            &worker.base,
-        ));
-    }
-    let is_json_object = serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_object());
-    if !status.is_success() || !is_json_object {
+    if !serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_object()) {
         let text = String::from_utf8_lossy(&body);
-        return Err(ApiError::bad_gateway(format!(
-            "worker {} answered /v1/models with {status}: {}",
-            worker.base,
-            truncate(text.trim(), 512)
-        ))
-        .into());
+        return Err(exchange
+            .error(
+                LegErrorKind::Status,
+                format!(
+                    "answered /v1/models with a body that is not a JSON object: {}",
+                    crate::error::truncate(text.trim(), 512)
+                ),
+            )
+            .failure);
     }
     Ok(body)
-}
-
-async fn health(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let registry = &state.registry;
-    let mode = match registry.mode() {
-        Mode::Disaggregated => "disaggregated",
-        Mode::Aggregated => "aggregated",
-        Mode::Unavailable => "unavailable",
-    };
-    let pool = |p: &crate::registry::Pool| {
-        p.workers()
-            .iter()
-            .map(|w| json!({"url": w.base, "in_flight": w.in_flight()}))
-            .collect::<Vec<_>>()
-    };
-    Json(json!({
-        "status": "ok",
-        "mode": mode,
-        "cached_conversations": state.conversations.len(),
-        "pools": {
-            "prefill": registry.prefill.len(),
-            "decode": registry.decode.len(),
-            "worker": registry.aggregated.len(),
-        },
-        "workers": {
-            "prefill": pool(&registry.prefill),
-            "decode": pool(&registry.decode),
-            "worker": pool(&registry.aggregated),
-        },
-    }))
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {

@@ -1,10 +1,17 @@
-//! The HTTP client for workers and the headers every upstream request carries.
+//! The HTTP client for workers, the headers every upstream request carries, and the
+//! failure mapping every exchange with a worker shares.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue};
+use pdserve_protocol::ApiError;
 use reqwest::{RequestBuilder, Url};
+use tokio::time::timeout_at;
 
 use crate::args::GatewayConfig;
+use crate::error::{error_chain, truncate, Failure};
+use crate::registry::Worker;
 
 /// The request id header shared by the client response and both upstream legs.
 pub const X_REQUEST_ID: &str = "x-request-id";
@@ -59,6 +66,11 @@ impl Upstream {
         Ok(Self { client })
     }
 
+    /// The underlying client (health probes and pre-warm requests share its pool).
+    pub fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+
     /// A JSON POST to `url` with the forwarded headers.
     pub fn post_json(&self, url: &Url, body: Bytes, headers: &ForwardHeaders) -> RequestBuilder {
         self.with_headers(self.client.post(url.clone()), headers)
@@ -76,6 +88,163 @@ impl Upstream {
         match &headers.authorization {
             Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),
             None => builder,
+        }
+    }
+}
+
+/// How one exchange with a worker failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegErrorKind {
+    /// No connection could be opened: the request never reached the worker.
+    Connect,
+    /// The connection broke or the worker sent something unusable.
+    Transport,
+    /// The worker did not answer within the leg's time limit.
+    Timeout,
+    /// The worker answered 5xx (or another non-2xx, non-4xx status).
+    Status,
+    /// The worker answered 4xx: the request itself is at fault.
+    ClientError,
+}
+
+/// A failed exchange: what the client gets, and what kind of failure it was.
+#[derive(Debug)]
+pub struct LegError {
+    /// The response the client gets if nothing else is tried.
+    pub failure: Failure,
+    /// What went wrong.
+    pub kind: LegErrorKind,
+}
+
+impl LegError {
+    /// Whether another worker may succeed where this one failed.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self.kind,
+            LegErrorKind::Connect | LegErrorKind::Transport | LegErrorKind::Status
+        )
+    }
+
+    /// The message the client would get.
+    pub fn failure_message(&self) -> String {
+        match &self.failure {
+            Failure::Api(e) => e.body.error.message.clone(),
+            Failure::Upstream { status, body } => {
+                format!(
+                    "{status}: {}",
+                    truncate(&String::from_utf8_lossy(body), 512)
+                )
+            }
+        }
+    }
+
+    /// Whether the worker failed (as opposed to the request being at fault).
+    pub fn is_worker_fault(&self) -> bool {
+        self.kind != LegErrorKind::ClientError
+    }
+}
+
+/// One request/response exchange with a worker under a time limit, with the failure
+/// mapping every leg shares: past the limit → 504; no connection or a broken one → 502;
+/// 4xx → passed through; other non-2xx → 502 with the start of the worker's body.
+#[derive(Debug)]
+pub struct Exchange<'a> {
+    worker: &'a Worker,
+    /// How the worker is named in messages (`prefill worker`, `decode worker`, ...).
+    label: &'a str,
+    limit: Duration,
+    deadline: tokio::time::Instant,
+}
+
+impl<'a> Exchange<'a> {
+    /// An exchange with `worker`, named `label` in messages, that must finish in `limit`.
+    pub fn new(worker: &'a Worker, label: &'a str, limit: Duration) -> Self {
+        Self {
+            worker,
+            label,
+            limit,
+            deadline: tokio::time::Instant::now() + limit,
+        }
+    }
+
+    /// The instant the exchange times out.
+    pub fn deadline(&self) -> tokio::time::Instant {
+        self.deadline
+    }
+
+    /// Sends `request`; returns the response head when the status is 2xx.
+    pub async fn send(&self, request: RequestBuilder) -> Result<reqwest::Response, LegError> {
+        let response = match timeout_at(self.deadline, request.send()).await {
+            Err(_) => return Err(self.timed_out()),
+            Ok(Err(e)) => return Err(self.transport(&e)),
+            Ok(Ok(r)) => r,
+        };
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        // The error body is read within the same limit; a worker that sends a status and
+        // then nothing still gets its status reported.
+        let body = match timeout_at(self.deadline, response.bytes()).await {
+            Ok(Ok(b)) => b,
+            _ => Bytes::new(),
+        };
+        if status.is_client_error() {
+            return Err(LegError {
+                failure: Failure::from_upstream_client_error(status, body, &self.worker.base),
+                kind: LegErrorKind::ClientError,
+            });
+        }
+        let text = String::from_utf8_lossy(&body);
+        Err(self.error(
+            LegErrorKind::Status,
+            format!("answered {status}: {}", truncate(text.trim(), 512)),
+        ))
+    }
+
+    /// Sends `request` and reads the whole 2xx body within the limit.
+    pub async fn send_and_read(&self, request: RequestBuilder) -> Result<Bytes, LegError> {
+        let response = self.send(request).await?;
+        self.read(response).await
+    }
+
+    /// Reads the whole body of a response within the limit.
+    pub async fn read(&self, response: reqwest::Response) -> Result<Bytes, LegError> {
+        match timeout_at(self.deadline, response.bytes()).await {
+            Err(_) => Err(self.timed_out()),
+            Ok(Err(e)) => Err(self.transport(&e)),
+            Ok(Ok(b)) => Ok(b),
+        }
+    }
+
+    /// The 504 for a worker that did not answer in time.
+    pub fn timed_out(&self) -> LegError {
+        LegError {
+            failure: ApiError::gateway_timeout(format!(
+                "{} {} did not answer within {:?}",
+                self.label, self.worker.base, self.limit
+            ))
+            .into(),
+            kind: LegErrorKind::Timeout,
+        }
+    }
+
+    /// The 502 for a transport error (connection refused, reset, bad framing).
+    pub fn transport(&self, e: &reqwest::Error) -> LegError {
+        let kind = if e.is_connect() {
+            LegErrorKind::Connect
+        } else {
+            LegErrorKind::Transport
+        };
+        self.error(kind, format!("failed: {}", error_chain(e)))
+    }
+
+    /// A 502 saying the worker `what` (e.g. "answered 200 with a body that is not JSON").
+    pub fn error(&self, kind: LegErrorKind, what: impl std::fmt::Display) -> LegError {
+        LegError {
+            failure: ApiError::bad_gateway(format!("{} {} {what}", self.label, self.worker.base))
+                .into(),
+            kind,
         }
     }
 }

@@ -7,7 +7,7 @@ use pdserve_protocol::{
 };
 use serde_json::{Map, Value};
 
-use crate::registry::Endpoint;
+use crate::endpoint::Endpoint;
 
 /// The gateway's own top-level field naming a conversation; never forwarded.
 pub const CONVERSATION_ID: &str = "conversation_id";

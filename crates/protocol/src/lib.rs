@@ -6,8 +6,10 @@
 pub mod error;
 pub mod kv;
 pub mod openai;
+pub mod role;
 pub mod sse;
 
 pub use error::{ApiError, ErrorBody, ErrorDetail};
 pub use kv::{BootstrapParams, KvTransferParams, RemoteBlockIds};
 pub use openai::*;
+pub use role::{UnknownRole, WorkerRole};

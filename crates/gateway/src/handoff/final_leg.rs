@@ -1,4 +1,4 @@
-//! The leg that answers the client (decode, or an aggregated worker): worker choice,
+//! The leg that answers the client (decode, or a prefill_decode worker): worker choice,
 //! retry before the first byte, time-to-first-byte limit, streaming relay.
 
 use std::sync::Arc;
@@ -9,22 +9,22 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
 use http::{header, HeaderValue, StatusCode};
-use pdserve_protocol::ApiError;
+use pdserve_protocol::{ApiError, WorkerRole};
 use serde_json::Value;
 use tokio::time::timeout_at;
 
 use super::relay::{kv_params_of, ConversationSink, Relay};
 use super::RequestContext;
-use crate::error::{error_chain, truncate, Failure};
-use crate::registry::{InFlight, Pool, Role, Worker};
-use crate::server::AppState;
+use crate::error::Failure;
+use crate::policy::{RequestOutcome, RouteRequest};
+use crate::registry::{InFlight, Worker};
+use crate::state::AppState;
+use crate::upstream::{Exchange, LegError, LegErrorKind};
 
 /// What to send on the final leg.
-pub struct FinalLeg<'a> {
-    /// The pool to pick workers from.
-    pub pool: &'a Pool,
-    /// The pool's role (for messages).
-    pub role: Role,
+pub struct FinalLeg {
+    /// The role of the workers to send it to.
+    pub role: WorkerRole,
     /// The request body.
     pub body: Bytes,
     /// Whether the client asked for a stream.
@@ -33,25 +33,18 @@ pub struct FinalLeg<'a> {
     pub conversation_id: Option<String>,
 }
 
-/// How one attempt failed.
-enum AttemptError {
-    /// Failed before anything reached the client and another worker may succeed.
-    Retryable(Failure),
-    /// Final: a client error, a timeout.
-    Final(Failure),
-}
-
 /// Sends the leg, retrying on another worker while nothing has reached the client.
 pub async fn forward(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    leg: FinalLeg<'_>,
+    route: &RouteRequest<'_>,
+    leg: FinalLeg,
 ) -> Result<Response, Failure> {
     let attempts = 1 + state.config.decode_retries as usize;
     let mut tried: Vec<Arc<Worker>> = Vec::new();
     let mut last = None;
     while tried.len() < attempts {
-        let Some(worker) = leg.pool.next_excluding(&tried) else {
+        let Some(worker) = state.pick(leg.role, &tried, route) else {
             break;
         };
         if !tried.is_empty() {
@@ -64,96 +57,68 @@ pub async fn forward(
             );
         }
         tried.push(worker.clone());
-        match attempt(state, ctx, &leg, worker).await {
+        match attempt(state, ctx, &leg, worker.clone()).await {
             Ok(response) => return Ok(response),
-            Err(AttemptError::Final(failure)) => return Err(failure),
-            Err(AttemptError::Retryable(failure)) => last = Some(failure),
+            Err(e) => {
+                state.report(&worker, &e);
+                if !e.retryable() {
+                    return Err(e.failure);
+                }
+                last = Some(e.failure);
+            }
         }
     }
     Err(last.unwrap_or_else(|| {
-        ApiError::service_unavailable(format!("no {} worker is configured", leg.role)).into()
+        ApiError::service_unavailable(format!("no healthy {} worker is available", leg.role)).into()
     }))
 }
 
+/// One attempt on `worker`; the policy hears a failure when the worker was at fault.
 async fn attempt(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    leg: &FinalLeg<'_>,
+    leg: &FinalLeg,
     worker: Arc<Worker>,
-) -> Result<Response, AttemptError> {
-    let in_flight = InFlight::start(worker.clone());
-    let sent = Instant::now();
-    let deadline = tokio::time::Instant::now() + state.config.decode_timeout;
-    let timed_out = || {
-        AttemptError::Final(
-            ApiError::gateway_timeout(format!(
-                "{} worker {} did not answer within {:?}",
-                leg.role, worker.base, state.config.decode_timeout
-            ))
-            .into(),
-        )
-    };
-    let unreachable = |e: &reqwest::Error| {
-        AttemptError::Retryable(
-            ApiError::bad_gateway(format!(
-                "{} worker {} failed: {}",
-                leg.role,
-                worker.base,
-                error_chain(e)
-            ))
-            .into(),
-        )
-    };
-
-    let request = state
-        .upstream
-        .post_json(worker.url(ctx.endpoint), leg.body.clone(), &ctx.headers)
-        .send();
-    let response = match timeout_at(deadline, request).await {
-        Err(_) => return Err(timed_out()),
-        Ok(Err(e)) => return Err(unreachable(&e)),
-        Ok(Ok(r)) => r,
-    };
-    let status = response.status();
-    if !status.is_success() {
-        let body = match timeout_at(deadline, response.bytes()).await {
-            Ok(Ok(b)) => b,
-            _ => Bytes::new(),
-        };
-        if status.is_client_error() {
-            return Err(AttemptError::Final(Failure::from_upstream_client_error(
-                status,
-                body,
-                &worker.base,
-            )));
+) -> Result<Response, LegError> {
+    let mut in_flight = Some(state.start_request(worker.clone()));
+    let result = send_leg(state, ctx, leg, worker, &mut in_flight).await;
+    if let (Err(e), Some(in_flight)) = (&result, in_flight.as_mut()) {
+        if e.is_worker_fault() {
+            in_flight.set_outcome(RequestOutcome::Failure);
         }
-        let text = String::from_utf8_lossy(&body);
-        return Err(AttemptError::Retryable(
-            ApiError::bad_gateway(format!(
-                "{} worker {} answered {status}: {}",
-                leg.role,
-                worker.base,
-                truncate(text.trim(), 512)
-            ))
-            .into(),
-        ));
     }
+    result
+}
+
+/// Sends the leg and answers with its body or its relayed stream; a stream's relay takes
+/// over `in_flight`.
+async fn send_leg(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    leg: &FinalLeg,
+    worker: Arc<Worker>,
+    in_flight: &mut Option<InFlight>,
+) -> Result<Response, LegError> {
+    let label = format!("{} worker", leg.role);
+    let exchange = Exchange::new(&worker, &label, state.config.decode_timeout);
+    let sent = Instant::now();
+    let request =
+        state
+            .upstream
+            .post_json(worker.url(ctx.endpoint), leg.body.clone(), &ctx.headers);
+    let response = exchange.send(request).await?;
 
     if !leg.stream {
         state.metrics.observe_decode_ttfb(sent.elapsed());
-        let body =
-            match tokio::time::timeout(state.config.stream_idle_timeout, response.bytes()).await {
-                Err(_) => return Err(timed_out()),
-                Ok(Err(e)) => return Err(unreachable(&e)),
-                Ok(Ok(b)) => b,
-            };
+        // A non-stream answer's body may take the whole generation: bound it by the
+        // stream idle limit, as a stream's silence is.
+        let body = Exchange::new(&worker, &label, state.config.stream_idle_timeout)
+            .read(response)
+            .await?;
         if !serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_object()) {
-            return Err(AttemptError::Retryable(
-                ApiError::bad_gateway(format!(
-                    "{} worker {} answered 200 with a body that is not a JSON object",
-                    leg.role, worker.base
-                ))
-                .into(),
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                "answered 200 with a body that is not a JSON object",
             ));
         }
         if let Some(conversation) = &leg.conversation_id {
@@ -161,7 +126,9 @@ async fn attempt(
                 state.conversations.put(conversation, kv);
             }
         }
-        drop(in_flight);
+        if let Some(mut in_flight) = in_flight.take() {
+            in_flight.set_outcome(RequestOutcome::Success);
+        }
         state
             .metrics
             .observe_end_to_end(ctx.route, ctx.started.elapsed());
@@ -176,17 +143,14 @@ async fn attempt(
     let mut upstream = response.bytes_stream().boxed();
     // Wait for the first byte before answering: until then a failure can still become
     // a proper error status or a retry on another worker.
-    let first = match timeout_at(deadline, upstream.next()).await {
-        Err(_) => return Err(timed_out()),
+    let first = match timeout_at(exchange.deadline(), upstream.next()).await {
+        Err(_) => return Err(exchange.timed_out()),
         Ok(Some(Ok(first))) => first,
-        Ok(Some(Err(e))) => return Err(unreachable(&e)),
+        Ok(Some(Err(e))) => return Err(exchange.transport(&e)),
         Ok(None) => {
-            return Err(AttemptError::Retryable(
-                ApiError::bad_gateway(format!(
-                    "{} worker {} closed the stream before sending anything",
-                    leg.role, worker.base
-                ))
-                .into(),
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                "closed the stream before sending anything",
             ))
         }
     };
@@ -204,7 +168,9 @@ async fn attempt(
         started: ctx.started,
         worker: worker.base.clone(),
         request_id: ctx.headers.request_id().to_string(),
-        in_flight,
+        in_flight: in_flight
+            .take()
+            .unwrap_or_else(|| state.start_request(worker.clone())),
     };
     let mut response = Response::new(Body::from_stream(relay.into_stream()));
     let headers = response.headers_mut();

@@ -9,11 +9,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::response::Response;
+use http::HeaderMap;
 use pdserve_protocol::ApiError;
 
+use crate::endpoint::Endpoint;
 use crate::error::Failure;
-use crate::registry::{Endpoint, Mode};
-use crate::server::AppState;
+use crate::policy::RouteRequest;
+use crate::registry::Mode;
+use crate::state::AppState;
 use crate::upstream::ForwardHeaders;
 use crate::validation::GenerateRequest;
 
@@ -26,8 +29,26 @@ pub struct RequestContext {
     pub route: &'static str,
     /// Headers sent on every leg.
     pub headers: ForwardHeaders,
+    /// The client's headers, for routing policies.
+    pub client_headers: HeaderMap,
     /// When the client request arrived.
     pub started: Instant,
+}
+
+impl RequestContext {
+    /// The routing facts of `request`.
+    pub fn route_for<'a>(
+        &'a self,
+        request: &'a GenerateRequest,
+        conversation_id: Option<&'a str>,
+    ) -> RouteRequest<'a> {
+        RouteRequest {
+            endpoint: self.endpoint,
+            request: Some(request),
+            headers: &self.client_headers,
+            conversation_id,
+        }
+    }
 }
 
 /// Serves a validated request with the handoff the configured pools allow.
@@ -37,21 +58,14 @@ pub async fn generate(
     request: GenerateRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
-    match state.registry.mode() {
+    let roster = state.registry.snapshot();
+    match roster.mode() {
         Mode::Disaggregated => sequential::serve(state, ctx, request, conversation_id).await,
-        Mode::Aggregated => aggregated::serve(state, ctx, request).await,
-        Mode::Unavailable => {
-            let missing: Vec<_> = state
-                .registry
-                .missing_roles()
-                .iter()
-                .map(|r| r.as_str())
-                .collect();
-            Err(ApiError::service_unavailable(format!(
-                "no worker can serve this request: no {} worker is configured",
-                missing.join(" / ")
-            ))
-            .into())
-        }
+        Mode::Aggregated => aggregated::serve(state, ctx, request, conversation_id).await,
+        Mode::Unavailable => Err(ApiError::service_unavailable(format!(
+            "no worker can serve this request: {}",
+            roster.missing().join("; ")
+        ))
+        .into()),
     }
 }

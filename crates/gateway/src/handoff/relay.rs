@@ -15,6 +15,7 @@ use serde_json::Value;
 use crate::conversation::ConversationCache;
 use crate::error::error_chain;
 use crate::metrics::Metrics;
+use crate::policy::RequestOutcome;
 use crate::registry::InFlight;
 
 /// A partial line longer than this means the upstream is not sending SSE.
@@ -327,6 +328,7 @@ impl RelayState {
     fn end_of_upstream(&mut self) -> Option<Bytes> {
         if self.scanner.saw_done {
             self.finished = true;
+            self.relay.in_flight.set_outcome(RequestOutcome::Success);
             self.record_end();
             return None;
         }
@@ -340,6 +342,7 @@ impl RelayState {
     fn fail(&mut self, error: ApiError) -> Bytes {
         tracing::warn!(request_id = %self.relay.request_id, "{}", error.body.error.message);
         self.finished = true;
+        self.relay.in_flight.set_outcome(RequestOutcome::Failure);
         self.relay.metrics.inc_stream_errors();
         self.record_end();
         self.scanner.error_tail(&error)
@@ -390,7 +393,8 @@ mod tests {
     fn relay(first: &'static [u8], rest: Vec<&'static [u8]>) -> Relay {
         let metrics = Arc::new(Metrics::default());
         let url = reqwest::Url::parse("http://127.0.0.1:9").unwrap();
-        let registry = crate::registry::Registry::new(&[], &[url], &[], &metrics);
+        let spec = crate::registry::WorkerSpec::new(pdserve_protocol::WorkerRole::Decode, url);
+        let worker = Arc::new(crate::registry::Worker::new(spec, Default::default()));
         let chunks: Vec<reqwest::Result<Bytes>> = rest
             .into_iter()
             .map(|c| Ok(Bytes::from_static(c)))
@@ -405,7 +409,7 @@ mod tests {
             started: Instant::now(),
             worker: "w".into(),
             request_id: "r".into(),
-            in_flight: InFlight::start(registry.decode.next().unwrap()),
+            in_flight: InFlight::start(worker, crate::policy::by_name("round_robin").unwrap()),
         }
     }
 

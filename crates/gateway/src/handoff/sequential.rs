@@ -13,14 +13,16 @@ use std::time::Instant;
 
 use axum::response::Response;
 use bytes::Bytes;
-use pdserve_protocol::{ApiError, KvTransferParams};
+use pdserve_protocol::{ApiError, KvTransferParams, WorkerRole};
 use serde_json::Value;
 
 use super::final_leg::{forward, FinalLeg};
 use super::RequestContext;
-use crate::error::{error_chain, truncate, Failure};
-use crate::registry::{InFlight, Role};
-use crate::server::AppState;
+use crate::error::Failure;
+use crate::policy::{RequestOutcome, RouteRequest};
+use crate::registry::Worker;
+use crate::state::AppState;
+use crate::upstream::{Exchange, LegError, LegErrorKind};
 use crate::validation::GenerateRequest;
 
 /// Runs the prefill leg, then the decode leg.
@@ -45,7 +47,10 @@ pub async fn serve(
         None => KvTransferParams::prefill_request(),
     };
     let body = prefill_body(&request, prefill_params);
-    let handle = prefill(state, ctx, body).await?;
+    let handle = {
+        let route = ctx.route_for(&request, conversation_id.as_deref());
+        prefill(state, ctx, &route, body).await?
+    };
     if handle.is_none() {
         tracing::warn!(
             request_id = ctx.headers.request_id(),
@@ -54,13 +59,13 @@ pub async fn serve(
     }
     request.transport_mut().kv_transfer_params = handle;
     let leg = FinalLeg {
-        pool: &state.registry.decode,
-        role: Role::Decode,
+        role: WorkerRole::Decode,
         body: request.to_body(),
         stream: request.is_stream(),
-        conversation_id,
+        conversation_id: conversation_id.clone(),
     };
-    forward(state, ctx, leg).await
+    let route = ctx.route_for(&request, conversation_id.as_deref());
+    forward(state, ctx, &route, leg).await
 }
 
 /// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
@@ -77,83 +82,91 @@ pub fn prefill_body(request: &GenerateRequest, params: KvTransferParams) -> Byte
     prefill.to_body()
 }
 
-/// Sends the prefill leg and returns the `kv_transfer_params` P answered with.
+/// Sends the prefill leg and returns the `kv_transfer_params` P answered with. A prefill
+/// worker that cannot be reached (or whose connection breaks) is replaced by another one,
+/// up to `--decode-retries` times: the request cannot have produced anything there.
 async fn prefill(
     state: &Arc<AppState>,
     ctx: &RequestContext,
+    route: &RouteRequest<'_>,
     body: Bytes,
 ) -> Result<Option<KvTransferParams>, Failure> {
-    let worker = state
-        .registry
-        .prefill
-        .next()
-        .ok_or_else(|| ApiError::service_unavailable("no prefill worker is configured"))?;
-    let _in_flight = InFlight::start(worker.clone());
+    let attempts = 1 + state.config.decode_retries as usize;
+    let mut tried: Vec<Arc<Worker>> = Vec::new();
+    let mut last = None;
+    while tried.len() < attempts {
+        let Some(worker) = state.pick(WorkerRole::Prefill, &tried, route) else {
+            break;
+        };
+        if !tried.is_empty() {
+            tracing::warn!(
+                request_id = ctx.headers.request_id(),
+                worker = %worker.base,
+                "retrying the prefill leg on another worker"
+            );
+        }
+        tried.push(worker.clone());
+        match prefill_once(state, ctx, &worker, body.clone()).await {
+            Ok(params) => return Ok(params),
+            Err(e) => {
+                state.report(&worker, &e);
+                if !matches!(e.kind, LegErrorKind::Connect | LegErrorKind::Transport) {
+                    return Err(e.failure);
+                }
+                last = Some(e.failure);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        ApiError::service_unavailable("no healthy prefill worker is available").into()
+    }))
+}
+
+async fn prefill_once(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    worker: &Arc<Worker>,
+    body: Bytes,
+) -> Result<Option<KvTransferParams>, LegError> {
+    let mut in_flight = state.start_request(worker.clone());
     let sent = Instant::now();
-    let exchange = async {
-        let response = state
-            .upstream
-            .post_json(worker.url(ctx.endpoint), body, &ctx.headers)
-            .send()
-            .await?;
-        let status = response.status();
-        Ok::<_, reqwest::Error>((status, response.bytes().await?))
-    };
-    let (status, body) = match tokio::time::timeout(state.config.prefill_timeout, exchange).await {
-        Err(_) => {
-            return Err(ApiError::gateway_timeout(format!(
-                "prefill worker {} did not answer within {:?}",
-                worker.base, state.config.prefill_timeout
-            ))
-            .into())
-        }
-        Ok(Err(e)) => {
-            return Err(ApiError::bad_gateway(format!(
-                "prefill worker {} failed: {}",
-                worker.base,
-                error_chain(&e)
-            ))
-            .into())
-        }
-        Ok(Ok(answer)) => answer,
-    };
-    state.metrics.observe_prefill(sent.elapsed());
-    if status.is_client_error() {
-        return Err(Failure::from_upstream_client_error(
-            status,
-            body,
-            &worker.base,
-        ));
+    let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
+    let request = state
+        .upstream
+        .post_json(worker.url(ctx.endpoint), body, &ctx.headers);
+    let result = async {
+        let body = exchange.send_and_read(request).await?;
+        state.metrics.observe_prefill(sent.elapsed());
+        parse_prefill_answer(&body).map_err(|why| exchange.error(LegErrorKind::Status, why))
     }
-    if !status.is_success() {
-        let text = String::from_utf8_lossy(&body);
-        return Err(ApiError::bad_gateway(format!(
-            "prefill worker {} answered {status}: {}",
-            worker.base,
-            truncate(text.trim(), 512)
-        ))
-        .into());
-    }
-    let garbage = |why: String| -> Failure {
-        ApiError::bad_gateway(format!("prefill worker {} answered {why}", worker.base)).into()
-    };
-    let mut answer: Value = serde_json::from_slice(&body)
-        .map_err(|e| garbage(format!("200 with a body that is not JSON: {e}")))?;
+    .await;
+    in_flight.set_outcome(match &result {
+        Ok(_) => RequestOutcome::Success,
+        Err(e) if e.is_worker_fault() => RequestOutcome::Failure,
+        Err(_) => RequestOutcome::Other,
+    });
+    result
+}
+
+/// The `kv_transfer_params` of a prefill worker's 200 answer.
+fn parse_prefill_answer(body: &[u8]) -> Result<Option<KvTransferParams>, String> {
+    let mut answer: Value = serde_json::from_slice(body)
+        .map_err(|e| format!("answered 200 with a body that is not JSON: {e}"))?;
     let Some(object) = answer.as_object_mut() else {
-        return Err(garbage("200 with a body that is not a JSON object".into()));
+        return Err("answered 200 with a body that is not a JSON object".into());
     };
     match object.remove("kv_transfer_params") {
         None | Some(Value::Null) => Ok(None),
         Some(params) => serde_json::from_value(params)
             .map(Some)
-            .map_err(|e| garbage(format!("malformed kv_transfer_params: {e}"))),
+            .map_err(|e| format!("answered malformed kv_transfer_params: {e}")),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::Endpoint;
+    use crate::endpoint::Endpoint;
     use serde_json::json;
 
     #[test]

@@ -58,6 +58,7 @@ pub struct Recorded {
 
 struct Shared {
     role: Role,
+    healthy: std::sync::atomic::AtomicBool,
     name: String,
     behavior: Mutex<Behavior>,
     requests: Mutex<Vec<Recorded>>,
@@ -90,16 +91,18 @@ impl Drop for CancelGuard {
     }
 }
 
-/// A running double on 127.0.0.1.
+/// A running double on 127.0.0.1, on a runtime of its own so that `kill` can close
+/// every socket at once, as a dying process would.
 pub struct Double {
     pub url: String,
+    addr: std::net::SocketAddr,
     shared: Arc<Shared>,
-    task: tokio::task::JoinHandle<()>,
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl Drop for Double {
     fn drop(&mut self) {
-        self.task.abort();
+        self.kill();
     }
 }
 
@@ -108,6 +111,7 @@ impl Double {
     pub async fn start(role: Role, name: &str) -> Self {
         let shared = Arc::new(Shared {
             role,
+            healthy: std::sync::atomic::AtomicBool::new(true),
             name: name.to_string(),
             behavior: Mutex::new(Behavior::Normal),
             requests: Mutex::new(Vec::new()),
@@ -115,18 +119,32 @@ impl Double {
             cancelled_notify: Notify::new(),
             gate: Notify::new(),
         });
-        let app = Router::new()
-            .route("/v1/chat/completions", post(generate))
-            .route("/v1/completions", post(generate))
-            .route("/v1/models", get(models))
-            .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let task = tokio::spawn(async move {
-            let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
-            axum::serve(listener, app).await.unwrap();
-        });
-        Self { url, shared, task }
+        let (runtime, addr) = serve(&shared, "127.0.0.1:0".parse().unwrap());
+        Self {
+            url: format!("http://{addr}"),
+            addr,
+            shared,
+            runtime: Some(runtime),
+        }
+    }
+
+    /// Stops the double as a crash would: listener and every open connection closed.
+    pub fn kill(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+
+    /// Starts the double again on the same port (after `kill`).
+    pub fn restart(&mut self) {
+        assert!(self.runtime.is_none(), "kill the double first");
+        let (runtime, _) = serve(&self.shared, self.addr);
+        self.runtime = Some(runtime);
+    }
+
+    /// Whether `GET /health` answers 200 (else 503).
+    pub fn set_healthy(&self, healthy: bool) {
+        self.shared.healthy.store(healthy, Ordering::SeqCst);
     }
 
     /// Sets how the next requests are answered.
@@ -178,6 +196,46 @@ impl Double {
     /// puts in `kv_transfer_params` when a request finishes).
     pub fn kv_handle(&self, request_id: &str) -> Value {
         kv_handle(&self.shared, request_id)
+    }
+}
+
+/// Serves the double's routes on `addr` (port 0: any) on a new single-thread runtime.
+fn serve(
+    shared: &Arc<Shared>,
+    addr: std::net::SocketAddr,
+) -> (tokio::runtime::Runtime, std::net::SocketAddr) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/v1/chat/completions", post(generate))
+        .route("/v1/completions", post(generate))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .with_state(shared.clone());
+    let listener = {
+        let _context = runtime.enter();
+        // SO_REUSEADDR: a restarted double rebinds its port while old connections linger.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(addr).unwrap();
+        socket.listen(1024).unwrap()
+    };
+    let bound = listener.local_addr().unwrap();
+    runtime.spawn(async move {
+        let app = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
+        axum::serve(listener, app).await.unwrap();
+    });
+    (runtime, bound)
+}
+
+async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
+    if shared.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     }
 }
 

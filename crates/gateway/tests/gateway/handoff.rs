@@ -179,6 +179,7 @@ async fn aggregated_workers_serve_when_no_pd_pool_is_configured() {
         assert_eq!(w.only_request().body, want);
         let health = gw.health().await;
         assert_eq!(health["mode"], "aggregated");
+        assert_eq!(health["status"], "ok");
         assert_eq!(health["cached_conversations"], 0);
     })
     .await;
@@ -205,8 +206,8 @@ async fn models_health_and_metrics() {
         assert_eq!(health["status"], "ok");
         assert_eq!(health["mode"], "disaggregated");
         assert_eq!(
-            health["pools"],
-            json!({"prefill": 1, "decode": 2, "worker": 0})
+            health["live_workers"],
+            json!({"prefill": 1, "decode": 2, "prefill_decode": 0, "encode": 0})
         );
         assert_eq!(health["cached_conversations"], 0);
 
@@ -242,11 +243,12 @@ async fn models_health_and_metrics() {
             assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
         }
         // Nothing is left open on any worker.
-        let health = gw.health().await;
-        for role in ["prefill", "decode"] {
-            for w in health["workers"][role].as_array().unwrap() {
-                assert_eq!(w["in_flight"], 0, "{health}");
-            }
+        let instances = gw.instances().await;
+        let workers = instances["workers"].as_array().unwrap();
+        assert_eq!(workers.len(), 3, "{instances}");
+        for w in workers {
+            assert_eq!(w["in_flight"], 0, "{instances}");
+            assert_eq!(w["health"], "live", "{instances}");
         }
     })
     .await;
@@ -256,7 +258,7 @@ async fn models_health_and_metrics() {
 async fn serve_returns_when_its_shutdown_future_completes() {
     bounded(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/health", listener.local_addr().unwrap());
+        let url = format!("http://{}/liveness", listener.local_addr().unwrap());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(pdserve_gateway::serve(
             listener,

@@ -1,5 +1,6 @@
 //! Integration tests: the gateway and vLLM worker doubles on real 127.0.0.1 sockets.
 
+mod control_plane;
 mod double;
 mod failures;
 mod handoff;
@@ -50,6 +51,31 @@ impl Gateway {
 
     pub fn at(&self, path: &str) -> String {
         format!("{}{path}", self.url)
+    }
+
+    /// `GET /instances` as JSON.
+    pub async fn instances(&self) -> Value {
+        client()
+            .get(self.at("/instances"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// The gateway's open requests on the worker at `url`, from `/instances`.
+    pub async fn in_flight(&self, url: &str) -> i64 {
+        let instances = self.instances().await;
+        instances["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["url"] == url)
+            .unwrap_or_else(|| panic!("{url} is not in {instances}"))["in_flight"]
+            .as_i64()
+            .unwrap()
     }
 
     /// `GET /health` as JSON.

@@ -1,0 +1,20 @@
+//! The OpenAI endpoints a generation request can target.
+
+/// The OpenAI endpoint a generation request targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+impl Endpoint {
+    /// The endpoint's path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Self::Chat => "/v1/chat/completions",
+            Self::Completions => "/v1/completions",
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! The live worker set: registration, removal, health-driven eviction and re-admission.
+//!
+//! Requests read an immutable [`Roster`] snapshot through an atomically swapped pointer,
+//! so the hot path takes no lock; every change (register, unregister, evict, re-admit,
+//! forget) builds a new roster under a writer-only mutex and swaps it in.
+
+pub mod probe;
+mod worker;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use pdserve_protocol::WorkerRole;
+use tokio::sync::watch;
+
+use crate::metrics::Metrics;
+pub use worker::{worker_key, CircuitState, Health, InFlight, Worker, WorkerSpec};
+
+/// Why a registration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// `prefill_decode` workers and split prefill/decode workers cannot serve side by side.
+    #[error(
+        "cannot mix prefill_decode workers with standalone prefill/decode workers \
+         (unregister the {existing} workers first)"
+    )]
+    MixedTopology {
+        /// The role already registered that conflicts.
+        existing: WorkerRole,
+    },
+    /// The URL is registered with another role.
+    #[error(
+        "{url} is registered as {existing}; unregister it before registering it as {requested}"
+    )]
+    RoleChange {
+        /// The worker's URL.
+        url: String,
+        /// Its current role.
+        existing: WorkerRole,
+        /// The role asked for.
+        requested: WorkerRole,
+    },
+}
+
+/// Eviction settings (`--fail-threshold`, `--evicted-ttl`).
+#[derive(Debug, Clone, Copy)]
+pub struct HealthPolicy {
+    /// Consecutive failed probes that evict a live worker (at least 1).
+    pub fail_threshold: u32,
+    /// How long an evicted worker is still probed before it is forgotten; `None`: forever.
+    pub evicted_ttl: Option<Duration>,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        Self {
+            fail_threshold: 3,
+            evicted_ttl: Some(Duration::from_secs(900)),
+        }
+    }
+}
+
+/// One registered worker and its routing state.
+#[derive(Debug, Clone)]
+pub struct Member {
+    /// The worker.
+    pub worker: Arc<Worker>,
+    /// Whether it receives traffic.
+    pub health: Health,
+    /// When it was evicted (for the TTL).
+    pub evicted_since: Option<Instant>,
+}
+
+/// How requests can be served with the live workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Prefill on one worker, decode on another.
+    Disaggregated,
+    /// One `prefill_decode` worker does both.
+    Aggregated,
+    /// Nothing can serve a request.
+    Unavailable,
+}
+
+impl Mode {
+    /// The mode's name in `/health` and `/instances`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Disaggregated => "disaggregated",
+            Self::Aggregated => "aggregated",
+            Self::Unavailable => "unavailable",
+        }
+    }
+}
+
+/// An immutable view of the registered workers, read by requests without locking.
+#[derive(Debug, Default)]
+pub struct Roster {
+    members: Vec<Member>,
+    /// Live workers per role, indexed by [`role_index`].
+    live: [Vec<Arc<Worker>>; 4],
+}
+
+fn role_index(role: WorkerRole) -> usize {
+    match role {
+        WorkerRole::Prefill => 0,
+        WorkerRole::Decode => 1,
+        WorkerRole::PrefillDecode => 2,
+        WorkerRole::Encode => 3,
+    }
+}
+
+impl Roster {
+    fn from_members(members: Vec<Member>) -> Self {
+        let mut live: [Vec<Arc<Worker>>; 4] = Default::default();
+        for m in members.iter().filter(|m| m.health == Health::Live) {
+            live[role_index(m.worker.role())].push(m.worker.clone());
+        }
+        Self { members, live }
+    }
+
+    /// Every registered worker, live or evicted, in registration order.
+    pub fn members(&self) -> &[Member] {
+        &self.members
+    }
+
+    /// The live workers of `role`, in registration order.
+    pub fn live(&self, role: WorkerRole) -> &[Arc<Worker>] {
+        &self.live[role_index(role)]
+    }
+
+    /// The registered worker at `key` (its URL without a trailing `/`).
+    pub fn get(&self, key: &str) -> Option<&Member> {
+        self.members.iter().find(|m| m.worker.base == key)
+    }
+
+    /// Whether `worker` is this roster's current record for its URL.
+    fn holds(&self, worker: &Arc<Worker>) -> Option<usize> {
+        self.members
+            .iter()
+            .position(|m| Arc::ptr_eq(&m.worker, worker))
+    }
+
+    /// P/D when a live prefill and a live decode worker exist, else aggregated when a
+    /// live `prefill_decode` worker does.
+    pub fn mode(&self) -> Mode {
+        if !self.live(WorkerRole::Prefill).is_empty() && !self.live(WorkerRole::Decode).is_empty() {
+            Mode::Disaggregated
+        } else if !self.live(WorkerRole::PrefillDecode).is_empty() {
+            Mode::Aggregated
+        } else {
+            Mode::Unavailable
+        }
+    }
+
+    /// What keeps the gateway from serving, in words (empty when it can serve).
+    pub fn missing(&self) -> Vec<String> {
+        if self.mode() != Mode::Unavailable {
+            return Vec::new();
+        }
+        let registered = |role| self.members.iter().any(|m| m.worker.role() == role);
+        let describe = |role: WorkerRole| {
+            if registered(role) {
+                format!("no healthy {role} worker (all are evicted)")
+            } else {
+                format!("no {role} worker is registered")
+            }
+        };
+        let split = registered(WorkerRole::Prefill) || registered(WorkerRole::Decode);
+        if split || !registered(WorkerRole::PrefillDecode) {
+            let mut out = Vec::new();
+            for role in [WorkerRole::Prefill, WorkerRole::Decode] {
+                if self.live(role).is_empty() {
+                    out.push(describe(role));
+                }
+            }
+            if !split {
+                out.push(describe(WorkerRole::PrefillDecode));
+            }
+            out
+        } else {
+            vec![describe(WorkerRole::PrefillDecode)]
+        }
+    }
+}
+
+/// The live worker set, shared by requests, the admin API and the prober.
+#[derive(Debug)]
+pub struct Registry {
+    roster: ArcSwap<Roster>,
+    /// Serialises read-modify-write of the roster (never held by requests).
+    writer: Mutex<()>,
+    metrics: Arc<Metrics>,
+    policy: HealthPolicy,
+    /// Bumped on every roster change; the pre-warmer listens.
+    changes: watch::Sender<u64>,
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new(metrics: Arc<Metrics>, policy: HealthPolicy) -> Self {
+        Self {
+            roster: ArcSwap::from_pointee(Roster::default()),
+            writer: Mutex::new(()),
+            metrics,
+            policy: HealthPolicy {
+                fail_threshold: policy.fail_threshold.max(1),
+                ..policy
+            },
+            changes: watch::channel(0).0,
+        }
+    }
+
+    /// The current roster (a cheap pointer copy; it never changes under the caller).
+    pub fn snapshot(&self) -> Arc<Roster> {
+        self.roster.load_full()
+    }
+
+    /// A receiver that sees every roster change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ()> {
+        // The guarded data is the roster, which is swapped whole: a panic cannot tear it.
+        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn publish(&self, members: Vec<Member>) {
+        for role in WorkerRole::ALL {
+            let (live, evicted) = members.iter().filter(|m| m.worker.role() == role).fold(
+                (0, 0),
+                |(l, e), m| match m.health {
+                    Health::Live => (l + 1, e),
+                    Health::Evicted => (l, e + 1),
+                },
+            );
+            self.metrics.set_workers(role.as_str(), live, evicted);
+        }
+        self.roster.store(Arc::new(Roster::from_members(members)));
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Registers a worker, live at once. Returns `false` when the URL was already
+    /// registered (an identical record is a no-op; a changed `dp_size` or
+    /// `bootstrap_port` is updated in place, keeping its health).
+    pub fn register(&self, spec: WorkerSpec) -> Result<bool, RegistryError> {
+        let _guard = self.lock();
+        let roster = self.roster.load();
+        let split = |r| matches!(r, WorkerRole::Prefill | WorkerRole::Decode);
+        for m in roster.members() {
+            let existing = m.worker.role();
+            let mixes = (spec.role == WorkerRole::PrefillDecode && split(existing))
+                || (split(spec.role) && existing == WorkerRole::PrefillDecode);
+            if mixes {
+                return Err(RegistryError::MixedTopology { existing });
+            }
+        }
+        let key = spec.key();
+        let mut members = roster.members().to_vec();
+        if let Some(i) = members.iter().position(|m| m.worker.base == key) {
+            let previous = &members[i].worker;
+            if previous.role() != spec.role {
+                return Err(RegistryError::RoleChange {
+                    url: key,
+                    existing: previous.role(),
+                    requested: spec.role,
+                });
+            }
+            if previous.spec == spec {
+                return Ok(false);
+            }
+            let updated = Arc::new(Worker::new(
+                spec,
+                self.metrics
+                    .worker_in_flight(previous.role().as_str(), &key),
+            ));
+            updated.inherit(previous);
+            members[i].worker = updated;
+            self.publish(members);
+            return Ok(false);
+        }
+        tracing::info!(role = %spec.role, url = %key, "registered worker");
+        let worker = Worker::new(
+            spec.clone(),
+            self.metrics.worker_in_flight(spec.role.as_str(), &key),
+        );
+        members.push(Member {
+            worker: Arc::new(worker),
+            health: Health::Live,
+            evicted_since: None,
+        });
+        self.publish(members);
+        Ok(true)
+    }
+
+    /// Removes the worker at `key` for good (a probe in flight cannot bring it back).
+    /// Requests already on it finish; it gets no new ones.
+    pub fn unregister(&self, key: &str) -> bool {
+        let _guard = self.lock();
+        let roster = self.roster.load();
+        let Some(i) = roster.members().iter().position(|m| m.worker.base == key) else {
+            return false;
+        };
+        let mut members = roster.members().to_vec();
+        let removed = members.remove(i);
+        tracing::info!(role = %removed.worker.role(), url = %key, "unregistered worker");
+        self.publish(members);
+        true
+    }
+
+    /// A successful probe: clears the failure count and re-admits an evicted worker.
+    /// Ignored when `worker` is no longer the registered record for its URL.
+    pub fn record_success(&self, worker: &Arc<Worker>) {
+        worker.record_success();
+        let roster = self.roster.load();
+        match roster.holds(worker) {
+            Some(i) if roster.members()[i].health == Health::Evicted => {}
+            _ => return,
+        }
+        drop(roster);
+        let _guard = self.lock();
+        let roster = self.roster.load();
+        let Some(i) = roster.holds(worker) else {
+            return;
+        };
+        if roster.members()[i].health != Health::Evicted {
+            return;
+        }
+        let mut members = roster.members().to_vec();
+        members[i].health = Health::Live;
+        members[i].evicted_since = None;
+        tracing::info!(role = %worker.role(), url = %worker.base, "worker is healthy again; routing to it resumes");
+        self.metrics.inc_readmissions(worker.role().as_str());
+        self.publish(members);
+    }
+
+    /// A failed probe (or request): evicts a live worker once it reaches the failure
+    /// threshold, or at once when `conclusive` (nothing accepted the connection).
+    /// Ignored when `worker` is no longer the registered record for its URL, so a probe
+    /// racing an unregistration cannot bring the worker back.
+    pub fn record_failure(&self, worker: &Arc<Worker>, conclusive: bool, why: &str) {
+        let failures = worker.record_failure();
+        if failures < self.policy.fail_threshold && !conclusive {
+            return;
+        }
+        let roster = self.roster.load();
+        match roster.holds(worker) {
+            Some(i) if roster.members()[i].health == Health::Live => {}
+            _ => return,
+        }
+        drop(roster);
+        let _guard = self.lock();
+        let roster = self.roster.load();
+        let Some(i) = roster.holds(worker) else {
+            return;
+        };
+        if roster.members()[i].health != Health::Live {
+            return;
+        }
+        let mut members = roster.members().to_vec();
+        members[i].health = Health::Evicted;
+        members[i].evicted_since = Some(Instant::now());
+        tracing::warn!(
+            role = %worker.role(),
+            url = %worker.base,
+            failures,
+            "worker evicted ({why}); no new requests go to it until it answers /health again"
+        );
+        self.metrics.inc_evictions(worker.role().as_str());
+        self.publish(members);
+    }
+
+    /// Forgets workers evicted for longer than `--evicted-ttl`.
+    pub fn forget_expired(&self, now: Instant) {
+        let Some(ttl) = self.policy.evicted_ttl else {
+            return;
+        };
+        let expired = |m: &Member| {
+            m.evicted_since
+                .is_some_and(|t| now.duration_since(t) >= ttl)
+        };
+        if !self.roster.load().members().iter().any(expired) {
+            return;
+        }
+        let _guard = self.lock();
+        let roster = self.roster.load();
+        let (gone, kept): (Vec<_>, Vec<_>) =
+            roster.members().iter().cloned().partition(|m| expired(m));
+        if gone.is_empty() {
+            return;
+        }
+        for m in &gone {
+            tracing::warn!(role = %m.worker.role(), url = %m.worker.base, "worker stayed down past --evicted-ttl; forgetting it");
+        }
+        self.publish(kept);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,154 @@
+use super::*;
+use reqwest::Url;
+
+fn spec(role: WorkerRole, port: u16) -> WorkerSpec {
+    WorkerSpec::new(
+        role,
+        Url::parse(&format!("http://127.0.0.1:{port}")).unwrap(),
+    )
+}
+
+fn registry(fail_threshold: u32, ttl: Option<Duration>) -> Registry {
+    Registry::new(
+        Arc::new(Metrics::default()),
+        HealthPolicy {
+            fail_threshold,
+            evicted_ttl: ttl,
+        },
+    )
+}
+
+fn live_ports(r: &Registry, role: WorkerRole) -> Vec<String> {
+    r.snapshot()
+        .live(role)
+        .iter()
+        .map(|w| w.base.clone())
+        .collect()
+}
+
+#[test]
+fn registration_rules() {
+    let r = registry(3, None);
+    assert!(r.register(spec(WorkerRole::Prefill, 1)).unwrap());
+    assert!(
+        !r.register(spec(WorkerRole::Prefill, 1)).unwrap(),
+        "same record: no-op"
+    );
+    assert_eq!(
+        r.register(spec(WorkerRole::Decode, 1)),
+        Err(RegistryError::RoleChange {
+            url: "http://127.0.0.1:1".into(),
+            existing: WorkerRole::Prefill,
+            requested: WorkerRole::Decode
+        })
+    );
+    assert!(matches!(
+        r.register(spec(WorkerRole::PrefillDecode, 2)),
+        Err(RegistryError::MixedTopology { .. })
+    ));
+    assert!(r.register(spec(WorkerRole::Encode, 3)).unwrap());
+    // A changed dp_size updates the record in place and keeps its health.
+    let mut wider = spec(WorkerRole::Prefill, 1);
+    wider.dp_size = 4;
+    assert!(!r.register(wider).unwrap());
+    assert_eq!(r.snapshot().live(WorkerRole::Prefill)[0].spec.dp_size, 4);
+    assert!(r.unregister("http://127.0.0.1:1"));
+    assert!(!r.unregister("http://127.0.0.1:1"));
+    // With no split worker left, prefill_decode may join.
+    assert!(r.register(spec(WorkerRole::PrefillDecode, 2)).unwrap());
+    assert!(matches!(
+        r.register(spec(WorkerRole::Decode, 4)),
+        Err(RegistryError::MixedTopology {
+            existing: WorkerRole::PrefillDecode
+        })
+    ));
+}
+
+#[test]
+fn eviction_readmission_and_mode() {
+    let r = registry(3, None);
+    r.register(spec(WorkerRole::Prefill, 1)).unwrap();
+    r.register(spec(WorkerRole::Decode, 2)).unwrap();
+    assert_eq!(r.snapshot().mode(), Mode::Disaggregated);
+    let d = r.snapshot().live(WorkerRole::Decode)[0].clone();
+    r.record_failure(&d, false, "probe");
+    r.record_failure(&d, false, "probe");
+    assert_eq!(
+        r.snapshot().mode(),
+        Mode::Disaggregated,
+        "below the threshold"
+    );
+    r.record_success(&d);
+    r.record_failure(&d, false, "probe");
+    r.record_failure(&d, false, "probe");
+    assert_eq!(
+        live_ports(&r, WorkerRole::Decode).len(),
+        1,
+        "success reset the count"
+    );
+    r.record_failure(&d, false, "probe");
+    assert_eq!(r.snapshot().mode(), Mode::Unavailable);
+    assert_eq!(
+        r.snapshot().missing(),
+        vec!["no healthy decode worker (all are evicted)".to_string()]
+    );
+    r.record_success(&d);
+    assert_eq!(r.snapshot().mode(), Mode::Disaggregated);
+    // A refused connection evicts at once.
+    r.record_failure(&d, true, "connection refused");
+    assert!(live_ports(&r, WorkerRole::Decode).is_empty());
+}
+
+#[test]
+fn a_stale_probe_result_cannot_revive_an_unregistered_worker() {
+    let r = registry(1, None);
+    r.register(spec(WorkerRole::Decode, 2)).unwrap();
+    let d = r.snapshot().live(WorkerRole::Decode)[0].clone();
+    r.record_failure(&d, false, "probe");
+    assert!(r.unregister(&d.base));
+    r.record_success(&d);
+    assert!(r.snapshot().members().is_empty());
+    // Re-registering creates a fresh record; the old handle still cannot touch it.
+    r.register(spec(WorkerRole::Decode, 2)).unwrap();
+    r.record_failure(&d, true, "stale");
+    assert_eq!(live_ports(&r, WorkerRole::Decode).len(), 1);
+}
+
+#[test]
+fn evicted_workers_are_forgotten_after_the_ttl() {
+    let r = registry(1, Some(Duration::from_secs(10)));
+    r.register(spec(WorkerRole::PrefillDecode, 1)).unwrap();
+    let w = r.snapshot().live(WorkerRole::PrefillDecode)[0].clone();
+    r.record_failure(&w, false, "probe");
+    let evicted_at = r.snapshot().members()[0].evicted_since.unwrap();
+    r.forget_expired(evicted_at + Duration::from_secs(9));
+    assert_eq!(r.snapshot().members().len(), 1);
+    r.forget_expired(evicted_at + Duration::from_secs(10));
+    assert!(r.snapshot().members().is_empty());
+    let forever = registry(1, None);
+    forever
+        .register(spec(WorkerRole::PrefillDecode, 1))
+        .unwrap();
+    let w = forever.snapshot().live(WorkerRole::PrefillDecode)[0].clone();
+    forever.record_failure(&w, false, "probe");
+    forever.forget_expired(Instant::now() + Duration::from_secs(1_000_000));
+    assert_eq!(forever.snapshot().members().len(), 1);
+}
+
+#[test]
+fn missing_roles_are_described() {
+    let r = registry(3, None);
+    assert_eq!(
+        r.snapshot().missing(),
+        vec![
+            "no prefill worker is registered",
+            "no decode worker is registered",
+            "no prefill_decode worker is registered"
+        ]
+    );
+    r.register(spec(WorkerRole::Prefill, 1)).unwrap();
+    assert_eq!(
+        r.snapshot().missing(),
+        vec!["no decode worker is registered"]
+    );
+}

@@ -1,0 +1,225 @@
+//! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
+
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use pdserve_protocol::WorkerRole;
+use prometheus_client::metrics::gauge::Gauge;
+use reqwest::Url;
+use serde::Serialize;
+
+use crate::endpoint::Endpoint;
+use crate::policy::{Policy, RequestOutcome};
+
+/// What a worker is registered as: the fields of a `POST /instances` body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// The worker's part in serving.
+    pub role: WorkerRole,
+    /// Its base URL (scheme, host, port, optional path prefix; no trailing `/`).
+    pub url: Url,
+    /// Data-parallel replicas behind the URL.
+    pub dp_size: u32,
+    /// SGLang bootstrap port of a prefill worker, if it has one.
+    pub bootstrap_port: Option<u16>,
+}
+
+impl WorkerSpec {
+    /// A spec with one replica and no bootstrap port.
+    pub fn new(role: WorkerRole, url: Url) -> Self {
+        Self {
+            role,
+            url,
+            dp_size: 1,
+            bootstrap_port: None,
+        }
+    }
+
+    /// The registry key: the base URL without a trailing `/`.
+    pub fn key(&self) -> String {
+        worker_key(&self.url)
+    }
+}
+
+/// The registry key of a base URL: its text without a trailing `/`.
+pub fn worker_key(url: &Url) -> String {
+    url.as_str().trim_end_matches('/').to_string()
+}
+
+/// Whether requests are routed to a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Receives traffic.
+    Live,
+    /// Failed `--fail-threshold` consecutive probes (or refused a connection); probed
+    /// until it answers again or `--evicted-ttl` passes.
+    Evicted,
+}
+
+/// A circuit breaker's state for a worker. The routing issue fills in the transitions;
+/// today every worker stays `Closed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CircuitState {
+    /// Traffic flows.
+    Closed,
+    /// Traffic is held back after repeated failures.
+    Open,
+    /// A trial request is allowed through.
+    HalfOpen,
+}
+
+impl CircuitState {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::Open,
+            2 => Self::HalfOpen,
+            _ => Self::Closed,
+        }
+    }
+
+    fn as_u8(self) -> u8 {
+        match self {
+            Self::Closed => 0,
+            Self::Open => 1,
+            Self::HalfOpen => 2,
+        }
+    }
+}
+
+/// One upstream worker as the registry knows it.
+#[derive(Debug)]
+pub struct Worker {
+    /// The worker's registration.
+    pub spec: WorkerSpec,
+    /// Its base URL as text without a trailing `/` (logs, metrics labels, registry key).
+    pub base: String,
+    chat_url: Url,
+    completions_url: Url,
+    models_url: Url,
+    health_url: Url,
+    /// Open requests, exported as a metric and read for `/instances` and load balancing.
+    in_flight: Gauge,
+    /// Consecutive failed probes (or failed connections) since the last success.
+    failures: AtomicU32,
+    circuit: AtomicU8,
+}
+
+impl Worker {
+    /// A worker for `spec` whose in-flight count is `in_flight`.
+    pub fn new(spec: WorkerSpec, in_flight: Gauge) -> Self {
+        let root = spec.key();
+        let join = |path: &str| {
+            Url::parse(&format!("{root}{path}")).expect("a valid base URL plus a path is valid")
+        };
+        Self {
+            chat_url: join(Endpoint::Chat.path()),
+            completions_url: join(Endpoint::Completions.path()),
+            models_url: join("/v1/models"),
+            health_url: join("/health"),
+            in_flight,
+            base: root,
+            spec,
+            failures: AtomicU32::new(0),
+            circuit: AtomicU8::new(CircuitState::Closed.as_u8()),
+        }
+    }
+
+    /// The worker's role.
+    pub fn role(&self) -> WorkerRole {
+        self.spec.role
+    }
+
+    /// The full URL of `endpoint` on this worker.
+    pub fn url(&self, endpoint: Endpoint) -> &Url {
+        match endpoint {
+            Endpoint::Chat => &self.chat_url,
+            Endpoint::Completions => &self.completions_url,
+        }
+    }
+
+    /// The worker's `/v1/models` URL.
+    pub fn models_url(&self) -> &Url {
+        &self.models_url
+    }
+
+    /// The worker's `/health` URL (probed by the registry).
+    pub fn health_url(&self) -> &Url {
+        &self.health_url
+    }
+
+    /// Requests this gateway has open on the worker.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.get()
+    }
+
+    /// Consecutive failures since the last success.
+    pub fn failures(&self) -> u32 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Counts a failure; returns the new consecutive count.
+    pub(crate) fn record_failure(&self) -> u32 {
+        self.failures.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Clears the failure count.
+    pub(crate) fn record_success(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+    }
+
+    /// Carries health counters over from the record this one replaces.
+    pub(crate) fn inherit(&self, previous: &Worker) {
+        self.failures.store(previous.failures(), Ordering::Relaxed);
+        self.set_circuit(previous.circuit());
+    }
+
+    /// The circuit breaker's state.
+    pub fn circuit(&self) -> CircuitState {
+        CircuitState::from_u8(self.circuit.load(Ordering::Relaxed))
+    }
+
+    /// Sets the circuit breaker's state.
+    pub fn set_circuit(&self, state: CircuitState) {
+        self.circuit.store(state.as_u8(), Ordering::Relaxed);
+    }
+}
+
+/// Counts one open request on a worker until dropped (so cancellation and errors count
+/// too), then tells the policy that routed it how it ended.
+#[derive(Debug)]
+pub struct InFlight {
+    worker: Arc<Worker>,
+    policy: Arc<dyn Policy>,
+    outcome: RequestOutcome,
+}
+
+impl InFlight {
+    /// Marks a request routed by `policy` as open on `worker`.
+    pub fn start(worker: Arc<Worker>, policy: Arc<dyn Policy>) -> Self {
+        worker.in_flight.inc();
+        Self {
+            worker,
+            policy,
+            outcome: RequestOutcome::Other,
+        }
+    }
+
+    /// The worker the request is open on.
+    pub fn worker(&self) -> &Arc<Worker> {
+        &self.worker
+    }
+
+    /// Records how the request ended (reported to the policy on drop).
+    pub fn set_outcome(&mut self, outcome: RequestOutcome) {
+        self.outcome = outcome;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.worker.in_flight.dec();
+        self.policy.on_request_end(&self.worker, self.outcome);
+    }
+}
