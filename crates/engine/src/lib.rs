@@ -6,8 +6,8 @@
 #![allow(clippy::result_large_err)]
 #![warn(missing_docs)]
 
-pub mod args;
 pub mod api;
+pub mod args;
 pub mod block_manager;
 pub mod kv;
 pub mod metrics;

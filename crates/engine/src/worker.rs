@@ -9,13 +9,13 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::api::validate::ModelLimits;
+use crate::api::{router, AppState};
 use crate::args::{Role, WorkerArgs};
-use crate::kv::service::{KvService, KvServiceConfig};
+use crate::kv::{KvContext, KvService, KvServiceConfig};
 use crate::metrics::Metrics;
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
-use crate::api::server::{router, AppState};
 use crate::step_model::ModelRunner;
-use crate::api::validate::ModelLimits;
 
 /// How long in-flight requests may run on after shutdown is asked for.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -174,10 +174,13 @@ impl Worker {
             engine: engine.clone(),
             model,
             limits,
+            kv: KvContext {
+                layout: kv_layout,
+                block_bytes: kv_block_bytes,
+                metrics: metrics.clone(),
+                service: kv_service,
+            },
             metrics,
-            kv_layout,
-            kv_block_bytes,
-            kv_service,
         });
         let addr = listener.local_addr()?;
         let (stop_http, stopped) = oneshot::channel::<()>();

@@ -14,12 +14,12 @@ use pdserve_protocol::{
     KvTransferParams, MessageContent, TokenLogprob, TopLogprob, Usage,
 };
 
-use crate::api::generation::{
+use super::generation::{
     collect_response, response_id, stream_response, ResolvedLogprob, ResponseFormat,
 };
-use crate::kv::handoff as kv_handoff;
-use crate::api::server::{parse_json, AppState};
-use crate::api::validate::{check_model, generation_request, output_options, top_logprobs};
+use super::server::parse_json;
+use super::validate::{check_model, generation_request, output_options, top_logprobs};
+use super::AppState;
 
 /// Handles one chat completion request. Errors become OpenAI-shaped responses through
 /// `ApiError`'s `IntoResponse`.
@@ -67,13 +67,13 @@ pub async fn handle(
         &app.limits,
         "messages",
     )?;
-    let generation = kv_handoff::submit(
-        &app,
-        req.transport.kv_transfer_params.as_ref(),
-        request,
-        options.stop,
-    )
-    .await?;
+    let generation = app
+        .submit_with_kv(
+            req.transport.kv_transfer_params.as_ref(),
+            request,
+            options.stop,
+        )
+        .await?;
     let format = ChatFormat {
         id: response_id("chatcmpl"),
         created: unix_now(),

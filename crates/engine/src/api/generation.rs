@@ -9,11 +9,12 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
 
+use super::server::sse_response;
+use super::AppState;
 use crate::kv::service::{release_unpublished, PublishKind};
 use crate::output_text::{OutputText, TokenText};
 use crate::request::{FinishReason, PinnedKv, SeqEvent, SeqEvents};
 use crate::sampling::TokenLogprobs;
-use crate::api::server::{sse_response, AppState};
 
 /// A token's log-probability information, with token text resolved.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,7 +100,7 @@ impl Generation {
 
     fn publish(&self, pinned: Option<PinnedKv>) -> Option<KvTransferParams> {
         let pinned = pinned?;
-        match (&self.app.kv_service, self.publish) {
+        match (&self.app.kv.service, self.publish) {
             (Some(service), Some(kind)) => service.publish(pinned, kind),
             _ => {
                 release_unpublished(&self.app.engine, pinned.blocks);

@@ -3,8 +3,11 @@
 
 mod chat;
 mod completions;
+mod error;
 pub mod generation;
 pub mod server;
+mod state;
 pub mod validate;
 
-pub use server::{router, AppState, MAX_BODY_BYTES};
+pub use server::{router, MAX_BODY_BYTES};
+pub use state::AppState;

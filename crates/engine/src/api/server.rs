@@ -11,47 +11,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::Stream;
 use http::{header, StatusCode};
-use pdserve_model::Model;
 use pdserve_protocol::{unix_now, ApiError, ModelCard, ModelList};
 use serde::de::DeserializeOwned;
 
-use crate::kv::service::KvService;
-use crate::metrics::Metrics;
-use crate::request::{GenerationRequest, SeqEvents};
-use crate::scheduler::{EngineHandle, SubmitError};
-use crate::api::validate::ModelLimits;
-use super::{chat, completions};
+use super::{chat, completions, AppState};
 
 /// Largest request body accepted (long prompts fit easily).
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
-
-/// What every handler shares.
-pub struct AppState {
-    /// Submits sequences to the scheduler thread.
-    pub engine: EngineHandle,
-    /// Tokenizer and chat template (the forward pass runs on the scheduler thread).
-    pub model: Arc<Model>,
-    /// Model facts used to validate requests.
-    pub limits: ModelLimits,
-    /// Engine metrics.
-    pub metrics: Arc<Metrics>,
-    /// The KV block format peers must share (`KvStore::layout`).
-    pub kv_layout: String,
-    /// Bytes in one KV block.
-    pub kv_block_bytes: usize,
-    /// The KV transfer service, when this worker runs one (prefill and decode roles).
-    pub kv_service: Option<Arc<KvService>>,
-}
-
-impl AppState {
-    /// Queues a validated request: 429 when the waiting queue is full.
-    pub fn submit(&self, request: GenerationRequest) -> Result<SeqEvents, ApiError> {
-        self.engine.submit(request).map_err(|e| match e {
-            SubmitError::QueueFull(_) => ApiError::too_many_requests(e.to_string()),
-            SubmitError::Stopped => ApiError::service_unavailable(e.to_string()),
-        })
-    }
-}
 
 /// The worker's routes.
 pub fn router(state: Arc<AppState>) -> Router {

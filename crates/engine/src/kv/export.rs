@@ -8,15 +8,16 @@
 
 use pdserve_protocol::KvTransferParams;
 
-use crate::kv::pull::{pull_blocks, RemoteBlocks};
-use crate::request::{GenerationRequest, KvImport};
-use crate::api::server::AppState;
 use pdserve_model::BLOCK_SIZE;
+
+use super::pull::{pull_blocks, RemoteBlocks};
+use super::KvContext;
+use crate::request::{GenerationRequest, KvImport};
 
 /// Turns `request` into a one-token prefill whose blocks stay pinned, importing a
 /// previous turn's shared prefix when `params` name one.
 pub async fn prepare_prefill(
-    app: &AppState,
+    kv: &KvContext,
     params: &KvTransferParams,
     request: &mut GenerationRequest,
 ) {
@@ -26,14 +27,14 @@ pub async fn prepare_prefill(
     if !RemoteBlocks::named_by(params) {
         return;
     }
-    let remote = match RemoteBlocks::from_params(params, &app.kv_layout) {
+    let remote = match RemoteBlocks::from_params(params, &kv.layout) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!("ignoring an incomplete KV handle; computing the prompt: {e}");
             return;
         }
     };
-    let pulled = match pull_blocks(app, remote, &request.prompt).await {
+    let pulled = match pull_blocks(kv, remote, &request.prompt).await {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!("reusing the conversation's KV failed; computing the prompt: {e}");
@@ -47,7 +48,7 @@ pub async fn prepare_prefill(
     }
     let mut blocks = pulled.blocks;
     blocks.truncate(reused.div_ceil(BLOCK_SIZE));
-    app.metrics.kv.imported_tokens.inc_by(reused as u64);
+    kv.metrics.kv.imported_tokens.inc_by(reused as u64);
     tracing::debug!(
         reused,
         prompt = request.prompt.len(),

@@ -6,37 +6,35 @@
 //! own logits and greedy output is token for token the aggregated one.
 
 use pdserve_model::BLOCK_SIZE;
-use pdserve_protocol::{ApiError, KvTransferParams};
+use pdserve_protocol::KvTransferParams;
 
-use crate::kv::pull::{pull_blocks, RemoteBlocks};
+use super::pull::{pull_blocks, RemoteBlocks};
+use super::{HandoffError, KvContext};
 use crate::request::{GenerationRequest, KvImport};
-use crate::api::server::AppState;
 
 /// Pulls the prompt's KV named by `params` into `request.kv_import`. The pull always
 /// runs to the end (so the prefill worker frees its blocks) even when there is nothing
-/// to import; a peer whose KV does not cover the prompt is a 502.
+/// to import. A peer whose KV does not cover the prompt is an error.
 pub async fn import_prompt_kv(
-    app: &AppState,
+    kv: &KvContext,
     params: &KvTransferParams,
     request: &mut GenerationRequest,
-) -> Result<(), ApiError> {
-    let remote = RemoteBlocks::from_params(params, &app.kv_layout)?;
-    let pulled = pull_blocks(app, remote, &request.prompt).await?;
+) -> Result<(), HandoffError> {
+    let remote = RemoteBlocks::from_params(params, &kv.layout)?;
+    let pulled = pull_blocks(kv, remote, &request.prompt).await?;
     let needed = request.prompt.len() - 1;
     if pulled.matched_tokens < needed {
-        return Err(ApiError::bad_gateway(format!(
-            "the prefill worker's KV covers only {} of this prompt's {} tokens: it was \
-             computed for another prompt (different chat template, tokenizer or model?)",
-            pulled.matched_tokens,
-            request.prompt.len()
-        )));
+        return Err(HandoffError::PromptNotCovered {
+            covered: pulled.matched_tokens,
+            prompt_tokens: request.prompt.len(),
+        });
     }
     if needed == 0 {
         return Ok(());
     }
     let mut blocks = pulled.blocks;
     blocks.truncate(needed.div_ceil(BLOCK_SIZE));
-    app.metrics.kv.imported_tokens.inc_by(needed as u64);
+    kv.metrics.kv.imported_tokens.inc_by(needed as u64);
     request.kv_import = Some(KvImport {
         num_tokens: needed,
         blocks,

@@ -1,12 +1,12 @@
 //! Pulling a peer's published KV blocks, named by `kv_transfer_params`, with bounded
-//! waits; failures become OpenAI-shaped 502/504 errors.
+//! waits.
 
 use std::time::Duration;
 
-use pdserve_kv_transfer::{pull, PullConfig, PulledBlocks, ReadRequest, TransferError};
-use pdserve_protocol::{ApiError, KvTransferParams};
+use pdserve_kv_transfer::{pull, PullConfig, PulledBlocks, ReadRequest};
+use pdserve_protocol::KvTransferParams;
 
-use crate::api::server::AppState;
+use super::{HandoffError, KvContext};
 
 /// Longest wait to connect to a peer's KV service.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -25,14 +25,9 @@ pub struct RemoteBlocks {
 }
 
 impl RemoteBlocks {
-    /// The remote side of `params`; a 400 naming the first missing field.
-    pub fn from_params(params: &KvTransferParams, layout: &str) -> Result<Self, ApiError> {
-        let missing = |field: &str| {
-            ApiError::bad_request(format!(
-                "kv_transfer_params.{field} is required to read KV from a peer"
-            ))
-            .with_param("kv_transfer_params")
-        };
+    /// The remote side of `params`, or the first field missing from them.
+    pub fn from_params(params: &KvTransferParams, layout: &str) -> Result<Self, HandoffError> {
+        let missing = HandoffError::MissingField;
         let host = params
             .remote_host
             .as_deref()
@@ -81,21 +76,23 @@ impl RemoteBlocks {
 
 /// Reads the blocks `remote` names, for `token_ids`; the peer frees them afterwards.
 pub async fn pull_blocks(
-    app: &AppState,
+    kv: &KvContext,
     mut remote: RemoteBlocks,
     token_ids: &[u32],
-) -> Result<PulledBlocks, ApiError> {
+) -> Result<PulledBlocks, HandoffError> {
     remote.read.token_ids = token_ids.to_vec();
     let config = PullConfig {
         connect_timeout: CONNECT_TIMEOUT,
         io_timeout: IO_TIMEOUT,
     };
-    let kv = &app.metrics.kv;
-    match pull(&remote.addr, &remote.read, app.kv_block_bytes, &config).await {
+    let counters = &kv.metrics.kv;
+    match pull(&remote.addr, &remote.read, kv.block_bytes, &config).await {
         Ok(pulled) => {
-            kv.blocks_received.inc_by(pulled.blocks.len() as u64);
-            kv.bytes_received.inc_by(pulled.bytes as u64);
-            kv.transfer_seconds.observe(pulled.elapsed.as_secs_f64());
+            counters.blocks_received.inc_by(pulled.blocks.len() as u64);
+            counters.bytes_received.inc_by(pulled.bytes as u64);
+            counters
+                .transfer_seconds
+                .observe(pulled.elapsed.as_secs_f64());
             tracing::debug!(
                 addr = %remote.addr,
                 blocks = pulled.blocks.len(),
@@ -106,18 +103,10 @@ pub async fn pull_blocks(
             Ok(pulled)
         }
         Err(e) => {
-            kv.pull_failures.inc();
+            counters.pull_failures.inc();
             tracing::warn!(addr = %remote.addr, error = %e, "KV pull failed");
-            Err(pull_error(&remote.addr, e))
+            Err(HandoffError::pull(&remote.addr, e))
         }
-    }
-}
-
-fn pull_error(addr: &str, e: TransferError) -> ApiError {
-    let message = format!("reading KV blocks from {addr} failed: {e}");
-    match e {
-        TransferError::Timeout(_) => ApiError::gateway_timeout(message),
-        _ => ApiError::bad_gateway(message),
     }
 }
 
@@ -143,8 +132,10 @@ mod tests {
         assert_eq!(remote.read.layout, "L");
         params.remote_request_id = None;
         let err = RemoteBlocks::from_params(&params, "L").unwrap_err();
-        assert_eq!(err.status, http::StatusCode::BAD_REQUEST);
-        assert!(err.to_string().contains("remote_request_id"), "{err}");
+        assert!(
+            matches!(err, HandoffError::MissingField("remote_request_id")),
+            "{err}"
+        );
         assert!(RemoteBlocks::named_by(&params));
         assert!(!RemoteBlocks::named_by(&KvTransferParams::prefill_request()));
     }
