@@ -44,8 +44,10 @@ enum Command {
     Gateway(Box<pdserve_gateway::GatewayArgs>),
     /// Internal: run the stub worker.
     Stub {
-        #[arg(long)]
-        port: u16,
+        /// Ports to serve on (comma-separated): a P/D gateway needs a prefill and a
+        /// decode worker at different URLs.
+        #[arg(long, value_delimiter = ',')]
+        port: Vec<u16>,
         #[arg(long)]
         tokens: usize,
     },
@@ -73,7 +75,7 @@ struct StubBodies {
     decode_stream: Vec<Bytes>,
 }
 
-async fn stub(port: u16, tokens: usize) {
+async fn stub(ports: Vec<u16>, tokens: usize) {
     let kv = json!({"do_remote_prefill": true, "do_remote_decode": false,
         "remote_block_ids": [1, 2, 3], "remote_engine_id": "stub", "remote_request_id": "r",
         "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1});
@@ -109,13 +111,22 @@ async fn stub(port: u16, tokens: usize) {
     let app = Router::new()
         .route("/v1/chat/completions", post(answer))
         .route("/health", get(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .expect("bind stub port")
-        .tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-    axum::serve(listener, app).await.expect("stub server");
+    let mut servers = Vec::new();
+    for port in ports {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("bind stub port")
+            .tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+        let app = app.clone();
+        servers.push(tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("stub server")
+        }));
+    }
+    for server in servers {
+        server.await.expect("stub task");
+    }
 }
 
 fn stub_answer(bodies: &StubBodies, request: &[u8]) -> Response {
@@ -275,15 +286,18 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
         .build()
         .expect("client");
     let stub_port = free_port();
+    let prefill_port = free_port();
     let _stub = spawn_self(&[
         "stub".into(),
         "--port".into(),
-        stub_port.to_string(),
+        format!("{stub_port},{prefill_port}"),
         "--tokens".into(),
         tokens.to_string(),
     ]);
     let stub_url = format!("http://127.0.0.1:{stub_port}");
+    let prefill_url = format!("http://127.0.0.1:{prefill_port}");
     wait_ready(&client, &format!("{stub_url}/health")).await;
+    wait_ready(&client, &format!("{prefill_url}/health")).await;
 
     println!(
         "{} chunks per response, {secs} s per measurement, load generator and stub in separate processes",
@@ -309,7 +323,7 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
         if flag == "pd" {
             args.extend([
                 "--prefill".into(),
-                stub_url.clone(),
+                prefill_url.clone(),
                 "--decode".into(),
                 stub_url.clone(),
             ]);
