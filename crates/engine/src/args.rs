@@ -2,23 +2,17 @@
 
 use std::path::PathBuf;
 
-/// What part of serving a worker does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Role {
-    /// Prefill and decode in one process (aggregated serving).
-    Both,
-    /// Prefill only: keeps a `do_remote_decode` request's KV pinned for a decode peer.
-    Prefill,
-    /// Decode: pulls a `do_remote_prefill` request's KV from its prefill peer.
-    Decode,
-}
+use pdserve_protocol::WorkerRole;
 
 /// `pdserve worker` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
-    /// Which part of serving this worker does.
-    #[arg(long, env = "PDSERVE_WORKER_ROLE", value_enum, default_value_t = Role::Both)]
-    pub role: Role,
+    /// Which part of serving this worker does: `prefill_decode` (alias `both`: aggregated
+    /// serving), `prefill` (keeps a `do_remote_decode` request's KV pinned for a decode
+    /// peer) or `decode` (pulls a `do_remote_prefill` request's KV from its prefill peer).
+    /// `encode` is refused: the embedded model is text-only.
+    #[arg(long, env = "PDSERVE_WORKER_ROLE", value_enum, default_value_t = WorkerRole::PrefillDecode)]
+    pub role: WorkerRole,
 
     /// Address to listen on.
     #[arg(long, env = "PDSERVE_WORKER_HOST", default_value = "127.0.0.1")]
@@ -65,8 +59,8 @@ pub struct WorkerArgs {
     pub max_model_len: Option<usize>,
 
     /// Port of the KV transfer service (TCP) that peers pull pinned blocks from. Prefill
-    /// and decode workers always run it (0 or unset: a free port); a `both` worker only
-    /// when this is given.
+    /// and decode workers always run it (0 or unset: a free port); a `prefill_decode`
+    /// worker only when this is given.
     #[arg(long, env = "PDSERVE_KV_PORT")]
     pub kv_port: Option<u16>,
 
@@ -83,6 +77,16 @@ pub struct WorkerArgs {
     /// Default: a random UUID.
     #[arg(long, env = "PDSERVE_ENGINE_ID")]
     pub engine_id: Option<String>,
+
+    /// Seconds in-flight requests (open streams included) may run on after SIGTERM or
+    /// Ctrl-C before they are ended with an error; new connections are refused at once.
+    #[arg(long, env = "PDSERVE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+
+    /// `GET /health` answers 503 when the scheduler has not completed a step for this
+    /// many seconds while requests are queued or running (a wedged engine).
+    #[arg(long, env = "PDSERVE_WEDGED_AFTER_SECS", default_value_t = 30)]
+    pub wedged_after_secs: u64,
 }
 
 #[cfg(test)]
@@ -102,7 +106,7 @@ mod tests {
         let args = Cli::try_parse_from(["worker"]).unwrap().args;
         assert_eq!(
             (args.role, args.host.as_str(), args.port),
-            (Role::Both, "127.0.0.1", 8100)
+            (WorkerRole::PrefillDecode, "127.0.0.1", 8100)
         );
         assert!(args.model.is_none() && args.max_model_len.is_none());
         let args = Cli::try_parse_from([
@@ -120,7 +124,14 @@ mod tests {
             (args.port, args.threads, args.num_kv_blocks),
             (0, Some(2), 64)
         );
-        assert_eq!(args.kv_abort_timeout, 480);
+        assert_eq!(
+            (
+                args.kv_abort_timeout,
+                args.shutdown_timeout,
+                args.wedged_after_secs
+            ),
+            (480, 30, 30)
+        );
         let args = Cli::try_parse_from([
             "worker",
             "--role",
@@ -134,8 +145,14 @@ mod tests {
         .args;
         assert_eq!(
             (args.role, args.kv_port, args.kv_abort_timeout),
-            (Role::Decode, Some(9000), 5)
+            (WorkerRole::Decode, Some(9000), 5)
         );
-        assert!(Cli::try_parse_from(["worker", "--role", "encode"]).is_err());
+        let role = |r: &str| Cli::try_parse_from(["worker", "--role", r]).map(|c| c.args.role);
+        assert_eq!(role("both").unwrap(), WorkerRole::PrefillDecode);
+        assert_eq!(role("prefill_decode").unwrap(), WorkerRole::PrefillDecode);
+        assert_eq!(role("prefill").unwrap(), WorkerRole::Prefill);
+        // Parsed (it is a role), refused when the worker starts (see `worker::check_args`).
+        assert_eq!(role("encode").unwrap(), WorkerRole::Encode);
+        assert!(role("aggregated").is_err());
     }
 }

@@ -9,6 +9,7 @@
 pub mod api;
 pub mod args;
 pub mod block_manager;
+pub mod health;
 pub mod kv;
 pub mod metrics;
 pub mod output_text;
@@ -19,5 +20,6 @@ mod sequence;
 pub mod step_model;
 pub mod worker;
 
-pub use args::{Role, WorkerArgs};
+pub use args::WorkerArgs;
+pub use pdserve_protocol::WorkerRole;
 pub use worker::{run, Worker, WorkerError};

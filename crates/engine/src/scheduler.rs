@@ -16,6 +16,7 @@ use pdserve_model::{BlockId, ModelError, SequenceStep, BLOCK_SIZE};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::block_manager::{BlockError, BlockManager, PrefixHit};
+use crate::health::{Heartbeat, SchedulerCondition};
 use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
 use crate::sequence::Sequence;
@@ -23,6 +24,9 @@ use crate::step_model::StepModel;
 
 /// How often a stalled scheduler (work waiting, no block free) looks again.
 const STALL_POLL: Duration = Duration::from_millis(5);
+/// How often an idle scheduler beats its heartbeat: the beat must stay fresh while idle
+/// so that a request arriving after a long idle spell never looks like a wedge.
+const IDLE_BEAT: Duration = Duration::from_secs(1);
 
 /// Limits of the scheduler.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +82,7 @@ pub struct EngineHandle {
     /// Requests accepted but never admitted to the running batch yet.
     queued: Arc<AtomicUsize>,
     max_waiting: usize,
+    heartbeat: Arc<Heartbeat>,
 }
 
 impl std::fmt::Debug for Command {
@@ -137,6 +142,13 @@ impl EngineHandle {
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
     }
+
+    /// Whether the scheduler thread is alive and, with work to do, still completing
+    /// steps within `wedged_after`.
+    pub fn condition(&self, wedged_after: Duration) -> SchedulerCondition {
+        let queued = self.queued.load(Ordering::SeqCst) > 0;
+        self.heartbeat.condition(wedged_after, queued)
+    }
 }
 
 /// Starts the scheduler thread over `model`.
@@ -149,11 +161,14 @@ pub fn spawn<M: StepModel>(
     config.max_model_len = config.max_model_len.min(model.num_blocks() * BLOCK_SIZE);
     let (tx, rx) = std_mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
+    let heartbeat = Arc::new(Heartbeat::default());
     let handle = EngineHandle {
         commands: tx,
         queued: queued.clone(),
         max_waiting: config.max_waiting,
+        heartbeat: heartbeat.clone(),
     };
+    let exit_guard = heartbeat.exit_guard();
     let scheduler = Scheduler {
         blocks: BlockManager::new(model.num_blocks()),
         model,
@@ -163,10 +178,14 @@ pub fn spawn<M: StepModel>(
         waiting: VecDeque::new(),
         running: Vec::new(),
         stopping: false,
+        heartbeat,
     };
     let thread = std::thread::Builder::new()
         .name("pdserve-scheduler".into())
-        .spawn(move || scheduler.run(rx))?;
+        .spawn(move || {
+            let _exit_guard = exit_guard;
+            scheduler.run(rx)
+        })?;
     Ok((handle, thread))
 }
 
@@ -179,17 +198,20 @@ struct Scheduler<M> {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     stopping: bool,
+    heartbeat: Arc<Heartbeat>,
 }
 
 impl<M: StepModel> Scheduler<M> {
     fn run(mut self, commands: std_mpsc::Receiver<Command>) {
         let mut stalled = false;
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
-                // Idle: block until there is work (or every handle is gone).
-                match commands.recv() {
+            self.heartbeat.beat(self.has_work());
+            if !self.has_work() {
+                // Idle: wait for work (or for every handle to go).
+                match commands.recv_timeout(IDLE_BEAT) {
                     Ok(cmd) => self.handle(cmd),
-                    Err(_) => break,
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             } else if stalled {
                 // Work is waiting for blocks that only a command (or a cancellation) can
@@ -206,6 +228,9 @@ impl<M: StepModel> Scheduler<M> {
             if self.stopping {
                 break;
             }
+            // Beat with the work this step takes on, so a step that never ends with
+            // sequences in hand reads as a wedge.
+            self.heartbeat.beat(self.has_work());
             stalled = !self.step();
         }
         let waiting: Vec<_> = self.waiting.drain(..).collect();
@@ -213,6 +238,10 @@ impl<M: StepModel> Scheduler<M> {
             seq.send(SeqEvent::Failed("the worker is shutting down".into()));
         }
         tracing::debug!("scheduler thread stopped");
+    }
+
+    fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
     }
 
     fn handle(&mut self, cmd: Command) {

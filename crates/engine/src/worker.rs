@@ -1,24 +1,33 @@
-//! Starting and stopping a worker: model load, scheduler thread, HTTP server.
+//! Starting and stopping a worker: model load, scheduler thread, HTTP server, and a
+//! graceful drain on SIGTERM or Ctrl-C.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use pdserve_model::{Model, ModelError, BLOCK_SIZE};
+use pdserve_protocol::WorkerRole;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::api::validate::ModelLimits;
 use crate::api::{router, AppState};
-use crate::args::{Role, WorkerArgs};
+use crate::args::WorkerArgs;
+use crate::health::WorkerHealth;
 use crate::kv::{KvContext, KvService, KvServiceConfig};
 use crate::metrics::Metrics;
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
 use crate::step_model::ModelRunner;
 
-/// How long in-flight requests may run on after shutdown is asked for.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// After the shutdown timeout has failed the remaining requests, how long their error
+/// events get to reach the clients before the connections are dropped.
+const FLUSH_GRACE: Duration = Duration::from_secs(2);
+/// How long shutdown waits for the scheduler thread to stop (it may be wedged).
+const SCHEDULER_STOP_GRACE: Duration = Duration::from_secs(5);
+/// How often shutdown looks again at what it waits for.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
 
 /// Errors that stop a worker.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +44,9 @@ pub enum WorkerError {
     /// A background task or thread died.
     #[error("background task failed: {0}")]
     Task(String),
+    /// A second SIGTERM or Ctrl-C cut the drain short.
+    #[error("stopped by a second signal before in-flight requests finished")]
+    Interrupted,
 }
 
 /// A running worker.
@@ -45,11 +57,21 @@ pub struct Worker {
     engine: EngineHandle,
     scheduler: std::thread::JoinHandle<()>,
     kv_addr: Option<SocketAddr>,
+    kv_service: Option<Arc<KvService>>,
     /// The KV transfer server and its abort-timeout sweeper.
     kv_tasks: Vec<JoinHandle<()>>,
+    health: Arc<WorkerHealth>,
+    shutdown_timeout: Duration,
 }
 
 fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
+    if args.role == WorkerRole::Encode {
+        return Err(WorkerError::InvalidArgs(
+            "--role encode is not supported: the embedded model is text-only (use \
+             prefill_decode, prefill or decode)"
+                .into(),
+        ));
+    }
     for (name, value) in [
         ("--num-kv-blocks", args.num_kv_blocks),
         ("--max-num-seqs", args.max_num_seqs),
@@ -58,6 +80,7 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
         ("--threads", args.threads.unwrap_or(1)),
         ("--max-model-len", args.max_model_len.unwrap_or(2)),
         ("--kv-abort-timeout", args.kv_abort_timeout as usize),
+        ("--wedged-after-secs", args.wedged_after_secs as usize),
     ] {
         if value == 0 {
             return Err(WorkerError::InvalidArgs(format!(
@@ -136,7 +159,7 @@ impl Worker {
         };
         let mut kv_tasks = Vec::new();
         let mut kv_addr = None;
-        let kv_service = if args.role != Role::Both || args.kv_port.is_some() {
+        let kv_service = if args.role != WorkerRole::PrefillDecode || args.kv_port.is_some() {
             let kv_listener =
                 TcpListener::bind((args.host.as_str(), args.kv_port.unwrap_or(0))).await?;
             let addr = kv_listener.local_addr()?;
@@ -165,11 +188,15 @@ impl Worker {
                 std::future::pending(),
             )));
             kv_tasks.push(tokio::spawn(service.clone().sweep_forever()));
-            tracing::info!(%addr, role = ?args.role, "KV transfer service listening");
+            tracing::info!(%addr, role = %args.role, "KV transfer service listening");
             Some(service)
         } else {
             None
         };
+        let health = Arc::new(WorkerHealth::new(
+            engine.clone(),
+            Duration::from_secs(args.wedged_after_secs),
+        ));
         let state = Arc::new(AppState {
             engine: engine.clone(),
             model,
@@ -178,9 +205,10 @@ impl Worker {
                 layout: kv_layout,
                 block_bytes: kv_block_bytes,
                 metrics: metrics.clone(),
-                service: kv_service,
+                service: kv_service.clone(),
             },
             metrics,
+            health: health.clone(),
         });
         let addr = listener.local_addr()?;
         let (stop_http, stopped) = oneshot::channel::<()>();
@@ -194,6 +222,7 @@ impl Worker {
         });
         tracing::info!(
             %addr,
+            role = %args.role,
             model = %path.display(),
             kv_blocks = args.num_kv_blocks,
             max_model_len,
@@ -206,7 +235,10 @@ impl Worker {
             engine,
             scheduler,
             kv_addr,
+            kv_service,
             kv_tasks,
+            health,
+            shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
         })
     }
 
@@ -220,66 +252,176 @@ impl Worker {
         self.addr
     }
 
-    /// Stops accepting requests, lets in-flight ones finish for up to [`SHUTDOWN_GRACE`],
-    /// then fails the rest and stops the scheduler thread.
+    /// What `GET /health` reports (shared: it stays readable while the worker drains).
+    pub fn health(&self) -> Arc<WorkerHealth> {
+        self.health.clone()
+    }
+
+    /// Drains the worker: `/health` turns 503 and new connections are refused at once;
+    /// in-flight requests (open streams included) run to the end, and a prefill worker's
+    /// published KV waits for its decode peers, all within `--shutdown-timeout`. Requests
+    /// still running then are ended with an error; finally the scheduler thread stops.
     pub async fn shutdown(mut self) -> Result<(), WorkerError> {
+        let deadline = Instant::now() + self.shutdown_timeout;
+        self.health.begin_drain();
         if let Some(stop) = self.stop_http.take() {
             let _ = stop.send(());
         }
-        let served = match tokio::time::timeout(SHUTDOWN_GRACE, &mut self.server).await {
-            Ok(result) => result,
+        let served = match tokio::time::timeout_at(deadline, &mut self.server).await {
+            Ok(served) => Some(served),
             Err(_) => {
-                tracing::warn!("requests still running after the grace period; ending them");
+                tracing::warn!(
+                    timeout_secs = self.shutdown_timeout.as_secs(),
+                    "requests still running at the shutdown timeout; ending them"
+                );
                 self.engine.shutdown();
-                self.server.await
+                match tokio::time::timeout(FLUSH_GRACE, &mut self.server).await {
+                    Ok(served) => Some(served),
+                    Err(_) => {
+                        // A client that does not read its stream cannot hold the exit.
+                        self.server.abort();
+                        None
+                    }
+                }
             }
         };
+        if let Some(service) = &self.kv_service {
+            // A decode peer reads a prefill's KV right after the prefill's response: let
+            // it, or it would fail a request this worker already answered.
+            while service.pending_exports() > 0 && Instant::now() < deadline {
+                tokio::time::sleep(DRAIN_POLL).await;
+            }
+            let left = service.pending_exports();
+            if left > 0 {
+                tracing::warn!(left, "KV exports still unread at the shutdown timeout");
+            }
+        }
         for task in self.kv_tasks.drain(..) {
             task.abort();
         }
         self.engine.shutdown();
-        let scheduler = self.scheduler;
-        tokio::task::spawn_blocking(move || scheduler.join())
-            .await
-            .map_err(|e| WorkerError::Task(e.to_string()))?
-            .map_err(|_| WorkerError::Task("the scheduler thread panicked".into()))?;
-        served.map_err(|e| WorkerError::Task(e.to_string()))??;
+        let stop_by = Instant::now() + SCHEDULER_STOP_GRACE;
+        while !self.scheduler.is_finished() && Instant::now() < stop_by {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+        if self.scheduler.is_finished() {
+            self.scheduler
+                .join()
+                .map_err(|_| WorkerError::Task("the scheduler thread panicked".into()))?;
+        } else {
+            // Joining would block forever; the thread ends with the process.
+            tracing::error!("the scheduler thread did not stop (wedged in a step?)");
+        }
+        if let Some(served) = served {
+            served.map_err(|e| WorkerError::Task(e.to_string()))??;
+        }
         Ok(())
     }
 }
 
-/// Runs a worker on `--host`/`--port` until Ctrl-C or SIGTERM.
+/// Runs a worker on `--host`/`--port` until SIGTERM or Ctrl-C, then drains it (see
+/// [`Worker::shutdown`]). A second signal stops it without waiting.
 pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
+    // Listening from the start: a signal during the model load must not kill the process
+    // with the default action.
+    let mut signals = StopSignals::new()?;
     let listener = TcpListener::bind((args.host.as_str(), args.port)).await?;
-    let worker = Worker::start(listener, args).await?;
-    shutdown_signal().await;
-    tracing::info!("shutting down");
-    worker.shutdown().await
+    let worker = tokio::select! {
+        worker = Worker::start(listener, args) => worker?,
+        signal = signals.recv() => {
+            tracing::info!("{signal} before the worker was ready; exiting");
+            return Ok(());
+        }
+    };
+    let signal = signals.recv().await;
+    tracing::info!(
+        timeout_secs = worker.shutdown_timeout.as_secs(),
+        "{signal}: draining (new connections refused, in-flight requests finishing)"
+    );
+    tokio::select! {
+        result = worker.shutdown() => {
+            if result.is_ok() {
+                tracing::info!("drained; exiting");
+            }
+            result
+        }
+        signal = signals.recv() => {
+            tracing::warn!("{signal} again: exiting without waiting for in-flight requests");
+            Err(WorkerError::Interrupted)
+        }
+    }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!("cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
+/// SIGTERM and SIGINT (Ctrl-C), caught from creation on.
+struct StopSignals {
     #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                terminate: signal(SignalKind::terminate())?,
+                interrupt: signal(SignalKind::interrupt())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// The next signal's name.
+    async fn recv(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.terminate.recv() => "SIGTERM",
+                _ = self.interrupt.recv() => "SIGINT",
             }
-            Err(e) => {
-                tracing::error!("cannot listen for SIGTERM: {e}");
+        }
+        #[cfg(not(unix))]
+        {
+            if tokio::signal::ctrl_c().await.is_err() {
                 std::future::pending::<()>().await;
             }
+            "Ctrl-C"
         }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = terminate => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: WorkerArgs,
+    }
+
+    fn check(argv: &[&str]) -> Result<(), WorkerError> {
+        let argv = std::iter::once("worker").chain(argv.iter().copied());
+        check_args(&Cli::try_parse_from(argv).unwrap().args)
+    }
+
+    #[test]
+    fn encode_role_and_zero_bounds_are_refused_before_the_model_loads() {
+        assert!(check(&[]).is_ok());
+        assert!(check(&["--role", "both"]).is_ok());
+        assert!(check(&["--role", "decode", "--shutdown-timeout", "0"]).is_ok());
+        let err = check(&["--role", "encode"]).unwrap_err().to_string();
+        assert!(
+            err.contains("--role encode") && err.contains("text-only"),
+            "{err}"
+        );
+        let err = check(&["--wedged-after-secs", "0"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--wedged-after-secs"), "{err}");
     }
 }

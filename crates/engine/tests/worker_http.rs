@@ -191,6 +191,10 @@ async fn healthy_tips_answer_is_sensible() {
             .await
             .unwrap();
         assert_eq!(health.status(), 200);
+        assert_eq!(
+            health.json::<Value>().await.unwrap(),
+            json!({"status": "ok"})
+        );
         let models: Value = w
             .http
             .get(format!("{}/v1/models", w.base))

@@ -13,8 +13,10 @@ use futures::Stream;
 use http::{header, StatusCode};
 use pdserve_protocol::{unix_now, ApiError, ModelCard, ModelList};
 use serde::de::DeserializeOwned;
+use serde_json::json;
 
 use super::{chat, completions, AppState};
+use crate::health::Unhealthy;
 
 /// Largest request body accepted (long prompts fit easily).
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -76,8 +78,25 @@ async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
     })
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+async fn health(State(app): State<Arc<AppState>>) -> Response {
+    health_response(app.health.check())
+}
+
+/// `GET /health`: 200 `{"status": "ok"}` when the worker can serve; otherwise 503 with
+/// `{"status": "unavailable", "reason", "message"}` saying why.
+pub fn health_response(health: Result<(), Unhealthy>) -> Response {
+    match health {
+        Ok(()) => Json(json!({"status": "ok"})).into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({
+                "status": "unavailable",
+                "reason": why.reason(),
+                "message": why.to_string(),
+            })),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
@@ -97,4 +116,41 @@ async fn not_found(uri: http::Uri) -> ApiError {
         "not_found",
         format!("no route for {}", uri.path()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    async fn answer(health: Result<(), Unhealthy>) -> (StatusCode, serde_json::Value) {
+        let response = health_response(health);
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .unwrap();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test]
+    async fn health_is_200_or_503_with_the_reason() {
+        let (status, body) = answer(Ok(())).await;
+        assert_eq!((status, body), (StatusCode::OK, json!({"status": "ok"})));
+        for (why, reason) in [
+            (Unhealthy::Draining, "draining"),
+            (Unhealthy::SchedulerExited, "scheduler_exited"),
+            (
+                Unhealthy::SchedulerWedged(Duration::from_secs(31)),
+                "scheduler_wedged",
+            ),
+        ] {
+            let message = why.to_string();
+            let (status, body) = answer(Err(why)).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(
+                body,
+                json!({"status": "unavailable", "reason": reason, "message": message})
+            );
+        }
+    }
 }

@@ -8,6 +8,7 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 
 use super::generation::Generation;
 use super::validate::ModelLimits;
+use crate::health::WorkerHealth;
 use crate::kv::{handoff, KvContext, PublishKind};
 use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, SeqEvents};
@@ -25,6 +26,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// KV handoff with peers: block format, transfer service.
     pub kv: KvContext,
+    /// What `GET /health` reports.
+    pub health: Arc<WorkerHealth>,
 }
 
 impl AppState {

@@ -108,6 +108,14 @@ impl KvService {
         self.config.abort_timeout
     }
 
+    /// Prefill publications not read yet plus reads in progress: what decode peers still
+    /// need from this worker. Conversation hand-backs are best effort and not counted.
+    pub fn pending_exports(&self) -> usize {
+        let st = self.lock();
+        let unread = st.pins.values();
+        unread.filter(|p| p.kind == PublishKind::Prefill).count() + st.reading.len()
+    }
+
     /// Keeps `pinned` for a peer and returns the `kv_transfer_params` naming them, or
     /// `None` (blocks freed) when a conversation would not fit its budget.
     ///

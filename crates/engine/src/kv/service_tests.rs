@@ -82,7 +82,9 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
 
     let prompt: Vec<u32> = (1..=40).collect();
     let pinned = finished_pinned(&engine, prompt.clone()).await;
+    assert_eq!(service.pending_exports(), 0);
     let params = service.publish(pinned, PublishKind::Prefill).unwrap();
+    assert_eq!(service.pending_exports(), 1);
     assert!(params.do_remote_prefill && !params.do_remote_decode);
     assert_eq!(params.extra["tp_size"], 1);
     assert!(matches!(
@@ -128,6 +130,7 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
     assert_eq!((pulled.matched_tokens, pulled.blocks.len()), (20, 2));
     assert_eq!(&pulled.blocks[0][..4], &1u32.to_le_bytes());
     settle(&metrics, 0).await;
+    assert_eq!(service.pending_exports(), 0);
     let err = pull(&addr, &read_of(&params, &prompt), 64, &pull_config)
         .await
         .unwrap_err();
@@ -155,6 +158,11 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
     let first = finished_pinned(&engine, (1..=40).collect()).await;
     let first = service.publish(first, PublishKind::Conversation).unwrap();
     assert!(!first.do_remote_prefill && !first.do_remote_decode);
+    assert_eq!(
+        service.pending_exports(),
+        0,
+        "hand-backs are not waited for"
+    );
     let second = finished_pinned(&engine, (2..=41).collect()).await;
     service.publish(second, PublishKind::Conversation).unwrap();
     settle(&metrics, 3).await;
