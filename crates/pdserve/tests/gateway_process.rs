@@ -1,5 +1,7 @@
-//! The `pdserve gateway` process on SIGTERM: it stops accepting connections, lets an
-//! open stream from a real worker run to its end, then exits 0.
+//! The `pdserve gateway` process with real workers: on SIGTERM it stops accepting
+//! connections, lets an open stream run to its end, then exits 0; when a `pdserve worker`
+//! process is killed under load it is evicted with no failed client request, and it is
+//! re-admitted when it comes back on the same port.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -155,6 +157,154 @@ async fn sigterm_lets_an_open_stream_finish_then_exits_0() {
         };
         assert!(status.success(), "{status}");
         drop(worker);
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+/// Starts `pdserve worker --role both` on `port`, one thread, and waits for its /health.
+async fn worker_process(port: u16, model: &std::path::Path) -> Reaper {
+    let child = Reaper(
+        Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            .args(["worker", "--role", "both", "--port", &port.to_string()])
+            .args(["--threads", "1", "--num-kv-blocks", "64"])
+            .arg("--model")
+            .arg(model)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(
+        &format!("http://127.0.0.1:{port}/health"),
+        Duration::from_secs(120),
+    )
+    .await;
+    child
+}
+
+async fn wait_for(url: &str, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let ok = reqwest::get(url).await.is_ok_and(|r| r.status() == 200);
+        if ok {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{url} not healthy within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The gateway's view of the worker at `url`: its `health`, if registered.
+async fn health_in_roster(gateway: &str, url: &str) -> Option<String> {
+    let roster: serde_json::Value = reqwest::get(format!("{gateway}/instances"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    roster["workers"]
+        .as_array()?
+        .iter()
+        .find(|w| w["url"] == url)
+        .map(|w| w["health"].as_str().unwrap().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_process_is_evicted_without_failed_requests_and_readmitted() {
+    tokio::time::timeout(Duration::from_secs(400), async {
+        let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+        let (port_a, port_b) = (free_port(), free_port());
+        let (url_a, url_b) = (
+            format!("http://127.0.0.1:{port_a}"),
+            format!("http://127.0.0.1:{port_b}"),
+        );
+        let _a = worker_process(port_a, &model).await;
+        let mut b = Some(worker_process(port_b, &model).await);
+        let port = free_port();
+        let gateway = format!("http://127.0.0.1:{port}");
+        let (interval, threshold) = (Duration::from_millis(500), 3);
+        let _gw = Reaper(
+            Command::new(env!("CARGO_BIN_EXE_pdserve"))
+                .args(["gateway", "--port", &port.to_string()])
+                .args(["--worker", &url_a, "--worker", &url_b])
+                .args(["--probe-interval", "0.5", "--probe-timeout", "1", "--fail-threshold", "3"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        wait_for(&format!("{gateway}/health"), Duration::from_secs(30)).await;
+
+        let http = reqwest::Client::new();
+        let request = || async {
+            let resp = http
+                .post(format!("{gateway}/v1/completions"))
+                .json(&serde_json::json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}))
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let body = resp.text().await.map_err(|e| e.to_string())?;
+            if status == 200 && body.contains("\"choices\"") {
+                Ok(())
+            } else {
+                Err(format!("{status}: {body}"))
+            }
+        };
+        let mut sent = 0;
+        let mut failed = Vec::new();
+        for _ in 0..4 {
+            sent += 1;
+            if let Err(e) = request().await {
+                failed.push(e);
+            }
+        }
+
+        // SIGKILL: the worker dies with no goodbye, as a crashed process does.
+        drop(b.take());
+        let killed = Instant::now();
+        let mut evicted_after = None;
+        while killed.elapsed() < Duration::from_secs(10) {
+            sent += 1;
+            if let Err(e) = request().await {
+                failed.push(e);
+            }
+            if evicted_after.is_none()
+                && health_in_roster(&gateway, &url_b).await.as_deref() == Some("evicted")
+            {
+                evicted_after = Some(killed.elapsed());
+                break;
+            }
+        }
+        let evicted_after = evicted_after.expect("the killed worker was not evicted");
+        assert!(evicted_after <= interval * threshold + Duration::from_secs(2), "{evicted_after:?}");
+        assert_eq!(reqwest::get(format!("{gateway}/health")).await.unwrap().status(), 200);
+
+        // Restart on the same port: the next healthy probe re-admits it.
+        let _b = worker_process(port_b, &model).await;
+        let back = Instant::now();
+        while health_in_roster(&gateway, &url_b).await.as_deref() != Some("live") {
+            assert!(back.elapsed() < interval * 4, "not re-admitted within 4 probe intervals");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let readmitted_after = back.elapsed();
+        for _ in 0..4 {
+            sent += 1;
+            if let Err(e) = request().await {
+                failed.push(e);
+            }
+        }
+        eprintln!(
+            "real-process kill: evicted {evicted_after:?} after SIGKILL, re-admitted {readmitted_after:?} \
+             after the restarted worker was healthy; {sent} requests, {} failed",
+            failed.len()
+        );
+        assert!(failed.is_empty(), "{failed:?}");
     })
     .await
     .expect("test exceeded its time limit");
