@@ -8,7 +8,7 @@ use reqwest::Url;
 
 use crate::policy::POLICY_NAMES;
 use crate::registry::probe::ProbeSettings;
-use crate::registry::{HealthPolicy, WorkerSpec};
+use crate::registry::{BreakerSettings, HealthPolicy, WorkerSpec};
 use crate::GatewayError;
 
 /// `pdserve gateway` flags.
@@ -40,10 +40,36 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
 
-    /// How many times a decode leg that fails (5xx or transport error) before its first
-    /// byte is retried on another decode worker. 0 disables retries.
-    #[arg(long, env = "PDSERVE_DECODE_RETRIES", default_value_t = 1)]
-    pub decode_retries: u32,
+    /// How many times a leg (prefill or decode) that fails before its first byte reaches
+    /// the client (connection error, timeout, 5xx; never a 4xx) is retried on another
+    /// worker, with exponential backoff and jitter. 0 disables retries.
+    #[arg(
+        long,
+        alias = "decode-retries",
+        env = "PDSERVE_MAX_RETRIES",
+        default_value_t = 2
+    )]
+    pub max_retries: u32,
+
+    /// Consecutive failed requests that open a worker's circuit breaker (no traffic for
+    /// --cb-cooldown-secs, then one trial request decides). 0 turns breaking off.
+    #[arg(long, env = "PDSERVE_CB_FAILURE_THRESHOLD", default_value_t = 5)]
+    pub cb_failure_threshold: u32,
+
+    /// Seconds an open circuit holds traffic back before its trial request.
+    #[arg(long, env = "PDSERVE_CB_COOLDOWN_SECS", default_value = "30", value_parser = parse_secs)]
+    pub cb_cooldown_secs: Duration,
+
+    /// Skip the prefill leg for requests whose uncached prompt part is shorter than this
+    /// many tokens (estimated from the prompt; exact when the cache_aware policy knows the
+    /// prefix): a decode worker prefills them itself. Off when unset.
+    #[arg(long, env = "PDSERVE_DISAGG_THRESHOLD")]
+    pub disagg_threshold: Option<usize>,
+
+    /// Name the chosen workers in response headers (`x-pdserve-prefill`,
+    /// `x-pdserve-decode`, `x-pdserve-worker`).
+    #[arg(long, env = "PDSERVE_EXPOSE_ROUTING")]
+    pub expose_routing: bool,
 
     /// Time limit in seconds for the whole prefill leg; past it the client gets 504.
     #[arg(long, env = "PDSERVE_PREFILL_TIMEOUT_SECS", default_value = "300", value_parser = parse_secs)]
@@ -142,8 +168,12 @@ pub struct GatewayConfig {
     pub worker: Vec<Url>,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
-    /// Decode retries on another worker before the first byte.
-    pub decode_retries: u32,
+    /// Retries of a leg on another worker before the first byte.
+    pub max_retries: u32,
+    /// Prompts with fewer uncached tokens skip the prefill leg.
+    pub disagg_threshold: Option<usize>,
+    /// Whether responses name the chosen workers.
+    pub expose_routing: bool,
     /// Limit for the whole prefill leg.
     pub prefill_timeout: Duration,
     /// Limit for the decode leg's first byte.
@@ -180,7 +210,9 @@ impl GatewayConfig {
             decode,
             worker,
             max_body_bytes: 32 * 1024 * 1024,
-            decode_retries: 1,
+            max_retries: 2,
+            disagg_threshold: None,
+            expose_routing: false,
             prefill_timeout: Duration::from_secs(300),
             decode_timeout: Duration::from_secs(300),
             stream_idle_timeout: Duration::from_secs(120),
@@ -273,7 +305,9 @@ impl GatewayArgs {
             decode,
             worker,
             max_body_bytes: self.max_body_bytes,
-            decode_retries: self.decode_retries,
+            max_retries: self.max_retries,
+            disagg_threshold: self.disagg_threshold,
+            expose_routing: self.expose_routing,
             prefill_timeout: self.prefill_timeout_secs,
             decode_timeout: self.decode_timeout_secs,
             stream_idle_timeout: self.stream_idle_timeout_secs,
@@ -291,6 +325,10 @@ impl GatewayArgs {
             health: HealthPolicy {
                 fail_threshold: self.fail_threshold,
                 evicted_ttl: (!self.evicted_ttl.is_zero()).then_some(self.evicted_ttl),
+                breaker: BreakerSettings {
+                    failure_threshold: self.cb_failure_threshold,
+                    cooldown: self.cb_cooldown_secs,
+                },
             },
             shutdown_timeout: self.shutdown_timeout,
             prewarm: self.prewarm,
@@ -345,7 +383,8 @@ mod tests {
         let v6 = Cli::parse_from(["x", "--host", "::1", "--port", "9"]);
         assert_eq!(v6.args.listen_addr(), "[::1]:9");
         assert_eq!(cfg.prefill.len(), 2);
-        assert_eq!(cfg.decode_retries, 1);
+        assert_eq!(cfg.max_retries, 2);
+        assert_eq!(cfg.health.breaker.failure_threshold, 5);
         assert_eq!(cfg.conversation_ttl, Duration::from_millis(500));
         assert!(cfg.upstream_idle_timeout < Duration::from_secs(5));
         assert_eq!(cfg.prefill[0].as_str(), "http://127.0.0.1:1/");

@@ -37,6 +37,19 @@ struct RoleHealthLabels {
     health: String,
 }
 
+/// Labels of `retries_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RetryLabels {
+    leg: String,
+    reason: String,
+}
+
+/// Labels of `disaggregation_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DisaggLabels {
+    outcome: String,
+}
+
 /// Labels of per-route latency.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RouteLabels {
@@ -54,10 +67,13 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<RouteStatus, Counter>,
     worker_in_flight: Family<WorkerLabels, Gauge>,
+    worker_circuit: Family<WorkerLabels, Gauge>,
     prefill_seconds: Histogram,
     decode_ttfb_seconds: Histogram,
     end_to_end_seconds: Family<RouteLabels, Histogram, fn() -> Histogram>,
     decode_retries: Counter,
+    retries: Family<RetryLabels, Counter>,
+    disaggregation: Family<DisaggLabels, Counter>,
     stream_errors: Counter,
     conversation_hits: Counter,
     conversation_misses: Counter,
@@ -80,6 +96,12 @@ impl Default for Metrics {
             "worker_in_flight",
             "Requests open on each upstream worker",
             worker_in_flight.clone(),
+        );
+        let worker_circuit = Family::<WorkerLabels, Gauge>::default();
+        registry.register(
+            "worker_circuit_state",
+            "Each worker's circuit breaker: 0 closed, 1 open, 2 half-open (trial on its way)",
+            worker_circuit.clone(),
         );
         let prefill_seconds = latency_histogram();
         registry.register(
@@ -105,6 +127,19 @@ impl Default for Metrics {
             "decode_retries",
             "Decode legs retried on another worker after failing before the first byte",
             decode_retries.clone(),
+        );
+        let retries = Family::<RetryLabels, Counter>::default();
+        registry.register(
+            "retries",
+            "Legs retried on another worker before the first byte, by leg and by what failed",
+            retries.clone(),
+        );
+        let disaggregation = Family::<DisaggLabels, Counter>::default();
+        registry.register(
+            "disaggregation",
+            "Requests by how they crossed the workers: disaggregated (prefill then decode), \
+             prefill_skipped (short uncached prompt sent straight to decode), aggregated",
+            disaggregation.clone(),
         );
         let stream_errors = Counter::default();
         registry.register(
@@ -149,10 +184,13 @@ impl Default for Metrics {
             readmissions,
             requests,
             worker_in_flight,
+            worker_circuit,
             prefill_seconds,
             decode_ttfb_seconds,
             end_to_end_seconds,
             decode_retries,
+            retries,
+            disaggregation,
             stream_errors,
             conversation_hits,
             conversation_misses,
@@ -181,6 +219,16 @@ impl Metrics {
             .clone()
     }
 
+    /// The circuit-state gauge of one worker.
+    pub fn worker_circuit_state(&self, role: &str, worker: &str) -> Gauge {
+        self.worker_circuit
+            .get_or_create(&WorkerLabels {
+                role: role.to_string(),
+                worker: worker.to_string(),
+            })
+            .clone()
+    }
+
     /// Records a finished prefill leg.
     pub fn observe_prefill(&self, d: Duration) {
         self.prefill_seconds.observe(d.as_secs_f64());
@@ -200,9 +248,26 @@ impl Metrics {
             .observe(d.as_secs_f64());
     }
 
-    /// Counts a decode retry.
-    pub fn inc_decode_retries(&self) {
-        self.decode_retries.inc();
+    /// Counts a retry of `leg` after a failure of kind `reason`.
+    pub fn inc_retries(&self, leg: &str, reason: &str) {
+        if leg == "decode" {
+            self.decode_retries.inc();
+        }
+        self.retries
+            .get_or_create(&RetryLabels {
+                leg: leg.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts how a request crossed the workers.
+    pub fn record_disaggregation(&self, outcome: &str) {
+        self.disaggregation
+            .get_or_create(&DisaggLabels {
+                outcome: outcome.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a stream that ended with an error event.

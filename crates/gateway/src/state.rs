@@ -10,7 +10,7 @@ use crate::conversation::ConversationCache;
 use crate::error::GatewayError;
 use crate::metrics::Metrics;
 use crate::policy::{self, Policy, RouteRequest};
-use crate::registry::{InFlight, Registry, Worker};
+use crate::registry::{CircuitState, InFlight, Registry, Worker};
 use crate::upstream::{LegError, LegErrorKind, Upstream};
 
 /// State shared by all requests.
@@ -56,7 +56,8 @@ impl AppState {
         })
     }
 
-    /// A live worker of `role` that this request has not tried yet, chosen by the policy.
+    /// A live worker of `role` that this request has not tried yet and whose circuit
+    /// admits it, chosen by the policy.
     pub fn pick(
         &self,
         role: WorkerRole,
@@ -65,15 +66,30 @@ impl AppState {
     ) -> Option<Arc<Worker>> {
         let roster = self.registry.snapshot();
         let live = roster.live(role);
-        if tried.is_empty() {
-            return self.policy.select(role, live, route);
+        let policy = &self.policy;
+        // The common case allocates nothing: a first attempt with every circuit closed.
+        if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
+            let chosen = policy.select(role, live, route)?;
+            log_choice(policy.name(), role, &chosen, live.len());
+            return Some(chosen);
         }
-        let untried: Vec<_> = live
-            .iter()
-            .filter(|w| !tried.iter().any(|t| t.base == w.base))
-            .cloned()
-            .collect();
-        self.policy.select(role, &untried, route)
+        let mut passed_over: Vec<&str> = tried.iter().map(|w| w.base.as_str()).collect();
+        loop {
+            let candidates: Vec<_> = live
+                .iter()
+                .filter(|w| !passed_over.contains(&w.base.as_str()) && w.breaker.is_candidate())
+                .cloned()
+                .collect();
+            let chosen = policy.select(role, &candidates, route)?;
+            // An open circuit past its cooldown admits one trial request; if another
+            // request claimed it first, choose again without this worker.
+            if chosen.breaker.admit() {
+                log_choice(policy.name(), role, &chosen, candidates.len());
+                return Some(chosen);
+            }
+            let base = live.iter().find(|w| w.base == chosen.base)?;
+            passed_over.push(base.base.as_str());
+        }
     }
 
     /// Marks a request as open on `worker` until the returned guard drops.
@@ -96,4 +112,15 @@ impl AppState {
             _ => {}
         }
     }
+}
+
+fn log_choice(policy: &str, role: WorkerRole, chosen: &Worker, candidates: usize) {
+    tracing::debug!(
+        policy,
+        %role,
+        worker = %chosen.base,
+        in_flight = chosen.in_flight(),
+        candidates,
+        "routed"
+    );
 }

@@ -16,6 +16,9 @@ use crate::registry::Worker;
 /// The request id header shared by the client response and both upstream legs.
 pub const X_REQUEST_ID: &str = "x-request-id";
 
+/// The header that names the data-parallel replica a request must run on (vLLM).
+pub const X_DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
+
 /// Headers taken from the client request and sent on every leg.
 #[derive(Debug, Clone)]
 pub struct ForwardHeaders {
@@ -71,6 +74,22 @@ impl Upstream {
         &self.client
     }
 
+    /// A JSON POST of a generation leg to `worker`, naming the data-parallel rank that
+    /// should run it when the worker has several.
+    pub fn post_leg(
+        &self,
+        worker: &Worker,
+        endpoint: crate::endpoint::Endpoint,
+        body: Bytes,
+        headers: &ForwardHeaders,
+    ) -> RequestBuilder {
+        let request = self.post_json(worker.url(endpoint), body, headers);
+        match worker.next_dp_rank() {
+            Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
+            None => request,
+        }
+    }
+
     /// A JSON POST to `url` with the forwarded headers.
     pub fn post_json(&self, url: &Url, body: Bytes, headers: &ForwardHeaders) -> RequestBuilder {
         self.with_headers(self.client.post(url.clone()), headers)
@@ -107,6 +126,19 @@ pub enum LegErrorKind {
     ClientError,
 }
 
+impl LegErrorKind {
+    /// The kind's metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connect => "connect",
+            Self::Transport => "transport",
+            Self::Timeout => "timeout",
+            Self::Status => "status_5xx",
+            Self::ClientError => "client_error",
+        }
+    }
+}
+
 /// A failed exchange: what the client gets, and what kind of failure it was.
 #[derive(Debug)]
 pub struct LegError {
@@ -117,12 +149,9 @@ pub struct LegError {
 }
 
 impl LegError {
-    /// Whether another worker may succeed where this one failed.
+    /// Whether another worker may succeed where this one failed (all but a 4xx).
     pub fn retryable(&self) -> bool {
-        matches!(
-            self.kind,
-            LegErrorKind::Connect | LegErrorKind::Transport | LegErrorKind::Status
-        )
+        self.kind != LegErrorKind::ClientError
     }
 
     /// The message the client would get.

@@ -9,12 +9,13 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
 use http::{header, HeaderValue, StatusCode};
-use pdserve_protocol::{ApiError, WorkerRole};
+use pdserve_protocol::WorkerRole;
 use serde_json::Value;
 use tokio::time::timeout_at;
 
 use super::relay::{kv_params_of, ConversationSink, Relay};
-use super::RequestContext;
+use super::retry::{with_retries, Leg};
+use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
 use crate::error::Failure;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::{InFlight, Worker};
@@ -40,37 +41,26 @@ pub async fn forward(
     route: &RouteRequest<'_>,
     leg: FinalLeg,
 ) -> Result<Response, Failure> {
-    let attempts = 1 + state.config.decode_retries as usize;
-    let mut tried: Vec<Arc<Worker>> = Vec::new();
-    let mut last = None;
-    while tried.len() < attempts {
-        let Some(worker) = state.pick(leg.role, &tried, route) else {
-            break;
+    let (mut response, worker) = with_retries(state, ctx, route, leg.role, Leg::Final, |w| {
+        attempt(state, ctx, &leg, w)
+    })
+    .await?;
+    if state.config.expose_routing {
+        let name = if leg.role == WorkerRole::PrefillDecode {
+            X_PDSERVE_WORKER
+        } else {
+            X_PDSERVE_DECODE
         };
-        if !tried.is_empty() {
-            state.metrics.inc_decode_retries();
-            tracing::warn!(
-                request_id = ctx.headers.request_id(),
-                worker = %worker.base,
-                "retrying the {} leg on another worker",
-                leg.role
-            );
-        }
-        tried.push(worker.clone());
-        match attempt(state, ctx, &leg, worker.clone()).await {
-            Ok(response) => return Ok(response),
-            Err(e) => {
-                state.report(&worker, &e);
-                if !e.retryable() {
-                    return Err(e.failure);
-                }
-                last = Some(e.failure);
-            }
-        }
+        expose_worker(&mut response, name, &worker);
     }
-    Err(last.unwrap_or_else(|| {
-        ApiError::service_unavailable(format!("no healthy {} worker is available", leg.role)).into()
-    }))
+    Ok(response)
+}
+
+/// Names `worker` in the response header `name` (with `--expose-routing`).
+pub fn expose_worker(response: &mut Response, name: &'static str, worker: &Worker) {
+    if let Ok(value) = HeaderValue::from_str(&worker.base) {
+        response.headers_mut().insert(name, value);
+    }
 }
 
 /// One attempt on `worker`; the policy hears a failure when the worker was at fault.
@@ -102,10 +92,9 @@ async fn send_leg(
     let label = format!("{} worker", leg.role);
     let exchange = Exchange::new(&worker, &label, state.config.decode_timeout);
     let sent = Instant::now();
-    let request =
-        state
-            .upstream
-            .post_json(worker.url(ctx.endpoint), leg.body.clone(), &ctx.headers);
+    let request = state
+        .upstream
+        .post_leg(&worker, ctx.endpoint, leg.body.clone(), &ctx.headers);
     let response = exchange.send(request).await?;
 
     if !leg.stream {

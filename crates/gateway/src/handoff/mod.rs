@@ -3,6 +3,7 @@
 pub mod aggregated;
 pub mod final_leg;
 pub mod relay;
+pub mod retry;
 pub mod sequential;
 
 use std::sync::Arc;
@@ -19,6 +20,13 @@ use crate::registry::Mode;
 use crate::state::AppState;
 use crate::upstream::ForwardHeaders;
 use crate::validation::GenerateRequest;
+
+/// With `--expose-routing`: the prefill worker that served the request.
+pub const X_PDSERVE_PREFILL: &str = "x-pdserve-prefill";
+/// With `--expose-routing`: the decode worker that served the request.
+pub const X_PDSERVE_DECODE: &str = "x-pdserve-decode";
+/// With `--expose-routing`: the prefill_decode worker that served the request.
+pub const X_PDSERVE_WORKER: &str = "x-pdserve-worker";
 
 /// Per-request facts every leg needs.
 #[derive(Debug, Clone)]

@@ -13,11 +13,12 @@ use std::time::Instant;
 
 use axum::response::Response;
 use bytes::Bytes;
-use pdserve_protocol::{ApiError, KvTransferParams, WorkerRole};
+use pdserve_protocol::{KvTransferParams, WorkerRole};
 use serde_json::Value;
 
-use super::final_leg::{forward, FinalLeg};
-use super::RequestContext;
+use super::final_leg::{expose_worker, forward, FinalLeg};
+use super::retry::{with_retries, Leg};
+use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
@@ -47,7 +48,7 @@ pub async fn serve(
         None => KvTransferParams::prefill_request(),
     };
     let body = prefill_body(&request, prefill_params);
-    let handle = {
+    let (handle, prefill_worker) = {
         let route = ctx.route_for(&request, conversation_id.as_deref());
         prefill(state, ctx, &route, body).await?
     };
@@ -65,7 +66,11 @@ pub async fn serve(
         conversation_id: conversation_id.clone(),
     };
     let route = ctx.route_for(&request, conversation_id.as_deref());
-    forward(state, ctx, &route, leg).await
+    let mut response = forward(state, ctx, &route, leg).await?;
+    if state.config.expose_routing {
+        expose_worker(&mut response, X_PDSERVE_PREFILL, &prefill_worker);
+    }
+    Ok(response)
 }
 
 /// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
@@ -82,44 +87,26 @@ pub fn prefill_body(request: &GenerateRequest, params: KvTransferParams) -> Byte
     prefill.to_body()
 }
 
-/// Sends the prefill leg and returns the `kv_transfer_params` P answered with. A prefill
-/// worker that cannot be reached (or whose connection breaks) is replaced by another one,
-/// up to `--decode-retries` times: the request cannot have produced anything there.
+/// Sends the prefill leg (retried on fresh prefill workers before anything reached the
+/// client) and returns the `kv_transfer_params` P answered with, and P.
 async fn prefill(
     state: &Arc<AppState>,
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     body: Bytes,
-) -> Result<Option<KvTransferParams>, Failure> {
-    let attempts = 1 + state.config.decode_retries as usize;
-    let mut tried: Vec<Arc<Worker>> = Vec::new();
-    let mut last = None;
-    while tried.len() < attempts {
-        let Some(worker) = state.pick(WorkerRole::Prefill, &tried, route) else {
-            break;
-        };
-        if !tried.is_empty() {
-            tracing::warn!(
-                request_id = ctx.headers.request_id(),
-                worker = %worker.base,
-                "retrying the prefill leg on another worker"
-            );
-        }
-        tried.push(worker.clone());
-        match prefill_once(state, ctx, &worker, body.clone()).await {
-            Ok(params) => return Ok(params),
-            Err(e) => {
-                state.report(&worker, &e);
-                if !matches!(e.kind, LegErrorKind::Connect | LegErrorKind::Transport) {
-                    return Err(e.failure);
-                }
-                last = Some(e.failure);
-            }
-        }
-    }
-    Err(last.unwrap_or_else(|| {
-        ApiError::service_unavailable("no healthy prefill worker is available").into()
-    }))
+) -> Result<(Option<KvTransferParams>, Arc<Worker>), Failure> {
+    with_retries(
+        state,
+        ctx,
+        route,
+        WorkerRole::Prefill,
+        Leg::Prefill,
+        |worker| {
+            let body = body.clone();
+            async move { prefill_once(state, ctx, &worker, body).await }
+        },
+    )
+    .await
 }
 
 async fn prefill_once(
@@ -133,7 +120,7 @@ async fn prefill_once(
     let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
     let request = state
         .upstream
-        .post_json(worker.url(ctx.endpoint), body, &ctx.headers);
+        .post_leg(worker, ctx.endpoint, body, &ctx.headers);
     let result = async {
         let body = exchange.send_and_read(request).await?;
         state.metrics.observe_prefill(sent.elapsed());

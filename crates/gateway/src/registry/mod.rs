@@ -4,6 +4,7 @@
 //! so the hot path takes no lock; every change (register, unregister, evict, re-admit,
 //! forget) builds a new roster under a writer-only mutex and swaps it in.
 
+pub mod circuit;
 pub mod probe;
 mod worker;
 
@@ -15,7 +16,8 @@ use pdserve_protocol::WorkerRole;
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
-pub use worker::{worker_key, CircuitState, Health, InFlight, Worker, WorkerSpec};
+pub use circuit::{BreakerSettings, CircuitBreaker, CircuitState};
+pub use worker::{worker_key, Health, InFlight, Worker, WorkerSpec};
 
 /// Why a registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -50,6 +52,8 @@ pub struct HealthPolicy {
     pub fail_threshold: u32,
     /// How long an evicted worker is still probed before it is forgotten; `None`: forever.
     pub evicted_ttl: Option<Duration>,
+    /// Each worker's circuit breaker settings.
+    pub breaker: BreakerSettings,
 }
 
 impl Default for HealthPolicy {
@@ -57,6 +61,7 @@ impl Default for HealthPolicy {
         Self {
             fail_threshold: 3,
             evicted_ttl: Some(Duration::from_secs(900)),
+            breaker: BreakerSettings::default(),
         }
     }
 }
@@ -242,6 +247,15 @@ impl Registry {
         self.changes.send_modify(|v| *v += 1);
     }
 
+    fn new_worker(&self, spec: WorkerSpec) -> Worker {
+        let (role, key) = (spec.role.as_str(), spec.key());
+        let breaker = CircuitBreaker::new(
+            self.policy.breaker,
+            self.metrics.worker_circuit_state(role, &key),
+        );
+        Worker::with_breaker(spec, self.metrics.worker_in_flight(role, &key), breaker)
+    }
+
     /// Registers a worker, live at once. Returns `false` when the URL was already
     /// registered (an identical record is a no-op; a changed `dp_size` or
     /// `bootstrap_port` is updated in place, keeping its health).
@@ -281,11 +295,8 @@ impl Registry {
             self.publish(members);
             return Ok(false);
         }
-        tracing::info!(role = %spec.role, url = %key, "registered worker");
-        let worker = Worker::new(
-            spec.clone(),
-            self.metrics.worker_in_flight(spec.role.as_str(), &key),
-        );
+        tracing::info!(role = %spec.role, url = %key, dp_size = spec.dp_size, "registered worker");
+        let worker = self.new_worker(spec);
         members.push(Member {
             worker: Arc::new(worker),
             health: Health::Live,

@@ -14,6 +14,7 @@ fn registry(fail_threshold: u32, ttl: Option<Duration>) -> Registry {
         HealthPolicy {
             fail_threshold,
             evicted_ttl: ttl,
+            breaker: Default::default(),
         },
     )
 }

@@ -1,6 +1,6 @@
 //! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
 
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
@@ -8,6 +8,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use reqwest::Url;
 use serde::Serialize;
 
+use super::circuit::{BreakerSettings, CircuitBreaker, CircuitState};
 use crate::endpoint::Endpoint;
 use crate::policy::{Policy, RequestOutcome};
 
@@ -57,37 +58,6 @@ pub enum Health {
     Evicted,
 }
 
-/// A circuit breaker's state for a worker. The routing issue fills in the transitions;
-/// today every worker stays `Closed`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CircuitState {
-    /// Traffic flows.
-    Closed,
-    /// Traffic is held back after repeated failures.
-    Open,
-    /// A trial request is allowed through.
-    HalfOpen,
-}
-
-impl CircuitState {
-    fn from_u8(v: u8) -> Self {
-        match v {
-            1 => Self::Open,
-            2 => Self::HalfOpen,
-            _ => Self::Closed,
-        }
-    }
-
-    fn as_u8(self) -> u8 {
-        match self {
-            Self::Closed => 0,
-            Self::Open => 1,
-            Self::HalfOpen => 2,
-        }
-    }
-}
-
 /// One upstream worker as the registry knows it.
 #[derive(Debug)]
 pub struct Worker {
@@ -103,12 +73,24 @@ pub struct Worker {
     in_flight: Gauge,
     /// Consecutive failed probes (or failed connections) since the last success.
     failures: AtomicU32,
-    circuit: AtomicU8,
+    /// Whether routing may send requests here after recent failures.
+    pub breaker: CircuitBreaker,
+    /// The next data-parallel rank to name (round-robin over `dp_size`).
+    dp_cursor: AtomicUsize,
 }
 
 impl Worker {
-    /// A worker for `spec` whose in-flight count is `in_flight`.
+    /// A worker for `spec` whose in-flight count is `in_flight`, with a default breaker.
     pub fn new(spec: WorkerSpec, in_flight: Gauge) -> Self {
+        Self::with_breaker(
+            spec,
+            in_flight,
+            CircuitBreaker::new(BreakerSettings::default(), Gauge::default()),
+        )
+    }
+
+    /// A worker for `spec` with its in-flight gauge and circuit breaker.
+    pub fn with_breaker(spec: WorkerSpec, in_flight: Gauge, breaker: CircuitBreaker) -> Self {
         let root = spec.key();
         let join = |path: &str| {
             Url::parse(&format!("{root}{path}")).expect("a valid base URL plus a path is valid")
@@ -122,7 +104,8 @@ impl Worker {
             base: root,
             spec,
             failures: AtomicU32::new(0),
-            circuit: AtomicU8::new(CircuitState::Closed.as_u8()),
+            breaker,
+            dp_cursor: AtomicUsize::new(0),
         }
     }
 
@@ -172,17 +155,23 @@ impl Worker {
     /// Carries health counters over from the record this one replaces.
     pub(crate) fn inherit(&self, previous: &Worker) {
         self.failures.store(previous.failures(), Ordering::Relaxed);
-        self.set_circuit(previous.circuit());
+        self.breaker.inherit(&previous.breaker);
+        self.dp_cursor.store(
+            previous.dp_cursor.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
     }
 
     /// The circuit breaker's state.
     pub fn circuit(&self) -> CircuitState {
-        CircuitState::from_u8(self.circuit.load(Ordering::Relaxed))
+        self.breaker.state()
     }
 
-    /// Sets the circuit breaker's state.
-    pub fn set_circuit(&self, state: CircuitState) {
-        self.circuit.store(state.as_u8(), Ordering::Relaxed);
+    /// The data-parallel rank the next request names, round-robin; `None` for a worker
+    /// with one replica.
+    pub fn next_dp_rank(&self) -> Option<u32> {
+        let size = self.spec.dp_size.max(1) as usize;
+        (size > 1).then(|| (self.dp_cursor.fetch_add(1, Ordering::Relaxed) % size) as u32)
     }
 }
 
@@ -220,6 +209,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.in_flight.dec();
+        if let Some(state) = self.worker.breaker.record(self.outcome) {
+            tracing::warn!(url = %self.worker.base, circuit = ?state, "circuit breaker changed state");
+        }
         self.policy.on_request_end(&self.worker, self.outcome);
     }
 }

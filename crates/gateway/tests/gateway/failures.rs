@@ -273,7 +273,7 @@ async fn decode_5xx_without_another_worker_or_retries_gets_502() {
         assert_eq!(d1.requests().len(), 2, "the only worker is not retried");
 
         let mut config = pd_config(&[&p], &[&d1, &d2]);
-        config.decode_retries = 0;
+        config.max_retries = 0;
         let gw = Gateway::start(config).await;
         let (status, _) = post_error(&gw, &chat(true)).await;
         assert_eq!(status, 502);

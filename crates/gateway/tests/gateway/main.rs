@@ -5,6 +5,7 @@ mod double;
 mod failures;
 mod handoff;
 mod multiturn;
+mod routing;
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,0 +1,105 @@
+//! Retries of one leg before anything reached the client: each attempt goes to a fresh
+//! worker (never one this request already tried), after an exponential backoff with
+//! jitter; 4xx answers are final.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use pdserve_protocol::{ApiError, WorkerRole};
+
+use super::RequestContext;
+use crate::error::Failure;
+use crate::policy::RouteRequest;
+use crate::registry::Worker;
+use crate::state::AppState;
+use crate::upstream::LegError;
+
+/// First backoff; doubled per retry, with jitter, capped at [`MAX_BACKOFF`].
+const MIN_BACKOFF: Duration = Duration::from_millis(20);
+/// Longest backoff between two attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Which leg a retry belongs to (metrics label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leg {
+    /// The prefill leg of a P/D request.
+    Prefill,
+    /// The leg that answers the client (decode or prefill_decode).
+    Final,
+}
+
+impl Leg {
+    /// The leg's metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Prefill => "prefill",
+            Self::Final => "decode",
+        }
+    }
+}
+
+/// Runs `attempt` on a worker of `role` chosen by the policy, and again on fresh workers
+/// while it fails in a retryable way, up to `--max-retries` retries. Returns the result
+/// and the worker that produced it.
+pub async fn with_retries<T, F, Fut>(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    route: &RouteRequest<'_>,
+    role: WorkerRole,
+    leg: Leg,
+    mut attempt: F,
+) -> Result<(T, Arc<Worker>), Failure>
+where
+    F: FnMut(Arc<Worker>) -> Fut,
+    Fut: Future<Output = Result<T, LegError>>,
+{
+    let attempts = 1 + state.config.max_retries as usize;
+    let mut backoff = ExponentialBuilder::default()
+        .with_min_delay(MIN_BACKOFF)
+        .with_max_delay(MAX_BACKOFF)
+        .with_jitter()
+        .without_max_times()
+        .build();
+    let mut tried: Vec<Arc<Worker>> = Vec::new();
+    let mut last: Option<LegError> = None;
+    while tried.len() < attempts {
+        let Some(worker) = state.pick(role, &tried, route) else {
+            break;
+        };
+        if let Some(previous) = &last {
+            state
+                .metrics
+                .inc_retries(leg.as_str(), previous.kind.as_str());
+            if let Some(delay) = backoff.next() {
+                tokio::time::sleep(delay).await;
+            }
+            tracing::warn!(
+                request_id = ctx.headers.request_id(),
+                worker = %worker.base,
+                reason = previous.kind.as_str(),
+                "retrying the {} leg on another worker",
+                leg.as_str()
+            );
+        }
+        tried.push(worker.clone());
+        match attempt(worker.clone()).await {
+            Ok(value) => return Ok((value, worker)),
+            Err(e) => {
+                state.report(&worker, &e);
+                if !e.retryable() {
+                    return Err(e.failure);
+                }
+                last = Some(e);
+            }
+        }
+    }
+    Err(match last {
+        Some(e) => e.failure,
+        None if tried.is_empty() => {
+            ApiError::service_unavailable(format!("no healthy {role} worker is available")).into()
+        }
+        None => unreachable!("an attempt that failed is recorded"),
+    })
+}

@@ -1,0 +1,247 @@
+//! Routing beyond round-robin: retries on fresh workers, circuit breakers, data-parallel
+//! ranks and routing headers.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::double::{Behavior, Double, Role};
+use crate::{bounded, client, pd_config, sse_data, urls, Gateway};
+
+fn chat(stream: bool) -> Value {
+    json!({"messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": 3})
+}
+
+async fn metrics(gw: &Gateway) -> String {
+    client()
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn circuit_of(gw: &Gateway, url: &str) -> String {
+    let instances = gw.instances().await;
+    instances["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == url)
+        .unwrap()["circuit"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_worker_is_routed_around_and_its_breaker_opens_then_closes() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let bad = Double::start(Role::Decode, "BAD").await;
+        let good = Double::start(Role::Decode, "GOOD").await;
+        bad.set(Behavior::Status(
+            500,
+            r#"{"error":{"message":"engine dead"}}"#,
+        ));
+        let mut config = pd_config(&[&p], &[&bad, &good]);
+        config.health.breaker.failure_threshold = 2;
+        config.health.breaker.cooldown = Duration::from_millis(400);
+        let gw = Gateway::start(config).await;
+
+        // Every request succeeds (retried on GOOD) while BAD fails; after two failures
+        // BAD's circuit opens and it stops receiving requests.
+        for i in 0..10 {
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(i % 2 == 0))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            assert!(resp.text().await.unwrap().contains("tok2"));
+        }
+        assert_eq!(bad.requests().len(), 2, "open after two failures");
+        assert_eq!(circuit_of(&gw, &bad.url).await, "open");
+        let text = metrics(&gw).await;
+        assert!(
+            text.contains(&format!(
+                "pdserve_gateway_worker_circuit_state{{role=\"decode\",worker=\"{}\"}} 1",
+                bad.url
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"pdserve_gateway_retries_total{leg="decode",reason="status_5xx"} 2"#),
+            "{text}"
+        );
+
+        // After the cooldown one trial request decides: BAD answers again, so it closes.
+        bad.set(Behavior::Normal);
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        let start = Instant::now();
+        while circuit_of(&gw, &bad.url).await != "closed" {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the circuit never closed"
+            );
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+        }
+        assert_eq!(bad.requests().len(), 3, "exactly one trial request");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_never_resend_after_the_first_byte_and_never_a_4xx() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d1 = Double::start(Role::Decode, "D1").await;
+        let d2 = Double::start(Role::Decode, "D2").await;
+        d1.set(Behavior::FailMidStream);
+        d2.set(Behavior::FailMidStream);
+        let gw = Gateway::start(pd_config(&[&p], &[&d1, &d2])).await;
+        let resp = client()
+            .post(gw.at("/v1/chat/completions"))
+            .json(&chat(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let data = sse_data(&resp.text().await.unwrap());
+        assert!(data.iter().any(|e| e.contains("\"error\"")), "{data:?}");
+        assert_eq!(
+            d1.requests().len() + d2.requests().len(),
+            1,
+            "no resend after bytes went out"
+        );
+
+        d1.set(Behavior::Status(400, r#"{"error":{"message":"bad"}}"#));
+        d2.set(Behavior::Status(400, r#"{"error":{"message":"bad"}}"#));
+        let resp = client()
+            .post(gw.at("/v1/chat/completions"))
+            .json(&chat(false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400);
+        assert_eq!(
+            d1.requests().len() + d2.requests().len(),
+            2,
+            "a 4xx is final"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_failures_are_retried_on_a_fresh_prefill_worker() {
+    bounded(async {
+        let p1 = Double::start(Role::Prefill, "P1").await;
+        let p2 = Double::start(Role::Prefill, "P2").await;
+        let d = Double::start(Role::Decode, "D").await;
+        p1.set(Behavior::Status(503, "overloaded"));
+        let gw = Gateway::start(pd_config(&[&p1, &p2], &[&d])).await;
+        for _ in 0..4 {
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+        }
+        assert_eq!(p2.requests().len(), 4);
+        let text = metrics(&gw).await;
+        assert!(
+            text.contains(r#"pdserve_gateway_retries_total{leg="prefill",reason="status_5xx"}"#),
+            "{text}"
+        );
+        // Each decode leg carried the handle of the prefill worker that succeeded.
+        for r in d.requests() {
+            assert_eq!(
+                r.body["kv_transfer_params"]["remote_engine_id"],
+                "engine-P2"
+            );
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_rotate_and_routing_headers_name_the_workers() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let w = Double::start(Role::Decode, "W").await;
+        let mut config = pd_config(&[&p], &[]);
+        config.expose_routing = true;
+        config.admin_api_key = Some("k".into());
+        let gw = Gateway::start(config).await;
+        let resp = client()
+            .post(gw.at("/instances"))
+            .header("x-api-key", "k")
+            .json(&json!({"role": "decode", "url": d.url, "dp_size": 3}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        for _ in 0..4 {
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            assert_eq!(resp.headers()["x-pdserve-prefill"], p.url.as_str());
+            assert_eq!(resp.headers()["x-pdserve-decode"], d.url.as_str());
+        }
+        let ranks: Vec<_> = d
+            .requests()
+            .iter()
+            .map(|r| {
+                r.headers["x-data-parallel-rank"]
+                    .to_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(ranks, ["0", "1", "2", "0"]);
+        assert!(
+            p.requests()
+                .iter()
+                .all(|r| !r.headers.contains_key("x-data-parallel-rank")),
+            "a single-replica worker is not given a rank"
+        );
+
+        // A prefill_decode worker is named in x-pdserve-worker; off without the flag.
+        let mut config = crate::GatewayConfig::new(vec![], vec![], urls(&[&w]));
+        config.expose_routing = true;
+        let agg = Gateway::start(config).await;
+        let resp = client()
+            .post(agg.at("/v1/completions"))
+            .json(&json!({"prompt": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.headers()["x-pdserve-worker"], w.url.as_str());
+        let quiet = Gateway::start(crate::GatewayConfig::new(vec![], vec![], urls(&[&w]))).await;
+        let resp = client()
+            .post(quiet.at("/v1/completions"))
+            .json(&json!({"prompt": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert!(resp.headers().get("x-pdserve-worker").is_none());
+    })
+    .await;
+}
