@@ -3,8 +3,19 @@
 //! A policy sees the live workers the registry offers (minus those a retry already
 //! tried) and the request's routing facts; it is told when each request it routed ends,
 //! so load- and outcome-aware policies can keep their own state.
+//!
+//! Policies (`--policy`): `round_robin`, `random`, `power_of_two` (fewer in-flight of two
+//! random candidates), `cache_aware` (an approximate prefix tree per worker, bounded by
+//! `max_tree_size`) and `session` (rendezvous hashing on a session key).
 
+mod cache_aware;
+mod power_of_two;
+pub mod prefix_tree;
+mod random;
 mod round_robin;
+mod session;
+#[cfg(test)]
+mod testing;
 
 use std::fmt;
 use std::sync::Arc;
@@ -15,7 +26,11 @@ use pdserve_protocol::{Prompt, WorkerRole};
 use crate::endpoint::Endpoint;
 use crate::registry::Worker;
 use crate::validation::GenerateRequest;
+pub use cache_aware::CacheAware;
+pub use power_of_two::PowerOfTwo;
+pub use random::Random;
 pub use round_robin::RoundRobin;
+pub use session::Session;
 
 /// What a policy may route on.
 #[derive(Debug, Clone, Copy)]
@@ -117,15 +132,211 @@ pub trait Policy: fmt::Debug + Send + Sync {
     fn on_request_end(&self, worker: &Worker, outcome: RequestOutcome) {
         let _ = (worker, outcome);
     }
+
+    /// The candidate with the longest cached prefix of the request's prompt, as the
+    /// policy believes it, without recording the request (conditional disaggregation
+    /// asks this before routing). `None`: the policy keeps no prefix state, the request
+    /// has no prompt, or no candidate has any of it.
+    fn cached_prefix(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<PrefixMatch> {
+        let _ = (role, candidates, request);
+        None
+    }
+
+    /// Approximate bytes the policy's prefix trees hold (a metric; 0 without trees).
+    fn tree_size(&self) -> usize {
+        0
+    }
+
+    /// Counters of the policy's decisions (zero for policies that keep none).
+    fn stats(&self) -> PolicyStats {
+        PolicyStats::default()
+    }
+
+    /// Drops state kept for workers whose base URL is not in `live` (the roster changed).
+    /// Policies also forget idle workers on their own, so calling this is optional.
+    fn retain_workers(&self, live: &[&str]) {
+        let _ = live;
+    }
 }
 
-/// The policy named `name`.
+/// A candidate's cached share of a prompt, in the prompt's unit: characters for text,
+/// token ids for token prompts.
+#[derive(Debug, Clone)]
+pub struct PrefixMatch {
+    /// The candidate with the longest cached prefix.
+    pub worker: Arc<Worker>,
+    /// How much of the prompt's start it has cached.
+    pub matched: usize,
+    /// The prompt's length.
+    pub prompt_len: usize,
+}
+
+/// Decision counters of a policy, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PolicyStats {
+    /// Requests routed to the worker with the longest prefix match (above the threshold).
+    pub cache_hits: u64,
+    /// Requests whose best match was at or below the threshold (routed by load).
+    pub cache_misses: u64,
+    /// Requests routed to the least-loaded worker because load was imbalanced.
+    pub imbalanced: u64,
+}
+
+/// Tuning of the policies (`--cache-threshold`, `--balance-*-threshold`,
+/// `--max-tree-size`, `--session-fallback`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    /// cache_aware routes to the longest match when matched / prompt length exceeds this.
+    pub cache_threshold: f64,
+    /// Load is imbalanced when max − min in-flight exceeds this (and the relative test holds).
+    pub balance_abs_threshold: usize,
+    /// Load is imbalanced when max in-flight exceeds min × this (and the absolute test holds).
+    pub balance_rel_threshold: f64,
+    /// Cap of each worker's prefix tree (one per role and prompt kind), in approximate
+    /// heap bytes: stored prompt bytes or token ids (4 bytes each) plus a fixed per-node
+    /// overhead; least recently used branches are evicted past it.
+    pub max_tree_size: usize,
+    /// The policy `session` uses for requests without a session key.
+    pub session_fallback: String,
+}
+
+/// Default `max_tree_size`: 8 MiB per worker tree (about 2M tokens of prompt text).
+pub const DEFAULT_MAX_TREE_SIZE: usize = 8 << 20;
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            cache_threshold: 0.5,
+            balance_abs_threshold: 32,
+            balance_rel_threshold: 1.5,
+            max_tree_size: DEFAULT_MAX_TREE_SIZE,
+            session_fallback: "round_robin".to_string(),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Checks the values; the error names the offending setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.cache_threshold) {
+            return Err(format!(
+                "--cache-threshold must be between 0 and 1, got {}",
+                self.cache_threshold
+            ));
+        }
+        if !self.balance_rel_threshold.is_finite() || self.balance_rel_threshold < 0.0 {
+            return Err(format!(
+                "--balance-rel-threshold must be a non-negative number, got {}",
+                self.balance_rel_threshold
+            ));
+        }
+        if self.max_tree_size == 0 {
+            return Err("--max-tree-size must be at least 1".to_string());
+        }
+        if self.session_fallback == "session"
+            || !POLICY_NAMES.contains(&self.session_fallback.as_str())
+        {
+            return Err(format!(
+                "--session-fallback must be one of round_robin, random, power_of_two, cache_aware; got `{}`",
+                self.session_fallback
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The policy named `name` with default tuning.
 pub fn by_name(name: &str) -> Option<Arc<dyn Policy>> {
+    build(name, &PolicyConfig::default())
+}
+
+/// The policy named `name` tuned by `config`; `None` for an unknown name (or, for
+/// `session`, an unknown or `session` fallback: [`PolicyConfig::validate`] says which).
+pub fn build(name: &str, config: &PolicyConfig) -> Option<Arc<dyn Policy>> {
     match name {
         "round_robin" => Some(Arc::new(RoundRobin::default())),
+        "random" => Some(Arc::new(Random)),
+        "power_of_two" => Some(Arc::new(PowerOfTwo)),
+        "cache_aware" => Some(Arc::new(CacheAware::new(config))),
+        "session" if config.session_fallback != "session" => Some(Arc::new(Session::new(build(
+            &config.session_fallback,
+            config,
+        )?))),
         _ => None,
     }
 }
 
 /// Every `--policy` name this build knows.
-pub const POLICY_NAMES: &[&str] = &["round_robin"];
+pub const POLICY_NAMES: &[&str] = &[
+    "round_robin",
+    "random",
+    "power_of_two",
+    "cache_aware",
+    "session",
+];
+
+/// A dense index per role, for policies that keep per-role state in an array.
+pub(crate) fn role_index(role: WorkerRole) -> usize {
+    match role {
+        WorkerRole::Prefill => 0,
+        WorkerRole::Decode => 1,
+        WorkerRole::PrefillDecode => 2,
+        WorkerRole::Encode => 3,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_name_builds_under_its_own_name() {
+        assert_eq!(POLICY_NAMES.len(), 5);
+        for name in POLICY_NAMES {
+            assert_eq!(by_name(name).unwrap().name(), *name);
+            assert_eq!(build(name, &PolicyConfig::default()).unwrap().name(), *name);
+        }
+        assert!(by_name("least_loaded").is_none());
+    }
+
+    #[test]
+    fn defaults_are_sglangs_and_validate() {
+        let d = PolicyConfig::default();
+        assert_eq!(
+            (
+                d.cache_threshold,
+                d.balance_abs_threshold,
+                d.balance_rel_threshold
+            ),
+            (0.5, 32, 1.5)
+        );
+        assert_eq!(d.session_fallback, "round_robin");
+        assert!(d.validate().is_ok());
+        let bad = [
+            PolicyConfig {
+                cache_threshold: 1.5,
+                ..d.clone()
+            },
+            PolicyConfig {
+                balance_rel_threshold: f64::NAN,
+                ..d.clone()
+            },
+            PolicyConfig {
+                max_tree_size: 0,
+                ..d.clone()
+            },
+            PolicyConfig {
+                session_fallback: "session".into(),
+                ..d.clone()
+            },
+        ];
+        for config in bad {
+            assert!(config.validate().is_err(), "{config:?}");
+        }
+    }
+}

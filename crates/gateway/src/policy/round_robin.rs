@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
 
-use super::{Policy, RouteRequest};
+use super::{role_index, Policy, RouteRequest};
 use crate::registry::Worker;
 
 /// One cursor per role that only ever advances, so a roster change never sends the next
@@ -13,15 +13,6 @@ use crate::registry::Worker;
 #[derive(Debug, Default)]
 pub struct RoundRobin {
     cursors: [AtomicUsize; 4],
-}
-
-fn cursor_index(role: WorkerRole) -> usize {
-    match role {
-        WorkerRole::Prefill => 0,
-        WorkerRole::Decode => 1,
-        WorkerRole::PrefillDecode => 2,
-        WorkerRole::Encode => 3,
-    }
 }
 
 impl Policy for RoundRobin {
@@ -38,7 +29,7 @@ impl Policy for RoundRobin {
         if candidates.is_empty() {
             return None;
         }
-        let turn = self.cursors[cursor_index(role)].fetch_add(1, Ordering::Relaxed);
+        let turn = self.cursors[role_index(role)].fetch_add(1, Ordering::Relaxed);
         Some(candidates[turn % candidates.len()].clone())
     }
 }

@@ -1,0 +1,374 @@
+//! Cache-aware: send a prompt where its prefix is most likely cached, unless load is
+//! imbalanced.
+//!
+//! The policy keeps an approximate prefix tree of the prompts it sent to each worker,
+//! per role (prompt bytes for text, token ids for token prompts). For each request:
+//!
+//! 1. Load is imbalanced when max − min in-flight > `balance_abs_threshold` and
+//!    max > min × `balance_rel_threshold` (SGLang's test): route to the least-loaded
+//!    candidate.
+//! 2. Otherwise the candidate with the longest match wins when match / prompt length
+//!    (both in bytes, or tokens) > `cache_threshold`.
+//! 3. Otherwise the least-loaded candidate, ties to the smallest tree. SGLang goes to the
+//!    smallest tree alone; putting load first keeps a burst of new prefixes from piling
+//!    onto one worker while in-flight counts still look balanced, and at equal load the
+//!    smaller tree still spreads new prefixes like SGLang does.
+//!
+//! The prompt is recorded under the chosen worker at selection time. Each tree is capped
+//! at `max_tree_size` approximate bytes with inline LRU eviction ([`PrefixTree`]).
+//! Workers that leave the roster are never candidates, so their trees stop mattering at
+//! once; trees of workers that have not been a candidate for [`IDLE_PRUNE_SECS`] are
+//! dropped (checked at most once a minute on the request path), and
+//! [`Policy::retain_workers`] drops them at a roster change.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Instant;
+
+use pdserve_protocol::WorkerRole;
+
+use super::prefix_tree::PrefixTree;
+use super::{
+    role_index, Policy, PolicyConfig, PolicyStats, PrefixMatch, RoutePrompt, RouteRequest,
+};
+use crate::registry::Worker;
+
+/// A worker's trees are dropped once it has not been a candidate for this long.
+pub const IDLE_PRUNE_SECS: u64 = 600;
+/// How often (at most) the request path looks for idle trees.
+const PRUNE_CHECK_SECS: u64 = 60;
+
+/// Routes on prefix affinity with a load-balance override (see the module docs).
+#[derive(Debug)]
+pub struct CacheAware {
+    cache_threshold: f64,
+    balance_abs_threshold: usize,
+    balance_rel_threshold: f64,
+    max_tree_size: usize,
+    /// Per role, each worker's trees by base URL.
+    roles: [RwLock<HashMap<String, Entry>>; 4],
+    epoch: Instant,
+    last_prune: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    imbalanced: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    trees: Mutex<Trees>,
+    /// Seconds since the policy's epoch when the worker was last a candidate.
+    seen: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Trees {
+    text: PrefixTree<u8>,
+    tokens: PrefixTree<u32>,
+}
+
+/// A prompt as tree symbols.
+#[derive(Debug, Clone, Copy)]
+enum Key<'a> {
+    Text(&'a [u8]),
+    Tokens(&'a [u32]),
+}
+
+impl<'a> Key<'a> {
+    fn of(prompt: &'a RoutePrompt<'_>) -> Self {
+        match prompt {
+            RoutePrompt::Text(text) => Key::Text(text.as_bytes()),
+            RoutePrompt::TokenIds(ids) => Key::Tokens(ids),
+        }
+    }
+
+    fn len(self) -> usize {
+        match self {
+            Key::Text(t) => t.len(),
+            Key::Tokens(t) => t.len(),
+        }
+    }
+}
+
+impl Trees {
+    fn match_len(&self, key: Key<'_>) -> usize {
+        match key {
+            Key::Text(t) => self.text.match_len(t),
+            Key::Tokens(t) => self.tokens.match_len(t),
+        }
+    }
+
+    /// The size of the tree `key` would go into (or of both without a key).
+    fn size_for(&self, key: Option<Key<'_>>) -> usize {
+        match key {
+            Some(Key::Text(_)) => self.text.size(),
+            Some(Key::Tokens(_)) => self.tokens.size(),
+            None => self.text.size() + self.tokens.size(),
+        }
+    }
+
+    fn insert(&mut self, key: Key<'_>) {
+        match key {
+            Key::Text(t) => self.text.insert(t),
+            Key::Tokens(t) => self.tokens.insert(t),
+        }
+    }
+}
+
+/// What one pass over the candidates found.
+struct Scan {
+    /// Index and match length of the longest match (ties: less loaded, smaller tree).
+    best: usize,
+    best_len: usize,
+    /// Index of the least-loaded candidate (ties: smaller tree).
+    lowest: usize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic elsewhere must not take routing down; the trees stay structurally valid
+    // between operations.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl CacheAware {
+    /// A cache-aware policy tuned by `config`.
+    pub fn new(config: &PolicyConfig) -> Self {
+        Self {
+            cache_threshold: config.cache_threshold,
+            balance_abs_threshold: config.balance_abs_threshold,
+            balance_rel_threshold: config.balance_rel_threshold,
+            max_tree_size: config.max_tree_size,
+            roles: Default::default(),
+            epoch: Instant::now(),
+            last_prune: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            imbalanced: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_secs()
+    }
+
+    /// SGLang's imbalance test over the candidates' in-flight counts.
+    fn is_imbalanced(&self, candidates: &[Arc<Worker>]) -> bool {
+        let (mut min, mut max) = (i64::MAX, i64::MIN);
+        for w in candidates {
+            let load = w.in_flight();
+            min = min.min(load);
+            max = max.max(load);
+        }
+        let (min, max) = (min.max(0) as u64, max.max(0) as u64);
+        max - min > self.balance_abs_threshold as u64
+            && max as f64 > min as f64 * self.balance_rel_threshold
+    }
+
+    /// Matches `key` (when given) against every candidate's tree; `candidates` is not
+    /// empty.
+    fn scan(
+        map: &HashMap<String, Entry>,
+        candidates: &[Arc<Worker>],
+        key: Option<Key<'_>>,
+        now: u64,
+    ) -> Scan {
+        let mut scan = Scan {
+            best: 0,
+            best_len: 0,
+            lowest: 0,
+        };
+        let (mut best_rank, mut lowest_rank) = ((i64::MAX, usize::MAX), (i64::MAX, usize::MAX));
+        for (i, w) in candidates.iter().enumerate() {
+            let (len, size) = match map.get(&w.base) {
+                Some(entry) => {
+                    entry.seen.store(now, Ordering::Relaxed);
+                    let trees = lock(&entry.trees);
+                    (key.map_or(0, |k| trees.match_len(k)), trees.size_for(key))
+                }
+                None => (0, 0),
+            };
+            let rank = (w.in_flight(), size);
+            if i == 0 || len > scan.best_len || (len == scan.best_len && rank < best_rank) {
+                (scan.best, scan.best_len, best_rank) = (i, len, rank);
+            }
+            if rank < lowest_rank {
+                (scan.lowest, lowest_rank) = (i, rank);
+            }
+        }
+        scan
+    }
+
+    /// Records `key` under `worker`, creating its trees on first use.
+    fn record(&self, role: WorkerRole, worker: &Worker, key: Key<'_>, now: u64) {
+        let lock_map = &self.roles[role_index(role)];
+        {
+            let map = lock_map.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(entry) = map.get(&worker.base) {
+                lock(&entry.trees).insert(key);
+                return;
+            }
+        }
+        let mut map = lock_map.write().unwrap_or_else(PoisonError::into_inner);
+        let entry = map.entry(worker.base.clone()).or_insert_with(|| Entry {
+            trees: Mutex::new(Trees {
+                text: PrefixTree::new(self.max_tree_size),
+                tokens: PrefixTree::new(self.max_tree_size),
+            }),
+            seen: AtomicU64::new(now),
+        });
+        entry
+            .trees
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key);
+    }
+
+    /// Drops the trees of workers that have not been a candidate since `cutoff`.
+    fn prune_idle(&self, cutoff: u64) {
+        for role in &self.roles {
+            let mut map = role.write().unwrap_or_else(PoisonError::into_inner);
+            map.retain(|_, e| e.seen.load(Ordering::Relaxed) >= cutoff);
+        }
+    }
+
+    fn maybe_prune(&self, now: u64) {
+        let last = self.last_prune.load(Ordering::Relaxed);
+        if now < last + PRUNE_CHECK_SECS {
+            return;
+        }
+        // One request does the pass; the others go on.
+        if self
+            .last_prune
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.prune_idle(now.saturating_sub(IDLE_PRUNE_SECS));
+        }
+    }
+}
+
+/// How much of `text` its first `bytes` bytes are, in characters (a match may end inside
+/// a multi-byte character; that character does not count).
+fn chars_in(text: &str, bytes: usize) -> usize {
+    let mut end = bytes.min(text.len());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].chars().count()
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn select(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Arc<Worker>> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let now = self.now();
+        self.maybe_prune(now);
+        let prompt = request.prompt();
+        let key = prompt.as_ref().map(Key::of);
+        let imbalanced = self.is_imbalanced(candidates);
+        let chosen = {
+            let map = self.roles[role_index(role)]
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            // Matching is wasted work when load decides.
+            let scan = Self::scan(&map, candidates, key.filter(|_| !imbalanced), now);
+            if imbalanced {
+                self.imbalanced.fetch_add(1, Ordering::Relaxed);
+                scan.lowest
+            } else if let Some(key) = key {
+                let ratio = if key.len() == 0 {
+                    0.0
+                } else {
+                    scan.best_len as f64 / key.len() as f64
+                };
+                if ratio > self.cache_threshold {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    scan.best
+                } else {
+                    self.misses.fetch_add(1, Ordering::Relaxed);
+                    scan.lowest
+                }
+            } else {
+                scan.lowest
+            }
+        };
+        let worker = &candidates[chosen];
+        if let Some(key) = key.filter(|k| k.len() > 0) {
+            self.record(role, worker, key, now);
+        }
+        Some(worker.clone())
+    }
+
+    fn cached_prefix(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<PrefixMatch> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let prompt = request.prompt()?;
+        let key = Key::of(&prompt);
+        let scan = {
+            let map = self.roles[role_index(role)]
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            Self::scan(&map, candidates, Some(key), self.now())
+        };
+        if scan.best_len == 0 {
+            return None;
+        }
+        let (matched, prompt_len) = match &prompt {
+            RoutePrompt::Text(text) => (chars_in(text, scan.best_len), text.chars().count()),
+            RoutePrompt::TokenIds(ids) => (scan.best_len, ids.len()),
+        };
+        Some(PrefixMatch {
+            worker: candidates[scan.best].clone(),
+            matched,
+            prompt_len,
+        })
+    }
+
+    fn tree_size(&self) -> usize {
+        self.roles
+            .iter()
+            .map(|role| {
+                let map = role.read().unwrap_or_else(PoisonError::into_inner);
+                map.values()
+                    .map(|e| lock(&e.trees).size_for(None))
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
+    fn stats(&self) -> PolicyStats {
+        PolicyStats {
+            cache_hits: self.hits.load(Ordering::Relaxed),
+            cache_misses: self.misses.load(Ordering::Relaxed),
+            imbalanced: self.imbalanced.load(Ordering::Relaxed),
+        }
+    }
+
+    fn retain_workers(&self, live: &[&str]) {
+        for role in &self.roles {
+            let mut map = role.write().unwrap_or_else(PoisonError::into_inner);
+            map.retain(|base, _| live.contains(&base.as_str()));
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "cache_aware_tests.rs"]
+mod tests;
