@@ -1,5 +1,7 @@
 //! `pdserve up`: the whole stack on this machine in one command — workers on free local
-//! ports, each pinned to its own cores, and a gateway in front of them.
+//! ports, each pinned to its own cores, and a gateway in front of them. SIGTERM or Ctrl-C
+//! drains the gateway first (its in-flight requests still need the workers), then the
+//! workers; a second signal kills whatever is left.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -7,7 +9,12 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use pdserve_protocol::WorkerRole;
 use tokio::process::{Child, Command};
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+/// How long past its `--shutdown-timeout` a member may take to exit before it is killed.
+const STOP_MARGIN: Duration = Duration::from_secs(5);
 
 /// `pdserve up` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -41,44 +48,77 @@ pub struct UpArgs {
     /// Seconds a P/D worker keeps KV blocks pinned for a peer that never reads them.
     #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
     kv_abort_timeout: u64,
+    /// Seconds the gateway, then each worker, may take on SIGTERM or Ctrl-C to finish
+    /// in-flight requests before they are ended (passed on as their --shutdown-timeout).
+    #[arg(long, env = "PDSERVE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    shutdown_timeout: u64,
 }
 
-/// What one worker of the stack does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum WorkerRole {
-    Both,
-    Prefill,
-    Decode,
-}
-
-impl WorkerRole {
-    /// The `--role` value of `pdserve worker`.
-    fn flag_value(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-
-    /// The `pdserve gateway` flag that adds a worker of this role to its pools.
-    fn gateway_flag(self) -> &'static str {
-        match self {
-            Self::Both => "--worker",
-            Self::Prefill => "--prefill",
-            Self::Decode => "--decode",
-        }
+/// The `pdserve gateway` flag that adds a worker of `role` to its pools.
+fn gateway_flag(role: WorkerRole) -> &'static str {
+    match role {
+        WorkerRole::PrefillDecode => "--worker",
+        WorkerRole::Prefill => "--prefill",
+        WorkerRole::Decode => "--decode",
+        WorkerRole::Encode => unreachable!("pdserve up starts no encode workers"),
     }
 }
 
 /// One child process of the stack.
 struct Member {
     name: String,
+    /// `None` for the gateway.
+    role: Option<WorkerRole>,
     child: Child,
 }
 
-/// Runs the stack until Ctrl-C (or until a member dies), then stops every member.
+/// SIGTERM and SIGINT (Ctrl-C), caught from creation on.
+struct StopSignals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl StopSignals {
+    fn new() -> anyhow::Result<Self> {
+        Ok(Self {
+            terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
+            interrupt: signal(SignalKind::interrupt()).context("cannot listen for Ctrl-C")?,
+        })
+    }
+
+    /// The next signal's name.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "Ctrl-C",
+        }
+    }
+}
+
+/// Runs the stack until SIGTERM or Ctrl-C (or until a member dies), then stops every
+/// member: the gateway first, then the workers.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    // Listening from the start, so a stop during start-up also drains the members.
+    let mut signals = StopSignals::new()?;
+    let mut members = Vec::new();
+    let result = tokio::select! {
+        result = start_and_supervise(&args, &mut members) => result,
+        signal = signals.recv() => {
+            eprintln!("stopping pdserve ({signal})…");
+            Ok(())
+        }
+    };
+    stop_all(
+        &mut members,
+        Duration::from_secs(args.shutdown_timeout) + STOP_MARGIN,
+        &mut signals,
+    )
+    .await;
+    result
+}
+
+/// Starts the members and returns only if one of them exits (or cannot start).
+async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("cannot locate the pdserve executable")?;
     let model = match args.model.clone() {
         Some(p) => p,
@@ -93,63 +133,51 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         .cores
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-
-    let mut members = Vec::new();
-    let result = start_and_supervise(&args, &exe, &model, cores, &mut members).await;
-    stop_all(&mut members).await;
-    result
-}
-
-async fn start_and_supervise(
-    args: &UpArgs,
-    exe: &std::path::Path,
-    model: &std::path::Path,
-    cores: usize,
-    members: &mut Vec<Member>,
-) -> anyhow::Result<()> {
     let roles: Vec<WorkerRole> = if args.aggregated {
-        vec![WorkerRole::Both]
+        vec![WorkerRole::PrefillDecode]
     } else {
         std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
             .chain(std::iter::repeat_n(WorkerRole::Decode, args.decode.into()))
             .collect()
     };
-    let mut gateway = Command::new(exe);
+    let shutdown_timeout = args.shutdown_timeout.to_string();
+    let mut gateway = Command::new(&exe);
     gateway
         .arg("gateway")
-        .args(["--host", &args.host, "--port", &args.port.to_string()]);
+        .args(["--host", &args.host, "--port", &args.port.to_string()])
+        // Its --shutdown-timeout, through the environment fallback that every gateway
+        // version reads or ignores.
+        .env("PDSERVE_SHUTDOWN_TIMEOUT", &shutdown_timeout);
     let mut worker_urls = Vec::new();
     let mut summary = Vec::new();
     for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
         let port = free_port()?;
         let url = format!("http://127.0.0.1:{port}");
-        let mut worker = Command::new(exe);
+        let mut worker = Command::new(&exe);
         worker
             .arg("worker")
-            .args(["--role", role.flag_value(), "--host", "127.0.0.1"])
+            .args(["--role", role.as_str(), "--host", "127.0.0.1"])
             .args(["--port", &port.to_string()])
             .arg("--model")
-            .arg(model)
-            .args(["--threads", &cpus.len().to_string()]);
-        if *role != WorkerRole::Both {
+            .arg(&model)
+            .args(["--threads", &cpus.len().to_string()])
+            .args(["--shutdown-timeout", &shutdown_timeout]);
+        if *role != WorkerRole::PrefillDecode {
             worker
                 .args(["--kv-port", &free_port()?.to_string()])
                 .args(["--kv-abort-timeout", &args.kv_abort_timeout.to_string()]);
         }
-        let name = format!("{} worker {}", role.flag_value(), worker_urls.len());
-        members.push(spawn(&name, worker, &cpus)?);
-        gateway.args([role.gateway_flag(), &url]);
-        summary.push(format!(
-            "{} worker at {url} on cores {cpus:?}",
-            role.flag_value()
-        ));
+        let name = format!("{role} worker {}", worker_urls.len());
+        members.push(spawn(&name, Some(*role), worker, &cpus)?);
+        gateway.args([gateway_flag(*role), &url]);
+        summary.push(format!("{role} worker at {url} on cores {cpus:?}"));
         worker_urls.push(url);
     }
     let limit = Duration::from_secs(args.ready_timeout_secs);
     for url in &worker_urls {
         wait_ready(members, url, limit).await?;
     }
-    members.push(spawn("gateway", gateway, &[])?);
+    members.push(spawn("gateway", None, gateway, &[])?);
     let gateway_url = format!("http://{}:{}", args.host, args.port);
     wait_ready(members, &gateway_url, Duration::from_secs(30)).await?;
 
@@ -162,22 +190,8 @@ async fn start_and_supervise(
     );
     println!("Ctrl-C stops everything.");
 
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot listen for SIGTERM")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => {
-            r.context("cannot listen for Ctrl-C")?;
-            eprintln!("stopping pdserve…");
-            Ok(())
-        }
-        _ = terminate.recv() => {
-            eprintln!("stopping pdserve (SIGTERM)…");
-            Ok(())
-        }
-        (name, status) = first_exit(members) => {
-            bail!("{name} exited unexpectedly ({status}); stopping the stack")
-        }
-    }
+    let (name, status) = first_exit(members).await;
+    bail!("{name} exited unexpectedly ({status}); stopping the stack")
 }
 
 /// The cores each worker is pinned to: disjoint, contiguous shares while there are
@@ -201,14 +215,24 @@ fn split_cores(workers: usize, cores: usize) -> Vec<Vec<usize>> {
 }
 
 /// Starts a member, pinned to `cpus` (anywhere when empty).
-fn spawn(name: &str, mut cmd: Command, cpus: &[usize]) -> anyhow::Result<Member> {
+fn spawn(
+    name: &str,
+    role: Option<WorkerRole>,
+    mut cmd: Command,
+    cpus: &[usize],
+) -> anyhow::Result<Member> {
     cmd.stdin(Stdio::null()).kill_on_drop(true);
     let cpus = cpus.to_vec();
-    // SAFETY: prctl(2) and sched_setaffinity(2) are async-signal-safe and touch only the
-    // child. The first makes the child die with this process even if `up` is killed
-    // without a chance to stop it; the second pins it (its threads inherit the mask).
+    // SAFETY: setpgid(2), prctl(2) and sched_setaffinity(2) are async-signal-safe and
+    // touch only the child. Its own process group keeps a terminal's Ctrl-C from reaching
+    // it directly, so `up` decides the order of the drain; the death signal stops it with
+    // this process even if `up` is killed without a chance to stop it; the mask pins it
+    // (its threads inherit it).
     unsafe {
         cmd.pre_exec(move || {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -230,6 +254,7 @@ fn spawn(name: &str, mut cmd: Command, cpus: &[usize]) -> anyhow::Result<Member>
         .with_context(|| format!("cannot start the {name}"))?;
     Ok(Member {
         name: name.to_string(),
+        role,
         child,
     })
 }
@@ -270,25 +295,59 @@ async fn first_exit(members: &mut [Member]) -> (String, std::process::ExitStatus
     }
 }
 
-/// Asks every member to shut down gracefully (SIGINT, as Ctrl-C would), then kills
-/// stragglers.
-async fn stop_all(members: &mut [Member]) {
-    for m in members.iter_mut() {
-        if let Some(pid) = m.child.id() {
-            // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGINT);
+/// Stops the gateway, then the workers: each gets SIGTERM and `limit` to drain and exit,
+/// then is killed. A second signal kills every member still running at once.
+async fn stop_all(members: &mut [Member], limit: Duration, signals: &mut StopSignals) {
+    let (gateway, workers): (Vec<&mut Member>, Vec<&mut Member>) =
+        members.iter_mut().partition(|m| m.role.is_none());
+    let mut forced = false;
+    for mut stage in [gateway, workers] {
+        if !forced {
+            for m in stage.iter_mut() {
+                if let (Ok(None), Some(pid)) = (m.child.try_wait(), m.child.id()) {
+                    // SAFETY: kill(2) on our own running child's pid has no
+                    // memory-safety preconditions.
+                    unsafe {
+                        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = all_exited(&mut stage, limit) => {}
+                signal = signals.recv() => {
+                    eprintln!("{signal} again: killing the stack");
+                    forced = true;
+                }
+            }
+        }
+        for m in stage.iter_mut() {
+            match m.child.try_wait() {
+                Ok(Some(status)) if status.success() => {}
+                Ok(Some(status)) => {
+                    tracing::warn!(member = %m.name, %status, "exited with an error")
+                }
+                _ => {
+                    if !forced {
+                        tracing::warn!(member = %m.name, "did not stop in {limit:?}; killing it");
+                    }
+                    let _ = m.child.kill().await;
+                }
             }
         }
     }
-    for m in members.iter_mut() {
-        if tokio::time::timeout(Duration::from_secs(10), m.child.wait())
-            .await
-            .is_err()
+}
+
+/// Resolves when every one of `members` has exited, or after `limit`.
+async fn all_exited(members: &mut [&mut Member], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if members
+            .iter_mut()
+            .all(|m| !matches!(m.child.try_wait(), Ok(None)))
         {
-            tracing::warn!(member = %m.name, "did not stop in 10 s; killing it");
-            let _ = m.child.kill().await;
+            return;
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
