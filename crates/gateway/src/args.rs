@@ -6,7 +6,7 @@ use std::time::Duration;
 use pdserve_protocol::WorkerRole;
 use reqwest::Url;
 
-use crate::policy::POLICY_NAMES;
+use crate::policy::{PolicyConfig, POLICY_NAMES};
 use crate::registry::probe::ProbeSettings;
 use crate::registry::{BreakerSettings, HealthPolicy, WorkerSpec};
 use crate::GatewayError;
@@ -104,9 +104,45 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_CONNECT_TIMEOUT_SECS", default_value = "5", value_parser = parse_secs)]
     pub connect_timeout_secs: Duration,
 
-    /// How a worker is chosen among the live workers of a role.
+    /// How a worker is chosen among the live workers of a role: round_robin, random,
+    /// power_of_two (the less loaded of two random workers), cache_aware (the worker that
+    /// already holds the longest prefix of the prompt, unless load is imbalanced) or
+    /// session (the same conversation_id / X-Session-Id / `user` to the same worker).
     #[arg(long, env = "PDSERVE_POLICY", default_value = "round_robin", value_parser = clap::builder::PossibleValuesParser::new(POLICY_NAMES))]
     pub policy: String,
+
+    /// Policy for choosing prefill workers (default: --policy).
+    #[arg(long, env = "PDSERVE_PREFILL_POLICY", value_parser = clap::builder::PossibleValuesParser::new(POLICY_NAMES))]
+    pub prefill_policy: Option<String>,
+
+    /// Policy for choosing decode workers (default: --policy).
+    #[arg(long, env = "PDSERVE_DECODE_POLICY", value_parser = clap::builder::PossibleValuesParser::new(POLICY_NAMES))]
+    pub decode_policy: Option<String>,
+
+    /// cache_aware: route to the worker with the longest cached prefix when it covers more
+    /// than this share of the prompt (0-1).
+    #[arg(long, env = "PDSERVE_CACHE_THRESHOLD", default_value_t = PolicyConfig::default().cache_threshold)]
+    pub cache_threshold: f64,
+
+    /// cache_aware: load counts as imbalanced when the busiest worker has more than this
+    /// many in-flight requests over the idlest (and the relative threshold holds too);
+    /// then the least-loaded worker is chosen.
+    #[arg(long, env = "PDSERVE_BALANCE_ABS_THRESHOLD", default_value_t = PolicyConfig::default().balance_abs_threshold)]
+    pub balance_abs_threshold: usize,
+
+    /// cache_aware: load counts as imbalanced when the busiest worker has more than this
+    /// factor times the idlest one's in-flight requests (and the absolute threshold holds).
+    #[arg(long, env = "PDSERVE_BALANCE_REL_THRESHOLD", default_value_t = PolicyConfig::default().balance_rel_threshold)]
+    pub balance_rel_threshold: f64,
+
+    /// cache_aware: cap of each worker's prefix tree in approximate bytes; least recently
+    /// used branches are evicted past it, so memory stays flat under prefix churn.
+    #[arg(long, env = "PDSERVE_MAX_TREE_SIZE", default_value_t = PolicyConfig::default().max_tree_size)]
+    pub max_tree_size: usize,
+
+    /// session: the policy for requests that carry no session key.
+    #[arg(long, env = "PDSERVE_SESSION_FALLBACK", default_value = "round_robin")]
+    pub session_fallback: String,
 
     /// Let workers join and leave at run time through `POST /instances` and
     /// `DELETE /instances?url=...` (admin calls need ADMIN_API_KEY). Static
@@ -188,8 +224,14 @@ pub struct GatewayConfig {
     pub upstream_idle_timeout: Duration,
     /// Limit for opening an upstream connection.
     pub connect_timeout: Duration,
-    /// The routing policy's name.
+    /// The routing policy's name for every role without its own.
     pub policy: String,
+    /// The prefill workers' policy, when it differs from `policy`.
+    pub prefill_policy: Option<String>,
+    /// The decode workers' policy, when it differs from `policy`.
+    pub decode_policy: Option<String>,
+    /// The policies' tuning.
+    pub policy_config: PolicyConfig,
     /// The admin key; `Some` enables `POST`/`DELETE /instances`.
     pub admin_api_key: Option<String>,
     /// Health probe timing.
@@ -221,6 +263,9 @@ impl GatewayConfig {
             upstream_idle_timeout: Duration::from_millis(2500),
             connect_timeout: Duration::from_secs(5),
             policy: "round_robin".into(),
+            prefill_policy: None,
+            decode_policy: None,
+            policy_config: PolicyConfig::default(),
             admin_api_key: None,
             probe: ProbeSettings {
                 interval: Duration::from_secs(5),
@@ -290,6 +335,14 @@ impl GatewayArgs {
                     .into(),
             ));
         }
+        let policy_config = PolicyConfig {
+            cache_threshold: self.cache_threshold,
+            balance_abs_threshold: self.balance_abs_threshold,
+            balance_rel_threshold: self.balance_rel_threshold,
+            max_tree_size: self.max_tree_size,
+            session_fallback: self.session_fallback.clone(),
+        };
+        policy_config.validate().map_err(GatewayError::Config)?;
         if self.probe_timeout.is_zero() {
             return Err(GatewayError::Config(
                 "--probe-timeout must be positive".into(),
@@ -316,6 +369,9 @@ impl GatewayArgs {
             upstream_idle_timeout: self.upstream_idle_timeout_secs,
             connect_timeout: self.connect_timeout_secs,
             policy: self.policy.clone(),
+            prefill_policy: self.prefill_policy.clone(),
+            decode_policy: self.decode_policy.clone(),
+            policy_config,
             // Without dynamic registration the key has no use; admin routes stay closed.
             admin_api_key: admin_api_key.filter(|_| self.dynamic_registration),
             probe: ProbeSettings {
@@ -439,5 +495,23 @@ mod tests {
         assert!(cfg.health.evicted_ttl.is_none());
         assert!(Cli::try_parse_from(["x", "--fail-threshold", "0"]).is_err());
         assert!(Cli::try_parse_from(["x", "--policy", "nope"]).is_err());
+        let cli = Cli::parse_from([
+            "x",
+            "--decode-policy",
+            "cache_aware",
+            "--cache-threshold",
+            "0.3",
+        ]);
+        let cfg = cli.args.to_config().unwrap();
+        assert_eq!(cfg.decode_policy.as_deref(), Some("cache_aware"));
+        assert_eq!(cfg.policy_config.cache_threshold, 0.3);
+        for bad in [
+            ["--cache-threshold", "1.5"],
+            ["--session-fallback", "session"],
+            ["--max-tree-size", "0"],
+        ] {
+            let cli = Cli::parse_from(["x", bad[0], bad[1]]);
+            assert!(cli.args.to_config().is_err(), "{bad:?}");
+        }
     }
 }

@@ -45,6 +45,8 @@ pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
         prefill_decode = config.worker.len(),
         dynamic_registration = config.admin_api_key.is_some(),
         policy = %config.policy,
+        prefill_policy = config.prefill_policy.as_deref().unwrap_or(&config.policy),
+        decode_policy = config.decode_policy.as_deref().unwrap_or(&config.policy),
         "gateway listening"
     );
     if config.static_workers().next().is_none() && config.admin_api_key.is_none() {

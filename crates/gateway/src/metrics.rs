@@ -73,6 +73,10 @@ pub struct Metrics {
     end_to_end_seconds: Family<RouteLabels, Histogram, fn() -> Histogram>,
     decode_retries: Counter,
     retries: Family<RetryLabels, Counter>,
+    policy_cache_hits: Family<RoleLabels, Gauge>,
+    policy_cache_misses: Family<RoleLabels, Gauge>,
+    policy_cache_hit_ratio: Family<RoleLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    policy_tree_bytes: Family<RoleLabels, Gauge>,
     disaggregation: Family<DisaggLabels, Counter>,
     stream_errors: Counter,
     conversation_hits: Counter,
@@ -134,6 +138,31 @@ impl Default for Metrics {
             "Legs retried on another worker before the first byte, by leg and by what failed",
             retries.clone(),
         );
+        let policy_cache_hits = Family::<RoleLabels, Gauge>::default();
+        registry.register(
+            "policy_cache_hits",
+            "cache_aware decisions that followed a prefix match above --cache-threshold, per role",
+            policy_cache_hits.clone(),
+        );
+        let policy_cache_misses = Family::<RoleLabels, Gauge>::default();
+        registry.register(
+            "policy_cache_misses",
+            "cache_aware decisions without a match above --cache-threshold, per role",
+            policy_cache_misses.clone(),
+        );
+        let policy_cache_hit_ratio =
+            Family::<RoleLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "policy_cache_hit_ratio",
+            "cache_aware hits / (hits + misses), per role",
+            policy_cache_hit_ratio.clone(),
+        );
+        let policy_tree_bytes = Family::<RoleLabels, Gauge>::default();
+        registry.register(
+            "policy_tree_bytes",
+            "Approximate bytes held by cache_aware prefix trees, per role (capped by --max-tree-size per worker)",
+            policy_tree_bytes.clone(),
+        );
         let disaggregation = Family::<DisaggLabels, Counter>::default();
         registry.register(
             "disaggregation",
@@ -190,6 +219,10 @@ impl Default for Metrics {
             end_to_end_seconds,
             decode_retries,
             retries,
+            policy_cache_hits,
+            policy_cache_misses,
+            policy_cache_hit_ratio,
+            policy_tree_bytes,
             disaggregation,
             stream_errors,
             conversation_hits,
@@ -259,6 +292,31 @@ impl Metrics {
                 reason: reason.to_string(),
             })
             .inc();
+    }
+
+    /// Publishes a role's routing-policy counters (read from the policy at scrape time).
+    pub fn set_policy_stats(&self, role: &str, hits: u64, misses: u64, tree_bytes: usize) {
+        let labels = RoleLabels {
+            role: role.to_string(),
+        };
+        self.policy_cache_hits
+            .get_or_create(&labels)
+            .set(hits as i64);
+        self.policy_cache_misses
+            .get_or_create(&labels)
+            .set(misses as i64);
+        let decided = hits + misses;
+        let ratio = if decided == 0 {
+            0.0
+        } else {
+            hits as f64 / decided as f64
+        };
+        self.policy_cache_hit_ratio
+            .get_or_create(&labels)
+            .set(ratio);
+        self.policy_tree_bytes
+            .get_or_create(&labels)
+            .set(tree_bytes as i64);
     }
 
     /// Counts how a request crossed the workers.

@@ -227,6 +227,18 @@ async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Fa
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    for role in WorkerRole::ALL {
+        let policy = state.policy(role);
+        if policy.name() == "cache_aware" {
+            let stats = policy.stats();
+            state.metrics.set_policy_stats(
+                role.as_str(),
+                stats.cache_hits,
+                stats.cache_misses,
+                policy.tree_size(),
+            );
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,

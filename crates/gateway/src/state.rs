@@ -20,8 +20,8 @@ pub struct AppState {
     pub config: GatewayConfig,
     /// The live worker set.
     pub registry: Arc<Registry>,
-    /// How workers are chosen.
-    pub policy: Arc<dyn Policy>,
+    /// How workers of each role are chosen (indexed by `policy::role_index`).
+    policies: [Arc<dyn Policy>; 4],
     /// The upstream HTTP client.
     pub upstream: Upstream,
     /// Decode KV handles kept for conversations' next turns.
@@ -40,9 +40,19 @@ impl AppState {
                 .register(spec)
                 .map_err(|e| GatewayError::Config(e.to_string()))?;
         }
-        let policy = policy::by_name(&config.policy).ok_or_else(|| {
-            GatewayError::Config(format!("unknown routing policy `{}`", config.policy))
-        })?;
+        let build = |name: &str| {
+            policy::build(name, &config.policy_config)
+                .ok_or_else(|| GatewayError::Config(format!("unknown routing policy `{name}`")))
+        };
+        let own =
+            |role_policy: &Option<String>| build(role_policy.as_deref().unwrap_or(&config.policy));
+        // Same order as `policy::role_index`: prefill, decode, prefill_decode, encode.
+        let policies = [
+            own(&config.prefill_policy)?,
+            own(&config.decode_policy)?,
+            build(&config.policy)?,
+            build(&config.policy)?,
+        ];
         Ok(Self {
             upstream: Upstream::new(&config)?,
             conversations: Arc::new(ConversationCache::new(
@@ -50,7 +60,7 @@ impl AppState {
                 config.conversation_ttl,
             )),
             registry,
-            policy,
+            policies,
             metrics,
             config,
         })
@@ -66,7 +76,7 @@ impl AppState {
     ) -> Option<Arc<Worker>> {
         let roster = self.registry.snapshot();
         let live = roster.live(role);
-        let policy = &self.policy;
+        let policy = self.policy(role);
         // The common case allocates nothing: a first attempt with every circuit closed.
         if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
             let chosen = policy.select(role, live, route)?;
@@ -92,9 +102,15 @@ impl AppState {
         }
     }
 
+    /// The policy that chooses workers of `role`.
+    pub fn policy(&self, role: WorkerRole) -> &Arc<dyn Policy> {
+        &self.policies[policy::role_index(role)]
+    }
+
     /// Marks a request as open on `worker` until the returned guard drops.
     pub fn start_request(&self, worker: Arc<Worker>) -> InFlight {
-        InFlight::start(worker, self.policy.clone())
+        let policy = self.policy(worker.role()).clone();
+        InFlight::start(worker, policy)
     }
 
     /// Passive health: a request that could not connect to `worker` evicts it at once;

@@ -1,4 +1,5 @@
-//! Aggregated serving: one worker does prefill and decode; the request passes through.
+//! One worker prefills and decodes: a prefill_decode worker, or a decode worker when the
+//! prefill leg is skipped; the request passes through.
 
 use std::sync::Arc;
 
@@ -11,20 +12,23 @@ use crate::error::Failure;
 use crate::state::AppState;
 use crate::validation::GenerateRequest;
 
-/// Sends the client's request (without `conversation_id`) to a prefill_decode worker.
+/// Sends the client's request (without `conversation_id`) to one worker of `role` that
+/// prefills and decodes it: a prefill_decode worker, or a decode worker when conditional
+/// disaggregation skips the prefill leg. `conversation_id` is given only where the
+/// worker's final KV handle serves the next turn (a decode worker's).
 pub async fn serve(
     state: &Arc<AppState>,
     ctx: &RequestContext,
     request: GenerateRequest,
     conversation_id: Option<String>,
+    role: WorkerRole,
 ) -> Result<Response, Failure> {
     let route = ctx.route_for(&request, conversation_id.as_deref());
     let leg = FinalLeg {
-        role: WorkerRole::PrefillDecode,
+        role,
         body: request.to_body(),
         stream: request.is_stream(),
-        // An aggregated worker keeps its own prefix cache; there is no KV to hand over.
-        conversation_id: None,
+        conversation_id: conversation_id.clone(),
     };
     forward(state, ctx, &route, leg).await
 }

@@ -1,6 +1,7 @@
 //! How a generation request crosses the workers: one module per handoff protocol.
 
 pub mod aggregated;
+pub mod conditional;
 pub mod final_leg;
 pub mod relay;
 pub mod retry;
@@ -11,7 +12,7 @@ use std::time::Instant;
 
 use axum::response::Response;
 use http::HeaderMap;
-use pdserve_protocol::ApiError;
+use pdserve_protocol::{ApiError, WorkerRole};
 
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
@@ -68,8 +69,22 @@ pub async fn generate(
 ) -> Result<Response, Failure> {
     let roster = state.registry.snapshot();
     match roster.mode() {
-        Mode::Disaggregated => sequential::serve(state, ctx, request, conversation_id).await,
-        Mode::Aggregated => aggregated::serve(state, ctx, request, conversation_id).await,
+        Mode::Disaggregated => {
+            let route = ctx.route_for(&request, conversation_id.as_deref());
+            if conditional::skips_prefill(state, &route) {
+                state.metrics.record_disaggregation("prefill_skipped");
+                // The decode worker's final KV handle still serves the conversation's next
+                // turn, as after a handoff.
+                return aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode)
+                    .await;
+            }
+            state.metrics.record_disaggregation("disaggregated");
+            sequential::serve(state, ctx, request, conversation_id).await
+        }
+        Mode::Aggregated => {
+            state.metrics.record_disaggregation("aggregated");
+            aggregated::serve(state, ctx, request, None, WorkerRole::PrefillDecode).await
+        }
         Mode::Unavailable => Err(ApiError::service_unavailable(format!(
             "no worker can serve this request: {}",
             roster.missing().join("; ")

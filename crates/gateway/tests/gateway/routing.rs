@@ -245,3 +245,114 @@ async fn data_parallel_ranks_rotate_and_routing_headers_name_the_workers() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conditional_disaggregation_sends_short_prompts_straight_to_decode() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.disagg_threshold = Some(64);
+        let gw = Gateway::start(config).await;
+        let ask = |content: String, stream: bool| {
+            let url = gw.at("/v1/chat/completions");
+            async move {
+                let resp = client()
+                    .post(url)
+                    .json(&json!({"messages": [{"role": "user", "content": content}],
+                                  "stream": stream, "max_tokens": 3}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                resp.text().await.unwrap()
+            }
+        };
+        // ~10 tokens: no handoff.
+        for stream in [false, true] {
+            assert!(ask("What is the capital of France?".into(), stream)
+                .await
+                .contains("tok2"));
+        }
+        assert!(
+            p.requests().is_empty(),
+            "short prompts skip the prefill leg"
+        );
+        assert_eq!(d.requests().len(), 2);
+        assert!(d
+            .requests()
+            .iter()
+            .all(|r| r.body.get("kv_transfer_params").is_none()));
+        // ~500 tokens: prefill, then decode with P's handle.
+        let long = "The quick brown fox jumps over the lazy dog. ".repeat(45);
+        assert!(ask(long, false).await.contains("tok2"));
+        assert_eq!(p.requests().len(), 1);
+        assert_eq!(
+            d.requests()[2].body["kv_transfer_params"]["remote_engine_id"],
+            "engine-P"
+        );
+        let text = metrics(&gw).await;
+        for needle in [
+            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"} 2"#,
+            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 1"#,
+        ] {
+            assert!(text.contains(needle), "missing {needle} in {text}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_keeps_every_turn_of_a_conversation_on_its_first_workers() {
+    bounded(async {
+        let p1 = Double::start(Role::Prefill, "P1").await;
+        let p2 = Double::start(Role::Prefill, "P2").await;
+        let d1 = Double::start(Role::Decode, "D1").await;
+        let d2 = Double::start(Role::Decode, "D2").await;
+        let mut config = pd_config(&[&p1, &p2], &[&d1, &d2]);
+        config.policy = "cache_aware".into();
+        config.expose_routing = true;
+        let gw = Gateway::start(config).await;
+        let conversations = 8;
+        let mut history: Vec<Vec<Value>> = (0..conversations)
+            .map(|c| {
+                vec![json!({"role": "system",
+                    "content": format!("You are assistant number {c}. {}", "Be brief and exact. ".repeat(10))})]
+            })
+            .collect();
+        let mut routes: Vec<Vec<(String, String)>> = vec![Vec::new(); conversations];
+        for turn in 0..3 {
+            for c in 0..conversations {
+                history[c].push(json!({"role": "user", "content": format!("question {turn} of {c}")}));
+                let resp = client()
+                    .post(gw.at("/v1/chat/completions"))
+                    .json(&json!({"messages": history[c], "max_tokens": 3}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let h = resp.headers();
+                let route = (
+                    h["x-pdserve-prefill"].to_str().unwrap().to_string(),
+                    h["x-pdserve-decode"].to_str().unwrap().to_string(),
+                );
+                routes[c].push(route);
+                let body: Value = resp.json().await.unwrap();
+                history[c].push(body["choices"][0]["message"].clone());
+            }
+        }
+        for (c, r) in routes.iter().enumerate() {
+            assert!(r.iter().all(|x| x == &r[0]), "conversation {c} moved: {r:?}");
+        }
+        // Load stayed balanced: both prefill and both decode workers own conversations.
+        for url in [&p1.url, &p2.url] {
+            assert!(routes.iter().any(|r| &r[0].0 == url), "{url} got nothing: {routes:?}");
+        }
+        for url in [&d1.url, &d2.url] {
+            assert!(routes.iter().any(|r| &r[0].1 == url), "{url} got nothing: {routes:?}");
+        }
+        let text = metrics(&gw).await;
+        assert!(text.contains(r#"pdserve_gateway_policy_cache_hits{role="decode"} 16"#), "{text}");
+    })
+    .await;
+}

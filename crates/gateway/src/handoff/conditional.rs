@@ -1,0 +1,39 @@
+//! Conditional disaggregation (`--disagg-threshold N`): a prompt whose uncached part is
+//! shorter than N tokens is not worth a KV handoff; a decode worker prefills it itself.
+
+use std::sync::Arc;
+
+use pdserve_protocol::WorkerRole;
+
+use crate::policy::{RoutePrompt, RouteRequest};
+use crate::state::AppState;
+
+/// Characters per token assumed when only prompt text is known (English BPE averages
+/// about four; an estimate only decides whether a handoff pays, never correctness).
+const CHARS_PER_TOKEN: usize = 4;
+
+/// The prompt's tokens that a decode worker would have to compute itself: the whole
+/// prompt, less the prefix the decode policy's prefix tree says a decode worker already
+/// holds. `None` when the request has no prompt to measure.
+pub fn uncached_tokens(state: &Arc<AppState>, route: &RouteRequest<'_>) -> Option<usize> {
+    let prompt = route.prompt()?;
+    let (len, per_token) = match &prompt {
+        RoutePrompt::TokenIds(ids) => (ids.len(), 1),
+        RoutePrompt::Text(text) => (text.chars().count(), CHARS_PER_TOKEN),
+    };
+    let roster = state.registry.snapshot();
+    let decode = roster.live(WorkerRole::Decode);
+    let cached = state
+        .policy(WorkerRole::Decode)
+        .cached_prefix(WorkerRole::Decode, decode, route)
+        .map_or(0, |m| m.matched.min(len));
+    Some((len - cached).div_ceil(per_token))
+}
+
+/// Whether this request skips the prefill leg.
+pub fn skips_prefill(state: &Arc<AppState>, route: &RouteRequest<'_>) -> bool {
+    let Some(threshold) = state.config.disagg_threshold else {
+        return false;
+    };
+    uncached_tokens(state, route).is_some_and(|uncached| uncached < threshold)
+}
