@@ -145,9 +145,7 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
     gateway
         .arg("gateway")
         .args(["--host", &args.host, "--port", &args.port.to_string()])
-        // Its --shutdown-timeout, through the environment fallback that every gateway
-        // version reads or ignores.
-        .env("PDSERVE_SHUTDOWN_TIMEOUT", &shutdown_timeout);
+        .args(["--shutdown-timeout", &shutdown_timeout]);
     let mut worker_urls = Vec::new();
     let mut summary = Vec::new();
     for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
