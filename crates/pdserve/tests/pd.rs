@@ -196,6 +196,7 @@ async fn suite() {
     };
 
     oracle(&stack).await;
+    conditional_disaggregation(&stack).await;
     multi_turn_through_the_gateway(&stack).await;
     multi_turn_by_hand(&stack).await;
     faults(&stack).await;
@@ -207,6 +208,58 @@ async fn suite() {
     for worker in [agg_worker, prefill_worker, decode_worker] {
         worker.shutdown().await.unwrap();
     }
+}
+
+/// A second gateway with `--disagg-threshold 24` over the same P and D: short prompts go
+/// straight to the decode worker (which prefills them itself), long ones through P/D;
+/// either way greedy output is the aggregated output token for token.
+async fn conditional_disaggregation(stack: &Stack) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = format!("http://{}", listener.local_addr().unwrap());
+    let mut config = pdserve_gateway::GatewayConfig::new(
+        vec![Url::parse(&stack.prefill).unwrap()],
+        vec![Url::parse(&stack.decode).unwrap()],
+        Vec::new(),
+    );
+    config.disagg_threshold = Some(24);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let tokens = |v: Value| v["choices"][0]["logprobs"]["tokens"].clone();
+    for prompt in ["Hello", LONG] {
+        for stream in [false, true] {
+            let mut body = completion(prompt, false);
+            body["logprobs"] = json!(0);
+            body["ignore_eos"] = json!(true);
+            let expected = tokens(stack.ok(&stack.agg, "/v1/completions", &body).await);
+            if stream {
+                body["stream"] = json!(true);
+                let text = |v: &Value| text_of(v);
+                let agg = text(&stack.ok(&stack.agg, "/v1/completions", &body).await);
+                let got = text(&stack.ok(&gateway, "/v1/completions", &body).await);
+                assert_eq!(got, agg, "{prompt} streamed");
+            } else {
+                let got = tokens(stack.ok(&gateway, "/v1/completions", &body).await);
+                assert_eq!(got, expected, "{prompt}");
+            }
+        }
+    }
+    let skipped = stack
+        .metric(
+            &gateway,
+            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"}"#,
+        )
+        .await;
+    let disaggregated = stack
+        .metric(
+            &gateway,
+            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"}"#,
+        )
+        .await;
+    assert_eq!((skipped, disaggregated), (2.0, 2.0));
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
 }
 
 /// Chat and completions, streamed and not, prompts of one token, of under one block
