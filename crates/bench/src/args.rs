@@ -163,6 +163,10 @@ pub struct MultiTurnArgs {
     /// Tokens of the first user message of each conversation.
     #[arg(long, env = "PDSERVE_BENCH_INPUT_LEN", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
     pub input_len: u64,
+    /// Tokens of a system prompt shared by every conversation (0: none). A shared prefix
+    /// is what cache-aware routing and prefix caches exploit across conversations.
+    #[arg(long, env = "PDSERVE_BENCH_SYSTEM_PROMPT_LEN", default_value_t = 0)]
+    pub system_prompt_len: u64,
     /// Tokens of each later user message.
     #[arg(long, env = "PDSERVE_BENCH_TURN_INPUT_LEN", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     pub turn_input_len: u64,

@@ -29,6 +29,8 @@ struct Shared {
     output_len: u64,
     ignore_eos: bool,
     turns: u64,
+    /// The system prompt every conversation starts with, and its length in tokens.
+    system: Option<(String, u64)>,
     start: Instant,
     slots: Arc<Semaphore>,
     records: mpsc::UnboundedSender<RequestRecord>,
@@ -52,6 +54,10 @@ pub async fn run_multi_turn(
     let started_at_unix_s = unix_now();
     let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
     let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer);
+    let system = match args.system_prompt_len {
+        0 => None,
+        len => Some((generator.prompt(len)?, len)),
+    };
     let mut scripts = Vec::with_capacity(args.conversations as usize);
     for k in 0..args.conversations {
         let mut user_messages = Vec::with_capacity(args.turns as usize);
@@ -82,6 +88,7 @@ pub async fn run_multi_turn(
         output_len: args.output_len,
         ignore_eos,
         turns: args.turns,
+        system,
         start: Instant::now(),
         slots: Arc::new(Semaphore::new(
             args.concurrency.unwrap_or(args.conversations) as usize,
@@ -159,6 +166,7 @@ pub async fn run_multi_turn(
             turns: Some(args.turns),
             turn_input_len: Some(args.turn_input_len),
             send_conversation_id: Some(args.send_conversation_id),
+            system_prompt_len: Some(args.system_prompt_len),
         },
         summary: summarize(&records, planned, duration, &slo),
         failures: failures(&records),
@@ -175,6 +183,10 @@ async fn converse(shared: Arc<Shared>, script: Script) {
     };
     let mut messages: Vec<ChatMessage> = Vec::new();
     let mut history_tokens = 0u64;
+    if let Some((text, tokens)) = &shared.system {
+        messages.push(chat_message("system", text.clone()));
+        history_tokens += tokens;
+    }
     let mut extra = Map::new();
     if let Some(id) = &script.conversation_id {
         extra.insert("conversation_id".into(), Value::String(id.clone()));

@@ -70,6 +70,10 @@ pub struct RunConfig {
     pub turn_input_len: Option<u64>,
     /// Multi-turn: whether `conversation_id` was sent.
     pub send_conversation_id: Option<bool>,
+    /// Multi-turn: tokens of the system prompt every conversation shares (absent in
+    /// files written before the option existed).
+    #[serde(default)]
+    pub system_prompt_len: Option<u64>,
 }
 
 /// Per-turn figures of a multi-turn run.

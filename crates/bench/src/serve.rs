@@ -211,6 +211,7 @@ fn assemble(
             turns: None,
             turn_input_len: None,
             send_conversation_id: None,
+            system_prompt_len: None,
         },
         summary: summarize(&records, args.num_prompts, duration, &slo),
         failures: failures(&records),

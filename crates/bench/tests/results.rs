@@ -30,6 +30,7 @@ const GOLDEN_KEYS: &[&str] = &[
     "config.request_rate",
     "config.seed",
     "config.send_conversation_id",
+    "config.system_prompt_len",
     "config.slo_tpot_ms",
     "config.slo_ttft_ms",
     "config.turn_input_len",

@@ -140,6 +140,14 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_MAX_TREE_SIZE", default_value_t = PolicyConfig::default().max_tree_size)]
     pub max_tree_size: usize,
 
+    /// cache_aware: prompts of compute one extra in-flight request costs. The longest match
+    /// loses to the least-loaded worker when its extra load costs more than the cached
+    /// tokens it has over that worker, so a prefix every prompt shares (a system prompt)
+    /// does not pull all traffic onto one worker. About 0.5 suits small CPU workers;
+    /// 0 (default) is SGLang's behaviour.
+    #[arg(long, env = "PDSERVE_CACHE_QUEUE_COST", default_value_t = 0.0)]
+    pub cache_queue_cost: f64,
+
     /// session: the policy for requests that carry no session key.
     #[arg(long, env = "PDSERVE_SESSION_FALLBACK", default_value = "round_robin")]
     pub session_fallback: String,
@@ -341,6 +349,7 @@ impl GatewayArgs {
             balance_rel_threshold: self.balance_rel_threshold,
             max_tree_size: self.max_tree_size,
             session_fallback: self.session_fallback.clone(),
+            queue_cost: self.cache_queue_cost,
         };
         policy_config.validate().map_err(GatewayError::Config)?;
         if self.probe_timeout.is_zero() {

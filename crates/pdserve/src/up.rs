@@ -42,9 +42,21 @@ pub struct UpArgs {
     #[arg(long, env = "PDSERVE_DECODE_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..))]
     decode: u16,
-    /// One aggregated worker (prefill and decode in one process) instead of P/D pools.
+    /// Aggregated (prefill_decode) workers, each prefilling and decoding in one process,
+    /// instead of P/D pools.
     #[arg(long, env = "PDSERVE_AGGREGATED", conflicts_with_all = ["prefill", "decode"])]
     aggregated: bool,
+    /// How many aggregated workers --aggregated starts.
+    #[arg(long, env = "PDSERVE_AGGREGATED_WORKERS", default_value_t = 1, requires = "aggregated",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    workers: u16,
+    /// The gateway's routing policy for every role (see `pdserve gateway --help`).
+    #[arg(long, env = "PDSERVE_POLICY", default_value = "round_robin")]
+    policy: String,
+    /// More `pdserve gateway` flags, passed through as given (repeat for each flag or
+    /// value), e.g. `--gateway-arg=--disagg-threshold --gateway-arg=64`.
+    #[arg(long = "gateway-arg", allow_hyphen_values = true)]
+    gateway_args: Vec<String>,
     /// Seconds a P/D worker keeps KV blocks pinned for a peer that never reads them.
     #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
     kv_abort_timeout: u64,
@@ -134,7 +146,7 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
     let roles: Vec<WorkerRole> = if args.aggregated {
-        vec![WorkerRole::PrefillDecode]
+        vec![WorkerRole::PrefillDecode; args.workers.into()]
     } else {
         std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
             .chain(std::iter::repeat_n(WorkerRole::Decode, args.decode.into()))
@@ -145,7 +157,9 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
     gateway
         .arg("gateway")
         .args(["--host", &args.host, "--port", &args.port.to_string()])
-        .args(["--shutdown-timeout", &shutdown_timeout]);
+        .args(["--shutdown-timeout", &shutdown_timeout])
+        .args(["--policy", &args.policy])
+        .args(&args.gateway_args);
     let mut worker_urls = Vec::new();
     let mut summary = Vec::new();
     for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {

@@ -14,8 +14,8 @@ use crate::validation::GenerateRequest;
 
 /// Sends the client's request (without `conversation_id`) to one worker of `role` that
 /// prefills and decodes it: a prefill_decode worker, or a decode worker when conditional
-/// disaggregation skips the prefill leg. `conversation_id` is given only where the
-/// worker's final KV handle serves the next turn (a decode worker's).
+/// disaggregation skips the prefill leg. `conversation_id` routes (session affinity); only
+/// a decode worker's final KV handle is kept for the conversation's next turn.
 pub async fn serve(
     state: &Arc<AppState>,
     ctx: &RequestContext,
@@ -28,7 +28,10 @@ pub async fn serve(
         role,
         body: request.to_body(),
         stream: request.is_stream(),
-        conversation_id: conversation_id.clone(),
+        // A prefill_decode worker keeps its own prefix cache; there is no KV to hand over.
+        conversation_id: conversation_id
+            .clone()
+            .filter(|_| role == WorkerRole::Decode),
     };
     forward(state, ctx, &route, leg).await
 }

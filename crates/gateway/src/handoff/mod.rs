@@ -83,7 +83,14 @@ pub async fn generate(
         }
         Mode::Aggregated => {
             state.metrics.record_disaggregation("aggregated");
-            aggregated::serve(state, ctx, request, None, WorkerRole::PrefillDecode).await
+            aggregated::serve(
+                state,
+                ctx,
+                request,
+                conversation_id,
+                WorkerRole::PrefillDecode,
+            )
+            .await
         }
         Mode::Unavailable => Err(ApiError::service_unavailable(format!(
             "no worker can serve this request: {}",

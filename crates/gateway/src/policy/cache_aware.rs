@@ -8,7 +8,9 @@
 //!    max > min × `balance_rel_threshold` (SGLang's test): route to the least-loaded
 //!    candidate.
 //! 2. Otherwise the candidate with the longest match wins when match / prompt length
-//!    (both in bytes, or tokens) > `cache_threshold`.
+//!    (both in bytes, or tokens) > `cache_threshold`, unless its extra in-flight requests
+//!    cost more than the cached tokens it has over the least-loaded candidate
+//!    ([`queue_outweighs_cache`]): then the least-loaded one.
 //! 3. Otherwise the least-loaded candidate, ties to the smallest tree. SGLang goes to the
 //!    smallest tree alone; putting load first keeps a burst of new prefixes from piling
 //!    onto one worker while in-flight counts still look balanced, and at equal load the
@@ -43,6 +45,7 @@ const PRUNE_CHECK_SECS: u64 = 60;
 #[derive(Debug)]
 pub struct CacheAware {
     cache_threshold: f64,
+    queue_cost: f64,
     balance_abs_threshold: usize,
     balance_rel_threshold: f64,
     max_tree_size: usize,
@@ -121,8 +124,9 @@ struct Scan {
     /// Index and match length of the longest match (ties: less loaded, smaller tree).
     best: usize,
     best_len: usize,
-    /// Index of the least-loaded candidate (ties: smaller tree).
+    /// Index of the least-loaded candidate (ties: smaller tree), and its match length.
     lowest: usize,
+    lowest_len: usize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -136,6 +140,7 @@ impl CacheAware {
     pub fn new(config: &PolicyConfig) -> Self {
         Self {
             cache_threshold: config.cache_threshold,
+            queue_cost: config.queue_cost,
             balance_abs_threshold: config.balance_abs_threshold,
             balance_rel_threshold: config.balance_rel_threshold,
             max_tree_size: config.max_tree_size,
@@ -177,6 +182,7 @@ impl CacheAware {
             best: 0,
             best_len: 0,
             lowest: 0,
+            lowest_len: 0,
         };
         let (mut best_rank, mut lowest_rank) = ((i64::MAX, usize::MAX), (i64::MAX, usize::MAX));
         for (i, w) in candidates.iter().enumerate() {
@@ -193,7 +199,7 @@ impl CacheAware {
                 (scan.best, scan.best_len, best_rank) = (i, len, rank);
             }
             if rank < lowest_rank {
-                (scan.lowest, lowest_rank) = (i, rank);
+                (scan.lowest, scan.lowest_len, lowest_rank) = (i, len, rank);
             }
         }
         scan
@@ -258,6 +264,29 @@ fn chars_in(text: &str, bytes: usize) -> usize {
     text[..end].chars().count()
 }
 
+/// Whether waiting behind the best-matching worker's extra in-flight requests would cost
+/// more than computing the prefix it holds and the least-loaded worker lacks.
+///
+/// SGLang's gateway goes to the longest match until load differs by its absolute
+/// threshold (64 requests), so a prefix every prompt shares (a system prompt) pulls all
+/// traffic onto the first worker that saw it while the others idle. Here each extra
+/// in-flight request can be taken to cost `queue_cost` prompts of compute
+/// (`--cache-queue-cost`; on small CPU workers about 0.5, its prefill or a share of the
+/// batched decode steps; on large GPU batches near 0): a worker whose lead in cached
+/// tokens is smaller than that cost loses the request to the least-loaded one, which then
+/// caches the shared prefix too. A long conversation history (a large lead) stays put.
+/// `queue_cost` 0 (the default) keeps SGLang's behaviour.
+fn queue_outweighs_cache(
+    candidates: &[Arc<Worker>],
+    scan: &Scan,
+    prompt_len: usize,
+    queue_cost: f64,
+) -> bool {
+    let extra = candidates[scan.best].in_flight() - candidates[scan.lowest].in_flight();
+    let lead = scan.best_len.saturating_sub(scan.lowest_len);
+    queue_cost > 0.0 && extra > 0 && extra as f64 * prompt_len as f64 * queue_cost > lead as f64
+}
+
 impl Policy for CacheAware {
     fn name(&self) -> &'static str {
         "cache_aware"
@@ -292,7 +321,9 @@ impl Policy for CacheAware {
                 } else {
                     scan.best_len as f64 / key.len() as f64
                 };
-                if ratio > self.cache_threshold {
+                if ratio > self.cache_threshold
+                    && !queue_outweighs_cache(candidates, &scan, key.len(), self.queue_cost)
+                {
                     self.hits.fetch_add(1, Ordering::Relaxed);
                     scan.best
                 } else {

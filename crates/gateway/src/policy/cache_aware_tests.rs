@@ -233,3 +233,31 @@ fn departed_workers_are_forgotten() {
     p.prune_idle(p.now() + 1);
     assert_eq!(p.tree_size(), 0);
 }
+
+#[test]
+fn queue_cost_keeps_a_shared_prefix_from_pulling_all_traffic_onto_one_worker() {
+    let cost = |queue_cost| PolicyConfig {
+        queue_cost,
+        ..PolicyConfig::default()
+    };
+    // A holds 100 of the 110 tokens, B none. One extra request on A costs 0.5 × 110 = 55
+    // tokens < 100 cached: A. Two cost 110 > 100: B.
+    assert_eq!(route_under_load(1, 0, cost(0.5)).0, A);
+    assert_eq!(route_under_load(2, 0, cost(0.5)).0, B);
+    assert_eq!(route_under_load(3, 1, cost(0.5)).0, B);
+    // Off (SGLang's behaviour): the match decides until the balance thresholds trip.
+    assert_eq!(route_under_load(2, 0, cost(0.0)).0, A);
+    assert_eq!(route_under_load(20, 0, cost(0.0)).0, A);
+    // Once B holds the shared prefix too, only the lead beyond it counts.
+    let p = CacheAware::new(&cost(0.5));
+    let ws = workers(WorkerRole::Decode, &[1, 2]);
+    let shared = ids(1, 100);
+    pick(&p, WorkerRole::Decode, &ws[..1], &tokens(&shared));
+    pick(&p, WorkerRole::Decode, &ws[1..], &tokens(&shared));
+    let history = cat(&shared, &ids(500, 30));
+    pick(&p, WorkerRole::Decode, &ws[..1], &tokens(&history));
+    let _a = load(&ws[0], 1);
+    // A's lead is 30 tokens; one extra request costs 0.5 × 140 = 70 > 30: B.
+    let next = cat(&history, &ids(900, 10));
+    assert_eq!(pick(&p, WorkerRole::Decode, &ws, &tokens(&next)), B);
+}

@@ -203,6 +203,10 @@ pub struct PolicyConfig {
     pub max_tree_size: usize,
     /// The policy `session` uses for requests without a session key.
     pub session_fallback: String,
+    /// cache_aware: prompts of compute one extra in-flight request is taken to cost; the
+    /// longest match loses to the least-loaded worker when its extra load costs more than
+    /// its lead in cached tokens. 0 turns the comparison off (SGLang's behaviour).
+    pub queue_cost: f64,
 }
 
 /// Default `max_tree_size`: 8 MiB per worker tree (about 2M tokens of prompt text).
@@ -216,6 +220,7 @@ impl Default for PolicyConfig {
             balance_rel_threshold: 1.5,
             max_tree_size: DEFAULT_MAX_TREE_SIZE,
             session_fallback: "round_robin".to_string(),
+            queue_cost: 0.0,
         }
     }
 }
@@ -233,6 +238,12 @@ impl PolicyConfig {
             return Err(format!(
                 "--balance-rel-threshold must be a non-negative number, got {}",
                 self.balance_rel_threshold
+            ));
+        }
+        if !self.queue_cost.is_finite() || self.queue_cost < 0.0 {
+            return Err(format!(
+                "--cache-queue-cost must be a non-negative number, got {}",
+                self.queue_cost
             ));
         }
         if self.max_tree_size == 0 {

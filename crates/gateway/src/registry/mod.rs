@@ -325,26 +325,10 @@ impl Registry {
     /// Ignored when `worker` is no longer the registered record for its URL.
     pub fn record_success(&self, worker: &Arc<Worker>) {
         worker.record_success();
-        let roster = self.roster.load();
-        match roster.holds(worker) {
-            Some(i) if roster.members()[i].health == Health::Evicted => {}
-            _ => return,
+        if self.set_health(worker, Health::Evicted, Health::Live) {
+            tracing::info!(role = %worker.role(), url = %worker.base, "worker is healthy again; routing to it resumes");
+            self.metrics.inc_readmissions(worker.role().as_str());
         }
-        drop(roster);
-        let _guard = self.lock();
-        let roster = self.roster.load();
-        let Some(i) = roster.holds(worker) else {
-            return;
-        };
-        if roster.members()[i].health != Health::Evicted {
-            return;
-        }
-        let mut members = roster.members().to_vec();
-        members[i].health = Health::Live;
-        members[i].evicted_since = None;
-        tracing::info!(role = %worker.role(), url = %worker.base, "worker is healthy again; routing to it resumes");
-        self.metrics.inc_readmissions(worker.role().as_str());
-        self.publish(members);
     }
 
     /// A failed probe (or request): evicts a live worker once it reaches the failure
@@ -356,31 +340,39 @@ impl Registry {
         if failures < self.policy.fail_threshold && !conclusive {
             return;
         }
-        let roster = self.roster.load();
-        match roster.holds(worker) {
-            Some(i) if roster.members()[i].health == Health::Live => {}
-            _ => return,
+        if self.set_health(worker, Health::Live, Health::Evicted) {
+            tracing::warn!(
+                role = %worker.role(),
+                url = %worker.base,
+                failures,
+                "worker evicted ({why}); no new requests go to it until it answers /health again"
+            );
+            self.metrics.inc_evictions(worker.role().as_str());
         }
-        drop(roster);
+    }
+
+    /// Moves `worker` from `from` to `to` if it is still the registered record for its
+    /// URL and in `from`; returns whether it moved. The roster is checked without the
+    /// writer lock first, so the common case (nothing to change) takes no lock.
+    fn set_health(&self, worker: &Arc<Worker>, from: Health, to: Health) -> bool {
+        let in_from = |roster: &Roster| {
+            roster
+                .holds(worker)
+                .filter(|&i| roster.members()[i].health == from)
+        };
+        if in_from(&self.roster.load()).is_none() {
+            return false;
+        }
         let _guard = self.lock();
         let roster = self.roster.load();
-        let Some(i) = roster.holds(worker) else {
-            return;
+        let Some(i) = in_from(&roster) else {
+            return false;
         };
-        if roster.members()[i].health != Health::Live {
-            return;
-        }
         let mut members = roster.members().to_vec();
-        members[i].health = Health::Evicted;
-        members[i].evicted_since = Some(Instant::now());
-        tracing::warn!(
-            role = %worker.role(),
-            url = %worker.base,
-            failures,
-            "worker evicted ({why}); no new requests go to it until it answers /health again"
-        );
-        self.metrics.inc_evictions(worker.role().as_str());
+        members[i].health = to;
+        members[i].evicted_since = (to == Health::Evicted).then(Instant::now);
         self.publish(members);
+        true
     }
 
     /// Forgets workers evicted for longer than `--evicted-ttl`.
