@@ -321,9 +321,19 @@ impl Policy for CacheAware {
                 } else {
                     scan.best_len as f64 / key.len() as f64
                 };
-                if ratio > self.cache_threshold
-                    && !queue_outweighs_cache(candidates, &scan, key.len(), self.queue_cost)
-                {
+                let follow_match = ratio > self.cache_threshold
+                    && !queue_outweighs_cache(candidates, &scan, key.len(), self.queue_cost);
+                tracing::debug!(
+                    %role,
+                    match_ratio = ratio,
+                    best = %candidates[scan.best].base,
+                    best_load = candidates[scan.best].in_flight(),
+                    lowest = %candidates[scan.lowest].base,
+                    lowest_load = candidates[scan.lowest].in_flight(),
+                    follow_match,
+                    "cache_aware decision"
+                );
+                if follow_match {
                     self.hits.fetch_add(1, Ordering::Relaxed);
                     scan.best
                 } else {

@@ -93,6 +93,18 @@ async fn worker_health(gw: &Gateway, url: &str) -> Option<String> {
         .map(|w| w["health"].as_str().unwrap().to_string())
 }
 
+/// The circuit state of the worker at `url` in `/instances`.
+async fn circuit(gw: &Gateway, url: &str) -> String {
+    let instances = gw.instances().await;
+    instances["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == url)
+        .map(|w| w["circuit"].as_str().unwrap().to_string())
+        .unwrap_or_default()
+}
+
 /// Polls until `check` holds; returns how long it took.
 async fn wait_until<F, Fut>(what: &str, limit: Duration, mut check: F) -> Duration
 where
@@ -312,6 +324,9 @@ async fn killed_workers_are_evicted_without_failed_requests_and_readmitted_on_re
         let mut d2 = Double::start(Role::Decode, "D2").await;
         let mut config = dynamic(&[&p1, &p2], &[&d1, &d2]);
         config.admin_api_key = None;
+        // One failed request opens a breaker; a trial after 200 ms may close it.
+        config.health.breaker.failure_threshold = 1;
+        config.health.breaker.cooldown = Duration::from_millis(200);
         let interval = config.probe.interval;
         let threshold = config.health.fail_threshold;
         let gw = Gateway::start(config).await;
@@ -332,6 +347,7 @@ async fn killed_workers_are_evicted_without_failed_requests_and_readmitted_on_re
             worker_health(&gw, &d2.url).await.as_deref() == Some("evicted")
         });
         let (evict_p, evict_d) = tokio::join!(evict_p, evict_d);
+        assert_eq!(circuit(&gw, &d2.url).await, "open", "the failed request opened it");
         let bound = interval * threshold + Duration::from_millis(500);
         assert!(evict_p.max(evict_d) <= bound, "evicted after {evict_p:?}/{evict_d:?} > {bound:?}");
         eprintln!("kill test: evicted P2 after {evict_p:?}, D2 after {evict_d:?} (threshold x interval = {:?})", interval * threshold);
@@ -350,6 +366,11 @@ async fn killed_workers_are_evicted_without_failed_requests_and_readmitted_on_re
         let before = d2.requests().len();
         wait_until("traffic to the restarted D2", Duration::from_secs(5), || async {
             d2.requests().len() > before
+        })
+        .await;
+        // The breaker D2's failed request opened closed again after a successful trial.
+        wait_until("D2's circuit to close", Duration::from_secs(5), || async {
+            circuit(&gw, &d2.url).await == "closed"
         })
         .await;
         stop.store(true, Ordering::SeqCst);
