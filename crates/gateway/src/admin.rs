@@ -65,6 +65,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                 "in_flight": w.in_flight(),
                 "dp_size": w.spec.dp_size,
                 "bootstrap_port": w.spec.bootstrap_port,
+                "ec_zmq_addrs": w.spec.ec_zmq_addrs,
                 "consecutive_failures": w.failures(),
                 "circuit": w.circuit(),
                 "evicted_for_secs": m.evicted_since.map(|t| t.elapsed().as_secs_f64()),
@@ -75,7 +76,8 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
     Value::Object(out)
 }
 
-/// `POST /instances` `{role, url, dp_size?, bootstrap_port?}` → `{"registered": bool}`.
+/// `POST /instances` `{role, url, dp_size?, bootstrap_port?, ec_zmq_addrs?}` →
+/// `{"registered": bool}`.
 pub async fn register(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -194,11 +196,49 @@ fn parse_registration(body: &[u8]) -> Result<WorkerSpec, ApiError> {
                 })?,
         ),
     };
+    let ec_zmq_addrs = match field("ec_zmq_addrs") {
+        None => Vec::new(),
+        Some(Value::Array(addrs)) => addrs
+            .iter()
+            .map(|a| a.as_str().filter(|s| !s.is_empty()).map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                bad(
+                    "ec_zmq_addrs",
+                    "`ec_zmq_addrs` must be a list of addresses (strings)".into(),
+                )
+            })?,
+        Some(_) => {
+            return Err(bad(
+                "ec_zmq_addrs",
+                "`ec_zmq_addrs` must be a list of addresses (strings)".into(),
+            ))
+        }
+    };
+    if !ec_zmq_addrs.is_empty() {
+        // The encoders push embeddings to the stage that consumes them.
+        if !matches!(role, WorkerRole::Prefill | WorkerRole::PrefillDecode) {
+            return Err(bad(
+                "ec_zmq_addrs",
+                format!("only encoder-cache consumers (prefill, prefill_decode) take `ec_zmq_addrs`, not {role}"),
+            ));
+        }
+        if ec_zmq_addrs.len() != dp_size as usize {
+            return Err(bad(
+                "ec_zmq_addrs",
+                format!(
+                    "give one `ec_zmq_addrs` entry per data-parallel replica: {} for dp_size {dp_size}",
+                    ec_zmq_addrs.len()
+                ),
+            ));
+        }
+    }
     Ok(WorkerSpec {
         role,
         url,
         dp_size,
         bootstrap_port,
+        ec_zmq_addrs,
     })
 }
 
@@ -217,6 +257,11 @@ mod tests {
         assert_eq!((ok.dp_size, ok.bootstrap_port), (2, Some(8998)));
         let minimal = parse_registration(br#"{"role":"decode","url":"http://h:1"}"#).unwrap();
         assert_eq!((minimal.dp_size, minimal.bootstrap_port), (1, None));
+        let consumer = parse_registration(
+            br#"{"role":"prefill_decode","url":"http://h:1","dp_size":2,"ec_zmq_addrs":["tcp://a:1","tcp://b:1"]}"#,
+        )
+        .unwrap();
+        assert_eq!(consumer.ec_zmq_addrs, ["tcp://a:1", "tcp://b:1"]);
         for (body, param) in [
             (&br#"{"role":"prefill","url":"nope"}"#[..], "url"),
             (br#"{"role":"prefill","url":"ftp://h:1"}"#, "url"),
@@ -239,6 +284,18 @@ mod tests {
             (
                 br#"{"role":"decode","url":"http://h:1","bootstrap_port":70000}"#,
                 "bootstrap_port",
+            ),
+            (
+                br#"{"role":"decode","url":"http://h:1","ec_zmq_addrs":["tcp://a:1"]}"#,
+                "ec_zmq_addrs",
+            ),
+            (
+                br#"{"role":"prefill","url":"http://h:1","dp_size":2,"ec_zmq_addrs":["tcp://a:1"]}"#,
+                "ec_zmq_addrs",
+            ),
+            (
+                br#"{"role":"prefill","url":"http://h:1","ec_zmq_addrs":[1]}"#,
+                "ec_zmq_addrs",
             ),
         ] {
             let err = parse_registration(body).unwrap_err();

@@ -36,6 +36,24 @@ pub struct GatewayArgs {
     #[arg(long = "worker", env = "PDSERVE_WORKER", value_delimiter = ',')]
     pub worker: Vec<String>,
 
+    /// Encode worker base URL (vLLM's disaggregated media encoder); repeat for a pool.
+    /// Requests with image, audio or video items are encoded there first (E+P+D with
+    /// --prefill/--decode, E+PD with --worker). Comma-separated in the environment variable.
+    #[arg(long = "encode", env = "PDSERVE_ENCODE", value_delimiter = ',')]
+    pub encode: Vec<String>,
+
+    /// Most images of one request sent to one encoder in a single sub-request; 0 puts
+    /// all of a request's images for an encoder in one. Audio and video items always go
+    /// one per sub-request.
+    #[arg(long, env = "PDSERVE_ENCODER_MAX_BATCH_SIZE", default_value_t = 0)]
+    pub encoder_max_batch_size: usize,
+
+    /// Forward the original media to the prefill/decode workers instead of rewriting the
+    /// items into references to the encoders' embeddings (to A/B the rewrite). The
+    /// encoders still run, without gateway-assigned uuids, so both sides hash the media.
+    #[arg(long, env = "PDSERVE_NO_REWRITE")]
+    pub no_rewrite: bool,
+
     /// Largest accepted request body in bytes; larger bodies get 413.
     #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -210,6 +228,12 @@ pub struct GatewayConfig {
     pub decode: Vec<Url>,
     /// Aggregated worker base URLs.
     pub worker: Vec<Url>,
+    /// Encode worker base URLs.
+    pub encode: Vec<Url>,
+    /// Most images per encoder sub-request (0: unlimited).
+    pub encoder_max_batch_size: usize,
+    /// Forward original media instead of metadata references.
+    pub no_rewrite: bool,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
     /// Retries of a leg on another worker before the first byte.
@@ -259,6 +283,9 @@ impl GatewayConfig {
             prefill,
             decode,
             worker,
+            encode: Vec::new(),
+            encoder_max_batch_size: 0,
+            no_rewrite: false,
             max_body_bytes: 32 * 1024 * 1024,
             max_retries: 2,
             disagg_threshold: None,
@@ -296,6 +323,7 @@ impl GatewayConfig {
             .into_iter()
             .chain(of(WorkerRole::Decode, &self.decode))
             .chain(of(WorkerRole::PrefillDecode, &self.worker))
+            .chain(of(WorkerRole::Encode, &self.encode))
     }
 }
 
@@ -321,6 +349,7 @@ impl GatewayArgs {
         let prefill = urls("--prefill", &self.prefill)?;
         let decode = urls("--decode", &self.decode)?;
         let worker = urls("--worker", &self.worker)?;
+        let encode = urls("--encode", &self.encode)?;
         let split = !prefill.is_empty() || !decode.is_empty();
         if !worker.is_empty() && split {
             return Err(GatewayError::Config(
@@ -333,6 +362,17 @@ impl GatewayArgs {
             return Err(GatewayError::Config(
                 "prefill/decode disaggregation needs at least one --prefill and one --decode worker \
                  (or give --worker for aggregated serving)"
+                    .into(),
+            ));
+        }
+        if !encode.is_empty()
+            && prefill.is_empty()
+            && worker.is_empty()
+            && !self.dynamic_registration
+        {
+            return Err(GatewayError::Config(
+                "--encode workers need --prefill/--decode or --worker workers to serve the \
+                 encoded requests"
                     .into(),
             ));
         }
@@ -366,6 +406,9 @@ impl GatewayArgs {
             prefill,
             decode,
             worker,
+            encode,
+            encoder_max_batch_size: self.encoder_max_batch_size,
+            no_rewrite: self.no_rewrite,
             max_body_bytes: self.max_body_bytes,
             max_retries: self.max_retries,
             disagg_threshold: self.disagg_threshold,
@@ -476,6 +519,45 @@ mod tests {
             cli.args.to_config().is_err(),
             "prefill_decode mixed with P/D"
         );
+    }
+
+    #[test]
+    fn encoders_join_either_topology() {
+        let cli = Cli::parse_from([
+            "x",
+            "--encode",
+            "http://127.0.0.1:7",
+            "--encode",
+            "http://127.0.0.1:8",
+            "--worker",
+            "http://127.0.0.1:9",
+            "--encoder-max-batch-size",
+            "4",
+            "--no-rewrite",
+        ]);
+        let cfg = cli.args.to_config().unwrap();
+        assert_eq!(cfg.encode.len(), 2);
+        assert_eq!((cfg.encoder_max_batch_size, cfg.no_rewrite), (4, true));
+        let roles: Vec<_> = cfg.static_workers().map(|s| s.role).collect();
+        assert_eq!(
+            roles,
+            [
+                WorkerRole::PrefillDecode,
+                WorkerRole::Encode,
+                WorkerRole::Encode
+            ]
+        );
+        let defaults = Cli::parse_from(["x", "--worker", "http://127.0.0.1:9"]);
+        let cfg = defaults.args.to_config().unwrap();
+        assert_eq!((cfg.encoder_max_batch_size, cfg.no_rewrite), (0, false));
+        assert_eq!(
+            defaults.args.max_retries, 2,
+            "--decode-retries is its alias"
+        );
+        let alone = Cli::parse_from(["x", "--encode", "http://127.0.0.1:7"]);
+        assert!(alone.args.to_config().is_err(), "encoders need a consumer");
+        let alias = Cli::parse_from(["x", "--decode-retries", "1"]);
+        assert_eq!(alias.args.max_retries, 1);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! of prefill, decode and prefill_decode workers (static flags, or registered at run time
 //! through the admin API; health-probed, evicted and re-admitted), moving the KV cache
 //! from prefill to decode with vLLM's `kv_transfer_params` protocol and reusing a
-//! conversation's decode KV on its next turn.
+//! conversation's decode KV on its next turn. Requests with image, audio or video items
+//! are encoded on encode workers first and reach prefill/decode as metadata references
+//! (vLLM's E+P+D and E+PD).
 
 pub mod admin;
 pub mod args;
@@ -15,6 +17,7 @@ pub mod handoff;
 pub mod metrics;
 pub mod policy;
 pub mod prewarm;
+pub mod profile;
 pub mod readiness;
 pub mod registry;
 pub mod server;
@@ -43,6 +46,7 @@ pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
         prefill = config.prefill.len(),
         decode = config.decode.len(),
         prefill_decode = config.worker.len(),
+        encode = config.encode.len(),
         dynamic_registration = config.admin_api_key.is_some(),
         policy = %config.policy,
         prefill_policy = config.prefill_policy.as_deref().unwrap_or(&config.policy),

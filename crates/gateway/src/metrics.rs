@@ -56,6 +56,17 @@ struct RouteLabels {
     route: String,
 }
 
+/// Labels of the encoder-disaggregation stage timings.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StageLabels {
+    stage: String,
+}
+
+/// Stage buckets from 0.1 ms (the rewrite takes microseconds) to about 840 s.
+fn stage_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 24))
+}
+
 /// Latency buckets from 1 ms to about 550 s.
 fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 20))
@@ -84,6 +95,9 @@ pub struct Metrics {
     workers: Family<RoleHealthLabels, Gauge>,
     evictions: Family<RoleLabels, Counter>,
     readmissions: Family<RoleLabels, Counter>,
+    epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
+    encoder_sub_requests: Counter,
+    encoder_reencodes: Counter,
 }
 
 impl Default for Metrics {
@@ -206,8 +220,33 @@ impl Default for Metrics {
             "Evicted workers re-admitted after a healthy probe",
             readmissions.clone(),
         );
+        let epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(stage_histogram);
+        registry.register(
+            "epd_stage_seconds",
+            "Encoder-disaggregated requests by stage: encode (all encoder sub-requests), \
+             rewrite, prefill, decode_ttfb (final leg to its first byte) and total (arrival \
+             to the final leg's first byte)",
+            epd_stage_seconds.clone(),
+        );
+        let encoder_sub_requests = Counter::default();
+        registry.register(
+            "encoder_sub_requests",
+            "Sub-requests sent to encode workers",
+            encoder_sub_requests.clone(),
+        );
+        let encoder_reencodes = Counter::default();
+        registry.register(
+            "encoder_reencodes",
+            "Requests encoded again because a later stage failed before its first byte \
+             (a decode 500: the embedding could not be fetched)",
+            encoder_reencodes.clone(),
+        );
         Self {
             registry,
+            epd_stage_seconds,
+            encoder_sub_requests,
+            encoder_reencodes,
             workers,
             evictions,
             readmissions,
@@ -370,6 +409,25 @@ impl Metrics {
                 role: role.to_string(),
             })
             .inc();
+    }
+
+    /// Records one stage of an encoder-disaggregated request.
+    pub fn observe_epd_stage(&self, stage: &str, d: Duration) {
+        self.epd_stage_seconds
+            .get_or_create(&StageLabels {
+                stage: stage.to_string(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
+    /// Counts sub-requests sent to encoders.
+    pub fn inc_encoder_sub_requests(&self, n: u64) {
+        self.encoder_sub_requests.inc_by(n);
+    }
+
+    /// Counts a request encoded again after a later stage failed.
+    pub fn inc_encoder_reencodes(&self) {
+        self.encoder_reencodes.inc();
     }
 
     /// All metrics in the Prometheus text format.

@@ -26,7 +26,7 @@ use crate::policy::RouteRequest;
 use crate::state::AppState;
 use crate::upstream::{Exchange, ForwardHeaders, LegErrorKind};
 use crate::validation::{body_rejection, GenerateRequest};
-use crate::{admin, prewarm, readiness, registry};
+use crate::{admin, prewarm, profile, readiness, registry};
 
 /// The gateway's routes and layers over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -45,6 +45,8 @@ pub fn router(state: Arc<AppState>) -> Router {
                 .delete(admin::unregister),
         )
         .route("/metrics", get(metrics))
+        .route("/start_profile", post(profile::start))
+        .route("/stop_profile", post(profile::stop))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))

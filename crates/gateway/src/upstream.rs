@@ -83,8 +83,21 @@ impl Upstream {
         body: Bytes,
         headers: &ForwardHeaders,
     ) -> RequestBuilder {
+        self.post_leg_at(worker, endpoint, body, headers, worker.next_dp_rank())
+    }
+
+    /// A JSON POST of a generation leg to `worker` that names `rank` (chosen by the
+    /// caller: the replica the encoders published a request's embeddings to).
+    pub fn post_leg_at(
+        &self,
+        worker: &Worker,
+        endpoint: crate::endpoint::Endpoint,
+        body: Bytes,
+        headers: &ForwardHeaders,
+        rank: Option<u32>,
+    ) -> RequestBuilder {
         let request = self.post_json(worker.url(endpoint), body, headers);
-        match worker.next_dp_rank() {
+        match rank {
             Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
             None => request,
         }
@@ -146,12 +159,19 @@ pub struct LegError {
     pub failure: Failure,
     /// What went wrong.
     pub kind: LegErrorKind,
+    /// The worker's error status, when it answered one.
+    pub status: Option<http::StatusCode>,
+    /// The failure calls for redoing an earlier stage of the request (a decode 500 after
+    /// the encoder stage: the embedding could not be fetched), not for retrying this leg
+    /// alone.
+    pub escalated: bool,
 }
 
 impl LegError {
-    /// Whether another worker may succeed where this one failed (all but a 4xx).
+    /// Whether another worker may succeed where this one failed (all but a 4xx, and
+    /// never an escalated failure: the leg alone cannot succeed).
     pub fn retryable(&self) -> bool {
-        self.kind != LegErrorKind::ClientError
+        self.kind != LegErrorKind::ClientError && !self.escalated
     }
 
     /// The message the client would get.
@@ -222,13 +242,17 @@ impl<'a> Exchange<'a> {
             return Err(LegError {
                 failure: Failure::from_upstream_client_error(status, body, &self.worker.base),
                 kind: LegErrorKind::ClientError,
+                status: Some(status),
+                escalated: false,
             });
         }
         let text = String::from_utf8_lossy(&body);
-        Err(self.error(
+        let mut error = self.error(
             LegErrorKind::Status,
             format!("answered {status}: {}", truncate(text.trim(), 512)),
-        ))
+        );
+        error.status = Some(status);
+        Err(error)
     }
 
     /// Sends `request` and reads the whole 2xx body within the limit.
@@ -255,6 +279,8 @@ impl<'a> Exchange<'a> {
             ))
             .into(),
             kind: LegErrorKind::Timeout,
+            status: None,
+            escalated: false,
         }
     }
 
@@ -274,6 +300,8 @@ impl<'a> Exchange<'a> {
             failure: ApiError::bad_gateway(format!("{} {} {what}", self.label, self.worker.base))
                 .into(),
             kind,
+            status: None,
+            escalated: false,
         }
     }
 }

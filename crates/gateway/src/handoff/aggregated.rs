@@ -32,6 +32,8 @@ pub async fn serve(
         conversation_id: conversation_id
             .clone()
             .filter(|_| role == WorkerRole::Decode),
+        dp_rank: None,
+        reencode_on_500: false,
     };
     forward(state, ctx, &route, leg).await
 }

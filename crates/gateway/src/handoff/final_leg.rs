@@ -1,6 +1,7 @@
 //! The leg that answers the client (decode, or a prefill_decode worker): worker choice,
 //! retry before the first byte, time-to-first-byte limit, streaming relay.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -32,6 +33,21 @@ pub struct FinalLeg {
     pub stream: bool,
     /// The conversation whose next turn gets this leg's final KV params.
     pub conversation_id: Option<String>,
+    /// The data-parallel rank to name instead of the worker's own rotation (the replica
+    /// the encoders published this request's embeddings to).
+    pub dp_rank: Option<u32>,
+    /// A 500 before the first byte escalates (the caller redoes the encoder stage)
+    /// instead of being retried on another worker with the same body.
+    pub reencode_on_500: bool,
+}
+
+/// Why a final leg sent with `reencode_on_500` failed.
+#[derive(Debug)]
+pub struct FinalLegError {
+    /// What the client gets if nothing else is tried.
+    pub failure: Failure,
+    /// A worker answered 500 before its first byte: redoing the encoder stage may help.
+    pub reencode: bool,
 }
 
 /// Sends the leg, retrying on another worker while nothing has reached the client.
@@ -41,19 +57,67 @@ pub async fn forward(
     route: &RouteRequest<'_>,
     leg: FinalLeg,
 ) -> Result<Response, Failure> {
-    let (mut response, worker) = with_retries(state, ctx, route, leg.role, Leg::Final, |w| {
-        attempt(state, ctx, &leg, w)
+    forward_reencodable(state, ctx, route, leg)
+        .await
+        .map_err(|e| e.failure)
+}
+
+/// Like [`forward`], and says whether the failure was an escalated 500.
+pub async fn forward_reencodable(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    route: &RouteRequest<'_>,
+    leg: FinalLeg,
+) -> Result<Response, FinalLegError> {
+    let escalated = AtomicBool::new(false);
+    let result = with_retries(state, ctx, route, leg.role, Leg::Final, |w| {
+        let escalated = &escalated;
+        let leg = &leg;
+        async move {
+            let result = attempt(state, ctx, leg, w).await;
+            if result.as_ref().is_err_and(|e| e.escalated) {
+                escalated.store(true, Ordering::Relaxed);
+            }
+            result
+        }
     })
-    .await?;
+    .await;
+    match result {
+        Ok((mut response, worker)) => {
+            expose_final(state, &mut response, leg.role, &worker);
+            Ok(response)
+        }
+        Err(failure) => Err(FinalLegError {
+            failure,
+            reencode: escalated.load(Ordering::Relaxed),
+        }),
+    }
+}
+
+/// Sends the leg once, to `worker` (the consumer the encoders published to); the caller
+/// decides about retries.
+pub async fn forward_once(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    leg: &FinalLeg,
+    worker: &Arc<Worker>,
+) -> Result<Response, LegError> {
+    let mut response = attempt(state, ctx, leg, worker.clone())
+        .await
+        .inspect_err(|e| state.report(worker, e))?;
+    expose_final(state, &mut response, leg.role, worker);
+    Ok(response)
+}
+
+fn expose_final(state: &AppState, response: &mut Response, role: WorkerRole, worker: &Worker) {
     if state.config.expose_routing {
-        let name = if leg.role == WorkerRole::PrefillDecode {
+        let name = if role == WorkerRole::PrefillDecode {
             X_PDSERVE_WORKER
         } else {
             X_PDSERVE_DECODE
         };
-        expose_worker(&mut response, name, &worker);
+        expose_worker(response, name, worker);
     }
-    Ok(response)
 }
 
 /// Names `worker` in the response header `name` (with `--expose-routing`).
@@ -71,11 +135,16 @@ async fn attempt(
     worker: Arc<Worker>,
 ) -> Result<Response, LegError> {
     let mut in_flight = Some(state.start_request(worker.clone()));
-    let result = send_leg(state, ctx, leg, worker, &mut in_flight).await;
+    let mut result = send_leg(state, ctx, leg, worker, &mut in_flight).await;
     if let (Err(e), Some(in_flight)) = (&result, in_flight.as_mut()) {
         if e.is_worker_fault() {
             in_flight.set_outcome(RequestOutcome::Failure);
         }
+    }
+    if let Err(e) = &mut result {
+        // vLLM answers 500 when it could not obtain an encoder's embedding, among its
+        // other retryable internal errors: publishing the item again is what helps.
+        e.escalated = leg.reencode_on_500 && e.status == Some(StatusCode::INTERNAL_SERVER_ERROR);
     }
     result
 }
@@ -92,9 +161,17 @@ async fn send_leg(
     let label = format!("{} worker", leg.role);
     let exchange = Exchange::new(&worker, &label, state.config.decode_timeout);
     let sent = Instant::now();
-    let request = state
-        .upstream
-        .post_leg(&worker, ctx.endpoint, leg.body.clone(), &ctx.headers);
+    let body = leg.body.clone();
+    let request = match leg.dp_rank {
+        Some(rank) => {
+            state
+                .upstream
+                .post_leg_at(&worker, ctx.endpoint, body, &ctx.headers, Some(rank))
+        }
+        None => state
+            .upstream
+            .post_leg(&worker, ctx.endpoint, body, &ctx.headers),
+    };
     let response = exchange.send(request).await?;
 
     if !leg.stream {

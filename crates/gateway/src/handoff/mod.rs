@@ -1,8 +1,13 @@
-//! How a generation request crosses the workers: one module per handoff protocol.
+//! How a generation request crosses the workers: one module per handoff protocol, and
+//! the encoder stage in front of them for requests with media items.
 
 pub mod aggregated;
 pub mod conditional;
+pub mod encode;
+pub mod epd;
 pub mod final_leg;
+pub mod media;
+pub mod mm_rewrite;
 pub mod relay;
 pub mod retry;
 pub mod sequential;
@@ -60,13 +65,17 @@ impl RequestContext {
     }
 }
 
-/// Serves a validated request with the handoff the configured pools allow.
+/// Serves a validated request with the handoff the configured pools allow; a chat
+/// request with media items goes through the encoders first.
 pub async fn generate(
     state: &Arc<AppState>,
     ctx: &RequestContext,
     request: GenerateRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
+    if matches!(&request, GenerateRequest::Chat(chat) if media::has_media(chat)) {
+        return epd::serve(state, ctx, request, conversation_id).await;
+    }
     let roster = state.registry.snapshot();
     match roster.mode() {
         Mode::Disaggregated => {

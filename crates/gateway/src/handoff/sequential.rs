@@ -64,6 +64,8 @@ pub async fn serve(
         body: request.to_body(),
         stream: request.is_stream(),
         conversation_id: conversation_id.clone(),
+        dp_rank: None,
+        reencode_on_500: false,
     };
     let route = ctx.route_for(&request, conversation_id.as_deref());
     let mut response = forward(state, ctx, &route, leg).await?;
@@ -103,10 +105,25 @@ async fn prefill(
         Leg::Prefill,
         |worker| {
             let body = body.clone();
-            async move { prefill_once(state, ctx, &worker, body).await }
+            async move { prefill_once(state, ctx, &worker, body, worker.next_dp_rank()).await }
         },
     )
     .await
+}
+
+/// Sends the prefill leg once, to `worker` naming `rank` (the consumer the encoders
+/// published to), and returns the `kv_transfer_params` it answered with; the caller
+/// decides about retries.
+pub async fn prefill_pinned(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    worker: &Arc<Worker>,
+    body: Bytes,
+    rank: Option<u32>,
+) -> Result<Option<KvTransferParams>, LegError> {
+    prefill_once(state, ctx, worker, body, rank)
+        .await
+        .inspect_err(|e| state.report(worker, e))
 }
 
 async fn prefill_once(
@@ -114,13 +131,14 @@ async fn prefill_once(
     ctx: &RequestContext,
     worker: &Arc<Worker>,
     body: Bytes,
+    rank: Option<u32>,
 ) -> Result<Option<KvTransferParams>, LegError> {
     let mut in_flight = state.start_request(worker.clone());
     let sent = Instant::now();
     let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
     let request = state
         .upstream
-        .post_leg(worker, ctx.endpoint, body, &ctx.headers);
+        .post_leg_at(worker, ctx.endpoint, body, &ctx.headers, rank);
     let result = async {
         let body = exchange.send_and_read(request).await?;
         state.metrics.observe_prefill(sent.elapsed());

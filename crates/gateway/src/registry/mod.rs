@@ -8,6 +8,7 @@ pub mod circuit;
 pub mod probe;
 mod worker;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -200,6 +201,9 @@ pub struct Registry {
     policy: HealthPolicy,
     /// Bumped on every roster change; the pre-warmer listens.
     changes: watch::Sender<u64>,
+    /// Per-role rotation of [`Registry::assign`], indexed by [`role_index`]. Only ever
+    /// advanced: restarting it on roster changes would hot-spot the first worker.
+    cursors: [AtomicUsize; 4],
 }
 
 impl Registry {
@@ -214,7 +218,30 @@ impl Registry {
                 ..policy
             },
             changes: watch::channel(0).0,
+            cursors: Default::default(),
         }
+    }
+
+    /// `count` live workers of `role` in round-robin order, continuing where the previous
+    /// call stopped, so that a request's items (and consecutive requests) spread over the
+    /// pool instead of each starting at its first worker. Workers whose circuit is open
+    /// are passed over while another worker admits traffic. Empty when none is live.
+    pub fn assign(&self, role: WorkerRole, count: usize) -> Vec<Arc<Worker>> {
+        let roster = self.snapshot();
+        let live = roster.live(role);
+        let open: Vec<Arc<Worker>> = live
+            .iter()
+            .filter(|w| w.breaker.is_candidate())
+            .cloned()
+            .collect();
+        let pool = if open.is_empty() { live } else { &open[..] };
+        if pool.is_empty() || count == 0 {
+            return Vec::new();
+        }
+        let start = self.cursors[role_index(role)].fetch_add(count, Ordering::Relaxed);
+        (0..count)
+            .map(|offset| pool[start.wrapping_add(offset) % pool.len()].clone())
+            .collect()
     }
 
     /// The current roster (a cheap pointer copy; it never changes under the caller).

@@ -153,3 +153,23 @@ fn missing_roles_are_described() {
         vec!["no decode worker is registered"]
     );
 }
+
+#[test]
+fn assign_continues_the_rotation_across_calls_and_roster_changes() {
+    let r = registry(3, None);
+    assert!(r.assign(WorkerRole::Encode, 2).is_empty());
+    r.register(spec(WorkerRole::Encode, 1)).unwrap();
+    r.register(spec(WorkerRole::Encode, 2)).unwrap();
+    let ports = |ws: Vec<Arc<Worker>>| {
+        ws.iter()
+            .map(|w| w.spec.url.port().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ports(r.assign(WorkerRole::Encode, 3)), [1, 2, 1]);
+    assert_eq!(ports(r.assign(WorkerRole::Encode, 1)), [2]);
+    assert_eq!(ports(r.assign(WorkerRole::Encode, 1)), [1]);
+    r.register(spec(WorkerRole::Encode, 3)).unwrap();
+    // The cursor (5) continues over the new roster instead of restarting at its head.
+    assert_eq!(ports(r.assign(WorkerRole::Encode, 2)), [3, 1]);
+    assert!(r.assign(WorkerRole::Prefill, 1).is_empty());
+}

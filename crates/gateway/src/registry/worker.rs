@@ -23,6 +23,10 @@ pub struct WorkerSpec {
     pub dp_size: u32,
     /// SGLang bootstrap port of a prefill worker, if it has one.
     pub bootstrap_port: Option<u16>,
+    /// An encoder-cache consumer's push-connector (Mooncake) control addresses, one per
+    /// data-parallel replica: the encoders push each embedding to the replica that will
+    /// run the request.
+    pub ec_zmq_addrs: Vec<String>,
 }
 
 impl WorkerSpec {
@@ -33,6 +37,7 @@ impl WorkerSpec {
             url,
             dp_size: 1,
             bootstrap_port: None,
+            ec_zmq_addrs: Vec::new(),
         }
     }
 

@@ -44,6 +44,8 @@ pub enum Behavior {
     Hold,
     /// Stream the first token, then wait for `release()` before the rest.
     Gated,
+    /// This status with this body for the next `n` requests, then `Normal`.
+    StatusTimes(u16, &'static str, usize),
 }
 
 /// One request as the double received it.
@@ -65,6 +67,7 @@ struct Shared {
     cancelled: AtomicUsize,
     cancelled_notify: Notify,
     gate: Notify,
+    profiling: std::sync::atomic::AtomicBool,
 }
 
 /// Counts a request as cancelled if dropped before it finished.
@@ -118,6 +121,7 @@ impl Double {
             cancelled: AtomicUsize::new(0),
             cancelled_notify: Notify::new(),
             gate: Notify::new(),
+            profiling: std::sync::atomic::AtomicBool::new(false),
         });
         let (runtime, addr) = serve(&shared, "127.0.0.1:0".parse().unwrap());
         Self {
@@ -145,6 +149,12 @@ impl Double {
     /// Whether `GET /health` answers 200 (else 503).
     pub fn set_healthy(&self, healthy: bool) {
         self.shared.healthy.store(healthy, Ordering::SeqCst);
+    }
+
+    /// Whether `/start_profile` and `/stop_profile` answer 200 (else 404, as vLLM
+    /// without a profiler directory).
+    pub fn set_profiling(&self, on: bool) {
+        self.shared.profiling.store(on, Ordering::SeqCst);
     }
 
     /// Sets how the next requests are answered.
@@ -214,6 +224,8 @@ fn serve(
         .route("/v1/completions", post(generate))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/start_profile", post(profile))
+        .route("/stop_profile", post(profile))
         .with_state(shared.clone());
     let listener = {
         let _context = runtime.enter();
@@ -236,6 +248,27 @@ async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn profile(
+    State(shared): State<Arc<Shared>>,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    shared.requests.lock().unwrap().push(Recorded {
+        peer,
+        path: uri.path().to_string(),
+        headers,
+        body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+    });
+    if shared.profiling.load(Ordering::SeqCst) {
+        // vLLM answers an empty 200.
+        StatusCode::OK.into_response()
+    } else {
+        (StatusCode::NOT_FOUND, Json(json!({"detail": "Not Found"}))).into_response()
     }
 }
 
@@ -277,7 +310,20 @@ async fn generate(
         headers: headers.clone(),
         body: body.clone(),
     });
-    let behavior = shared.behavior.lock().unwrap().clone();
+    let behavior = {
+        let mut current = shared.behavior.lock().unwrap();
+        match &mut *current {
+            Behavior::StatusTimes(code, text, n) => {
+                let once = Behavior::Status(*code, text);
+                *n -= 1;
+                if *n == 0 {
+                    *current = Behavior::Normal;
+                }
+                once
+            }
+            other => other.clone(),
+        }
+    };
     let chat = uri.path().ends_with("/chat/completions");
     let stream = body["stream"].as_bool() == Some(true);
     let request_id = headers
@@ -299,6 +345,7 @@ async fn generate(
     match behavior {
         Behavior::Normal => answer.normal(stream, false).await,
         Behavior::Gated => answer.normal(stream, true).await,
+        Behavior::StatusTimes(..) => unreachable!("taken above"),
         Behavior::Status(code, text) => (
             StatusCode::from_u16(code).unwrap(),
             [(header::CONTENT_TYPE, "application/json")],

@@ -2,6 +2,9 @@
 
 mod control_plane;
 mod double;
+mod encoder;
+mod epd;
+mod epd_failures;
 mod failures;
 mod handoff;
 mod multiturn;

@@ -1,0 +1,328 @@
+//! Encoder disaggregation, as vLLM's EPD proxy: a request with media items is encoded on
+//! encode workers first ([`encode`]), rewritten to reference the published embeddings
+//! ([`mm_rewrite`]), then served by the usual handoff: a prefill and a decode worker
+//! (E+P+D) or one prefill_decode worker (E+PD), whichever the roster has.
+//!
+//! The stage that consumes the embeddings (prefill in E+P+D, the prefill_decode worker in
+//! E+PD) is chosen before encoding, with one data-parallel rank named both to it and to
+//! the encoders (push connectors deliver to that replica). A failure of that stage, or a
+//! decode 500, before the first byte reached the client redoes the whole attempt from
+//! the original request (encode again, then a fresh consumer), up to `--max-retries`.
+//!
+//! [`encode`]: super::encode
+//! [`mm_rewrite`]: super::mm_rewrite
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::response::Response;
+use pdserve_protocol::{ApiError, ChatCompletionRequest, KvTransferParams, WorkerRole};
+
+use super::encode::{encode, Encoded};
+use super::final_leg::{expose_worker, forward_once, forward_reencodable, FinalLeg};
+use super::media::{extract, MediaItem};
+use super::mm_rewrite::{merge_ec_params, rewrite};
+use super::sequential::{prefill_body, prefill_pinned};
+use super::{RequestContext, X_PDSERVE_PREFILL};
+use crate::error::Failure;
+use crate::policy::RouteRequest;
+use crate::registry::{Mode, Roster, Worker};
+use crate::state::AppState;
+use crate::upstream::LegError;
+use crate::validation::GenerateRequest;
+
+/// How one attempt ended when it did not answer the client.
+enum AttemptError {
+    /// Failed before anything reached the client in a way another attempt may fix.
+    Retry(Failure),
+    /// Final (a 4xx, a failed encoder stage).
+    Final(Failure),
+}
+
+impl From<Failure> for AttemptError {
+    fn from(failure: Failure) -> Self {
+        Self::Final(failure)
+    }
+}
+
+impl From<LegError> for AttemptError {
+    fn from(e: LegError) -> Self {
+        if e.retryable() || e.escalated {
+            Self::Retry(e.failure)
+        } else {
+            Self::Final(e.failure)
+        }
+    }
+}
+
+/// Stage durations of one attempt.
+#[derive(Debug, Default)]
+struct Stages {
+    encode: Duration,
+    rewrite: Duration,
+    prefill: Option<Duration>,
+    decode_ttfb: Duration,
+}
+
+/// Serves a chat request that has media items (`request` must be a chat request).
+pub async fn serve(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    request: GenerateRequest,
+    conversation_id: Option<String>,
+) -> Result<Response, Failure> {
+    let GenerateRequest::Chat(chat) = &request else {
+        return Err(ApiError::internal("media items outside a chat request").into());
+    };
+    let items = extract(chat);
+    let roster = state.registry.snapshot();
+    let consumer_role = match roster.mode() {
+        Mode::Disaggregated => WorkerRole::Prefill,
+        Mode::Aggregated => WorkerRole::PrefillDecode,
+        Mode::Unavailable => {
+            return Err(ApiError::service_unavailable(format!(
+                "no worker can serve this request: {}",
+                roster.missing().join("; ")
+            ))
+            .into())
+        }
+    };
+    if roster.live(WorkerRole::Encode).is_empty() {
+        return Err(ApiError::service_unavailable(no_encoder(&roster, &items)).into());
+    }
+    let mode = if consumer_role == WorkerRole::Prefill {
+        "e_p_d"
+    } else {
+        "e_pd"
+    };
+    state.metrics.record_disaggregation(mode);
+    let route = ctx.route_for(&request, conversation_id.as_deref());
+    // A conversation's previous decode KV serves the first attempt's prefill only.
+    let mut cached = match (&conversation_id, consumer_role) {
+        (Some(id), WorkerRole::Prefill) => {
+            let cached = state.conversations.take(id);
+            state.metrics.record_conversation_lookup(cached.is_some());
+            cached
+        }
+        _ => None,
+    };
+    let attempts = 1 + state.config.max_retries as usize;
+    let mut tried: Vec<Arc<Worker>> = Vec::new();
+    for attempt in 1..=attempts {
+        // A fresh consumer each attempt while there is one; else the same again (a
+        // decode 500 is usually the embedding, not the worker).
+        let consumer = state
+            .pick(consumer_role, &tried, &route)
+            .or_else(|| state.pick(consumer_role, &[], &route))
+            .ok_or_else(|| {
+                ApiError::service_unavailable(format!(
+                    "no healthy {consumer_role} worker is available"
+                ))
+            })?;
+        tried.push(consumer.clone());
+        let rank = consumer.next_dp_rank();
+        let consumer_zmq = consumer
+            .spec
+            .ec_zmq_addrs
+            .get(rank.unwrap_or(0) as usize)
+            .map(String::as_str);
+        let mut stages = Stages::default();
+        let started = Instant::now();
+        let encoded = encode(state, ctx, chat, &items, consumer_zmq).await?;
+        stages.encode = started.elapsed();
+        let rewritten = Instant::now();
+        let prepared = prepare(state, chat, &items, &encoded);
+        stages.rewrite = rewritten.elapsed();
+        let legs = Legs {
+            state,
+            ctx,
+            route: &route,
+            consumer: &consumer,
+            rank,
+            conversation_id: conversation_id.clone(),
+        };
+        let result = if consumer_role == WorkerRole::Prefill {
+            legs.prefill_then_decode(prepared, cached.take(), &mut stages)
+                .await
+        } else {
+            legs.prefill_decode(prepared, &mut stages).await
+        };
+        match result {
+            Ok(response) => {
+                record(state, ctx, mode, &items, &encoded, &stages, attempt);
+                return Ok(response);
+            }
+            Err(AttemptError::Retry(failure)) if attempt < attempts => {
+                state.metrics.inc_encoder_reencodes();
+                tracing::warn!(
+                    request_id = ctx.headers.request_id(),
+                    attempt,
+                    consumer = %consumer.base,
+                    "encoding again and retrying: {:?}",
+                    failure
+                );
+            }
+            Err(AttemptError::Retry(failure) | AttemptError::Final(failure)) => {
+                return Err(failure)
+            }
+        }
+    }
+    Err(ApiError::service_unavailable("no attempt could be made").into())
+}
+
+/// Why a media request cannot be served, in words.
+fn no_encoder(roster: &Roster, items: &[MediaItem<'_>]) -> String {
+    let mut kinds: Vec<&str> = items.iter().map(|i| i.kind.as_str()).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    let registered = roster
+        .members()
+        .iter()
+        .filter(|m| m.worker.role() == WorkerRole::Encode)
+        .count();
+    let why = if registered == 0 {
+        "no encode worker is registered (start the gateway with --encode URL, or register \
+         one with POST /instances {\"role\": \"encode\", ...})"
+            .to_string()
+    } else {
+        format!("no healthy encode worker (all {registered} are evicted)")
+    };
+    format!(
+        "this request has {} media item(s) ({}) to encode, but {why}",
+        items.len(),
+        kinds.join(", ")
+    )
+}
+
+/// The body for the prefill/decode workers: the rewritten request (or the original with
+/// `--no-rewrite`) carrying the encoders' connector handles. The original is untouched,
+/// so a retry encodes the raw media again.
+fn prepare(
+    state: &AppState,
+    chat: &ChatCompletionRequest,
+    items: &[MediaItem<'_>],
+    encoded: &Encoded,
+) -> GenerateRequest {
+    let rewritten = if state.config.no_rewrite {
+        None
+    } else {
+        rewrite(chat, items, &encoded.reports)
+    };
+    let mut out = rewritten.unwrap_or_else(|| chat.clone());
+    if !encoded.handles.is_empty() {
+        merge_ec_params(&mut out.extra, encoded.handles.clone());
+    }
+    GenerateRequest::Chat(out)
+}
+
+/// The legs after the encoder stage, for one attempt.
+struct Legs<'a> {
+    state: &'a Arc<AppState>,
+    ctx: &'a RequestContext,
+    route: &'a RouteRequest<'a>,
+    consumer: &'a Arc<Worker>,
+    rank: Option<u32>,
+    conversation_id: Option<String>,
+}
+
+impl Legs<'_> {
+    /// E+P+D: prefill on the consumer (pinned, one try), then decode (retried on other
+    /// decode workers, except for a 500, which re-encodes).
+    async fn prefill_then_decode(
+        self,
+        mut prepared: GenerateRequest,
+        cached: Option<KvTransferParams>,
+        stages: &mut Stages,
+    ) -> Result<Response, AttemptError> {
+        let params = match cached {
+            Some(decode_params) => KvTransferParams {
+                do_remote_decode: true,
+                do_remote_prefill: false,
+                ..decode_params
+            },
+            None => KvTransferParams::prefill_request(),
+        };
+        let body = prefill_body(&prepared, params);
+        let started = Instant::now();
+        let handle = prefill_pinned(self.state, self.ctx, self.consumer, body, self.rank).await?;
+        stages.prefill = Some(started.elapsed());
+        prepared.transport_mut().kv_transfer_params = handle;
+        let leg = FinalLeg {
+            role: WorkerRole::Decode,
+            body: prepared.to_body(),
+            stream: prepared.is_stream(),
+            conversation_id: self.conversation_id,
+            dp_rank: None,
+            reencode_on_500: true,
+        };
+        let started = Instant::now();
+        let mut response = forward_reencodable(self.state, self.ctx, self.route, leg)
+            .await
+            .map_err(|e| match e.reencode {
+                true => AttemptError::Retry(e.failure),
+                false => AttemptError::Final(e.failure),
+            })?;
+        stages.decode_ttfb = started.elapsed();
+        if self.state.config.expose_routing {
+            expose_worker(&mut response, X_PDSERVE_PREFILL, self.consumer);
+        }
+        Ok(response)
+    }
+
+    /// E+PD: the consumer prefills and decodes (pinned, one try).
+    async fn prefill_decode(
+        self,
+        prepared: GenerateRequest,
+        stages: &mut Stages,
+    ) -> Result<Response, AttemptError> {
+        let leg = FinalLeg {
+            role: WorkerRole::PrefillDecode,
+            body: prepared.to_body(),
+            stream: prepared.is_stream(),
+            // A prefill_decode worker keeps its own prefix cache; no KV to hand over.
+            conversation_id: None,
+            dp_rank: self.rank,
+            reencode_on_500: true,
+        };
+        let started = Instant::now();
+        let response = forward_once(self.state, self.ctx, &leg, self.consumer).await?;
+        stages.decode_ttfb = started.elapsed();
+        Ok(response)
+    }
+}
+
+/// Stage metrics and the per-request debug line.
+fn record(
+    state: &AppState,
+    ctx: &RequestContext,
+    mode: &str,
+    items: &[MediaItem<'_>],
+    encoded: &Encoded,
+    stages: &Stages,
+    attempt: usize,
+) {
+    let total = ctx.started.elapsed();
+    let metrics = &state.metrics;
+    metrics.observe_epd_stage("encode", stages.encode);
+    metrics.observe_epd_stage("rewrite", stages.rewrite);
+    if let Some(prefill) = stages.prefill {
+        metrics.observe_epd_stage("prefill", prefill);
+    }
+    metrics.observe_epd_stage("decode_ttfb", stages.decode_ttfb);
+    metrics.observe_epd_stage("total", total);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::debug!(
+        request_id = ctx.headers.request_id(),
+        mode,
+        rewrite = !state.config.no_rewrite,
+        items = items.len(),
+        sub_requests = encoded.sub_requests,
+        attempt,
+        encode_ms = ms(stages.encode),
+        rewrite_ms = ms(stages.rewrite),
+        prefill_ms = stages.prefill.map(ms),
+        decode_ttfb_ms = ms(stages.decode_ttfb),
+        total_ms = ms(total),
+        "epd stages"
+    );
+}
