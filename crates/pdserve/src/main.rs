@@ -10,14 +10,30 @@ mod up;
 #[command(
     name = "pdserve",
     version,
+    propagate_version = true,
     about = "Prefill/decode disaggregated LLM serving: an OpenAI gateway, a CPU engine, a local stack and benchmarks"
 )]
 struct Cli {
     /// Log filter, e.g. `info` or `pdserve_gateway=debug` (tracing-subscriber syntax).
-    #[arg(long, env = "PDSERVE_LOG", default_value = "info", global = true)]
-    log: String,
+    /// Default: $RUST_LOG if set, else `info`. Processes started by `pdserve up` inherit
+    /// the environment, so set PDSERVE_LOG / RUST_LOG to reach them too.
+    #[arg(long, env = "PDSERVE_LOG", global = true)]
+    log: Option<String>,
+    /// Log line format: `text` (human-readable; coloured only on a terminal) or `json`
+    /// (one JSON object per line, for log collectors).
+    #[arg(long, env = "PDSERVE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable text.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -47,10 +63,21 @@ enum ModelCommand {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_new(&cli.log).context("invalid --log filter")?)
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = cli
+        .log
+        .clone()
+        .or_else(|| std::env::var("RUST_LOG").ok().filter(|f| !f.is_empty()))
+        .unwrap_or_else(|| "info".to_string());
+    let filter = EnvFilter::try_new(&filter).context("invalid --log filter")?;
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
     match cli.command {
         Command::Up(args) => up::run(args).await?,
         Command::Gateway(args) => pdserve_gateway::run(args).await?,
