@@ -83,6 +83,13 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
 
+    /// Enables `POST /start_profile` and `POST /stop_profile` (404 without it, as vLLM
+    /// without a profiler directory): stop writes the scheduler's steps recorded since
+    /// start (batch sizes, prefill/decode tokens, forward and sampling time) as a Chrome
+    /// trace JSON file into this directory.
+    #[arg(long, env = "PDSERVE_PROFILE_DIR")]
+    pub profile_dir: Option<PathBuf>,
+
     /// `GET /health` answers 503 when the scheduler has not completed a step for this
     /// many seconds while requests are queued or running (a wedged engine).
     #[arg(long, env = "PDSERVE_WEDGED_AFTER_SECS", default_value_t = 30)]

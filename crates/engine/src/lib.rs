@@ -13,6 +13,7 @@ pub mod health;
 pub mod kv;
 pub mod metrics;
 pub mod output_text;
+pub mod profile;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

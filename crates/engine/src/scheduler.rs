@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::block_manager::{BlockError, BlockManager, PrefixHit};
 use crate::health::{Heartbeat, SchedulerCondition};
 use crate::metrics::Metrics;
+use crate::profile::{token_split, Profiler, StepSpan};
 use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
 use crate::sequence::Sequence;
 use crate::step_model::StepModel;
@@ -83,6 +84,7 @@ pub struct EngineHandle {
     queued: Arc<AtomicUsize>,
     max_waiting: usize,
     heartbeat: Arc<Heartbeat>,
+    profiler: Arc<Profiler>,
 }
 
 impl std::fmt::Debug for Command {
@@ -138,6 +140,11 @@ impl EngineHandle {
         rx.await.map_err(|_| KvError::Stopped)?
     }
 
+    /// The scheduler's step profiler (`/start_profile`, `/stop_profile`).
+    pub fn profiler(&self) -> &Arc<Profiler> {
+        &self.profiler
+    }
+
     /// Asks the scheduler thread to fail every sequence and exit.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
@@ -162,11 +169,13 @@ pub fn spawn<M: StepModel>(
     let (tx, rx) = std_mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
     let heartbeat = Arc::new(Heartbeat::default());
+    let profiler = Arc::new(Profiler::default());
     let handle = EngineHandle {
         commands: tx,
         queued: queued.clone(),
         max_waiting: config.max_waiting,
         heartbeat: heartbeat.clone(),
+        profiler: profiler.clone(),
     };
     let exit_guard = heartbeat.exit_guard();
     let scheduler = Scheduler {
@@ -179,6 +188,7 @@ pub fn spawn<M: StepModel>(
         running: Vec::new(),
         stopping: false,
         heartbeat,
+        profiler,
     };
     let thread = std::thread::Builder::new()
         .name("pdserve-scheduler".into())
@@ -199,6 +209,7 @@ struct Scheduler<M> {
     running: Vec<Sequence>,
     stopping: bool,
     heartbeat: Arc<Heartbeat>,
+    profiler: Arc<Profiler>,
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -471,6 +482,10 @@ impl<M: StepModel> Scheduler<M> {
 
     fn run_batch(&mut self, scheduled: &[(usize, usize)]) {
         let started = Instant::now();
+        let profiled = self
+            .profiler
+            .is_recording()
+            .then(|| token_split(scheduled, &self.running));
         let steps: Vec<SequenceStep<'_>> = scheduled
             .iter()
             .map(|&(i, n)| {
@@ -487,6 +502,7 @@ impl<M: StepModel> Scheduler<M> {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.forward(&steps)))
                 .unwrap_or_else(|_| Err(ModelError::Other("the forward pass panicked".into())));
         drop(steps);
+        let forward = started.elapsed();
 
         let mut finished = Vec::new();
         match result {
@@ -564,6 +580,16 @@ impl<M: StepModel> Scheduler<M> {
         }
 
         let batch = scheduled.len();
+        if let Some((prefill_tokens, decode_tokens)) = profiled {
+            self.profiler.record(StepSpan {
+                start: started,
+                forward,
+                sampling: started.elapsed().saturating_sub(forward),
+                batch_size: batch,
+                prefill_tokens,
+                decode_tokens,
+            });
+        }
         self.metrics
             .step_seconds
             .observe(started.elapsed().as_secs_f64());

@@ -253,6 +253,7 @@ fn full_queue_refuses_with_queue_full_and_frees_slots_on_admission() {
         queued: Arc::default(),
         max_waiting: 2,
         heartbeat: Arc::default(),
+        profiler: Arc::default(),
     };
     let _a = handle.submit(request(prompt(4, 1), 1)).unwrap();
     let _b = handle.submit(request(prompt(4, 2), 1)).unwrap();

@@ -151,6 +151,9 @@ impl Worker {
             },
             metrics.clone(),
         )?;
+        if let Some(dir) = &args.profile_dir {
+            engine.profiler().enable(dir.clone());
+        }
         let limits = ModelLimits {
             served_model_name,
             max_model_len,

@@ -1,5 +1,6 @@
-//! The worker's HTTP API (axum): OpenAI chat and completions, `/v1/models`, `/health`
-//! and `/metrics`. Every error body is OpenAI-shaped, including malformed JSON.
+//! The worker's HTTP API (axum): OpenAI chat and completions, `/v1/models`, `/health`,
+//! `/metrics`, and `/start_profile` / `/stop_profile` (with `--profile-dir`). Every error
+//! body is OpenAI-shaped, including malformed JSON.
 
 use std::sync::Arc;
 
@@ -17,6 +18,7 @@ use serde_json::json;
 
 use super::{chat, completions, AppState};
 use crate::health::Unhealthy;
+use crate::profile::ProfileError;
 
 /// Largest request body accepted (long prompts fit easily).
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -29,6 +31,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/start_profile", post(start_profile))
+        .route("/stop_profile", post(stop_profile))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
@@ -108,6 +112,45 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         app.metrics.encode(),
     )
         .into_response()
+}
+
+/// A profiler error as vLLM answers it: 404 when profiling is off (the route does not
+/// exist there), 400 for a stop without a start.
+fn profile_error(e: ProfileError) -> ApiError {
+    match e {
+        ProfileError::Disabled => ApiError::new(StatusCode::NOT_FOUND, "not_found", e.to_string()),
+        ProfileError::NotRunning => ApiError::bad_request(e.to_string()),
+        ProfileError::Io { .. } => ApiError::internal(e.to_string()),
+    }
+}
+
+/// `POST /start_profile`: starts recording the scheduler's steps.
+async fn start_profile(
+    State(app): State<Arc<AppState>>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let started = app.engine.profiler().start().map_err(profile_error)?;
+    tracing::info!(started, "profiler recording");
+    Ok(Json(
+        json!({"status": if started { "started" } else { "already recording" }}),
+    ))
+}
+
+/// `POST /stop_profile`: stops recording and writes the Chrome trace.
+async fn stop_profile(
+    State(app): State<Arc<AppState>>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let profiler = app.engine.profiler().clone();
+    let trace = tokio::task::spawn_blocking(move || profiler.stop())
+        .await
+        .map_err(|e| ApiError::internal(format!("profiler task failed: {e}")))?
+        .map_err(profile_error)?;
+    tracing::info!(path = %trace.path.display(), steps = trace.steps, "profiler trace written");
+    Ok(Json(json!({
+        "status": "stopped",
+        "trace": trace.path,
+        "steps": trace.steps,
+        "dropped_steps": trace.dropped,
+    })))
 }
 
 async fn not_found(uri: http::Uri) -> ApiError {

@@ -1,7 +1,9 @@
 //! Checking OpenAI request fields and turning them into a [`GenerationRequest`]; every
 //! problem becomes an OpenAI-shaped error naming the offending field.
 
-use pdserve_protocol::{ApiError, GenerationParams, StreamOptions, TransportParams};
+use pdserve_protocol::{
+    ApiError, ChatMessage, GenerationParams, MessageContent, StreamOptions, TransportParams,
+};
 
 use crate::request::GenerationRequest;
 use crate::sampling::SamplingParams;
@@ -45,6 +47,35 @@ pub fn check_model(model: Option<&str>, limits: &ModelLimits) -> Result<(), ApiE
 
 fn invalid(param: &str, message: String) -> ApiError {
     ApiError::bad_request(message).with_param(param)
+}
+
+/// 400 for the first content part that is not text: the embedded model is text-only, so
+/// an image, audio or video item (or its embeddings) is refused by name rather than
+/// dropped from the prompt.
+pub fn check_text_only(messages: &[ChatMessage]) -> Result<(), ApiError> {
+    for (m, message) in messages.iter().enumerate() {
+        let Some(MessageContent::Parts(parts)) = &message.content else {
+            continue;
+        };
+        for (p, part) in parts.iter().enumerate() {
+            let kind = part.get("type").and_then(|t| t.as_str());
+            if kind == Some("text") {
+                continue;
+            }
+            let what = match kind {
+                Some(kind) => format!("an item of type `{kind}`"),
+                None => "a part without a `type`".to_string(),
+            };
+            return Err(invalid(
+                "messages",
+                format!(
+                    "this model takes text only: messages[{m}].content[{p}] is {what}. \
+                     Send images, audio and video to a model that accepts them."
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The stream flags, checked as vLLM does.
@@ -352,6 +383,51 @@ mod tests {
             param_of(top_logprobs("top_logprobs", 21).unwrap_err()),
             "top_logprobs"
         );
+    }
+
+    #[test]
+    fn media_items_are_refused_by_name() {
+        let messages: Vec<ChatMessage> = serde_json::from_value(serde_json::json!([
+            {"role": "system", "content": "plain"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ]))
+        .unwrap();
+        assert!(check_text_only(&messages).is_ok());
+        for (part, what) in [
+            (
+                serde_json::json!({"type": "image_url", "image_url": {"url": "http://x"}}),
+                "an item of type `image_url`",
+            ),
+            (
+                serde_json::json!({"type": "input_audio", "input_audio": {}}),
+                "an item of type `input_audio`",
+            ),
+            (
+                serde_json::json!({"type": "image_embeds", "image_embeds": {}}),
+                "an item of type `image_embeds`",
+            ),
+            (
+                serde_json::json!({"text": "no type"}),
+                "a part without a `type`",
+            ),
+        ] {
+            let messages: Vec<ChatMessage> = serde_json::from_value(serde_json::json!([
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, part]},
+            ]))
+            .unwrap();
+            let e = check_text_only(&messages).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(e.body.error.param.as_deref(), Some("messages"));
+            let message = e.body.error.message;
+            assert!(
+                message.starts_with("this model takes text only"),
+                "{message}"
+            );
+            assert!(
+                message.contains("messages[0].content[1]") && message.contains(what),
+                "{message}"
+            );
+        }
     }
 
     #[test]
