@@ -33,6 +33,9 @@ impl GenerateRequest {
             Endpoint::Completions => serde_json::from_slice(body).map(Self::Completion),
         }
         .map_err(json_error)?;
+        // Only the gateway writes KV handles: a client's would make a worker open a
+        // connection to any address the client names.
+        request.transport_mut().kv_transfer_params = None;
         let conversation_id = match request.extra_mut().remove(CONVERSATION_ID) {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) if s.is_empty() => None,
@@ -130,6 +133,24 @@ mod tests {
         let body: Value = serde_json::from_slice(&req.to_body()).unwrap();
         assert!(body.get(CONVERSATION_ID).is_none());
         assert_eq!(body["x"], 1);
+    }
+
+    #[test]
+    fn drops_client_kv_transfer_params() {
+        for (endpoint, body) in [
+            (
+                Endpoint::Chat,
+                &br#"{"messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.1","remote_port":22}}"#[..],
+            ),
+            (
+                Endpoint::Completions,
+                br#"{"prompt":"hi","kv_transfer_params":{"do_remote_decode":true}}"#,
+            ),
+        ] {
+            let (req, _) = GenerateRequest::parse(endpoint, body).unwrap();
+            let forwarded: Value = serde_json::from_slice(&req.to_body()).unwrap();
+            assert!(forwarded.get("kv_transfer_params").is_none(), "{forwarded}");
+        }
     }
 
     #[test]

@@ -14,7 +14,7 @@ use pdserve_protocol::WorkerRole;
 use serde_json::Value;
 use tokio::time::timeout_at;
 
-use super::relay::{kv_params_of, ConversationSink, Relay};
+use super::relay::{split_kv_params, ConversationSink, Relay};
 use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
 use crate::error::Failure;
@@ -187,10 +187,11 @@ async fn send_leg(
                 "answered 200 with a body that is not a JSON object",
             ));
         }
-        if let Some(conversation) = &leg.conversation_id {
-            if let Some(kv) = kv_params_of(&body) {
-                state.conversations.put(conversation, kv);
-            }
+        // The decode side's KV handle names internal hosts and blocks: kept for the
+        // conversation's next turn when there is one, never shown to the client.
+        let (body, kv) = split_kv_params(body);
+        if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
+            state.conversations.put(conversation, kv);
         }
         if let Some(mut in_flight) = in_flight.take() {
             in_flight.set_outcome(RequestOutcome::Success);

@@ -73,28 +73,66 @@ impl SseScanner {
         if self.tail.len() > MAX_LINE_BYTES {
             return Err(format!("an event line exceeded {MAX_LINE_BYTES} bytes"));
         }
-        if let Some(lines) = &ready {
-            self.scan(lines);
-            self.at_event_boundary = lines.ends_with(b"\n\n") || lines.ends_with(b"\r\n\r\n");
+        let Some(lines) = ready else {
+            return Ok(None);
+        };
+        self.at_event_boundary = lines.ends_with(b"\n\n") || lines.ends_with(b"\r\n\r\n");
+        // Only events that name KV params are rewritten; everything else passes as is.
+        if contains(&lines, KV_FIELD) {
+            return Ok(Some(self.strip_kv(&lines)));
         }
-        Ok(ready)
+        self.saw_done |= contains(&lines, b"[DONE]") && self.scan_done(&lines);
+        Ok(Some(lines))
     }
 
-    fn scan(&mut self, lines: &[u8]) {
-        for line in lines.split(|&b| b == b'\n') {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let Some(data) = line.strip_prefix(b"data:") else {
-                continue;
-            };
-            let data = data.strip_prefix(b" ").unwrap_or(data);
-            if data == b"[DONE]" {
-                self.saw_done = true;
-            } else if self.capture_kv && contains(data, b"\"kv_transfer_params\"") {
-                if let Some(kv) = kv_params_of(data) {
-                    self.kv = Some(kv);
+    fn scan_done(&self, lines: &[u8]) -> bool {
+        lines
+            .split(|&b| b == b'\n')
+            .any(|line| data_of(line) == Some(b"[DONE]"))
+    }
+
+    /// Takes the decode side's KV handle out of every event that carries one (kept for
+    /// the conversation's next turn when asked, never shown to the client: it names
+    /// internal hosts, ports and block ids).
+    fn strip_kv(&mut self, lines: &[u8]) -> Bytes {
+        let mut out = BytesMut::with_capacity(lines.len());
+        let mut pieces = lines.split(|&b| b == b'\n').peekable();
+        while let Some(line) = pieces.next() {
+            let rewritten = match data_of(line) {
+                Some(b"[DONE]") => {
+                    self.saw_done = true;
+                    None
                 }
+                Some(data) if contains(data, KV_FIELD) => self.without_kv(data),
+                _ => None,
+            };
+            match rewritten {
+                Some(json) => {
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(&json);
+                    if line.ends_with(b"\r") {
+                        out.extend_from_slice(b"\r");
+                    }
+                }
+                None => out.extend_from_slice(line),
+            }
+            if pieces.peek().is_some() {
+                out.extend_from_slice(b"\n");
             }
         }
+        out.freeze()
+    }
+
+    /// The event's JSON without `kv_transfer_params` (captured first when asked).
+    fn without_kv(&mut self, data: &[u8]) -> Option<Vec<u8>> {
+        let mut value: Value = serde_json::from_slice(data).ok()?;
+        let kv = value.as_object_mut()?.remove("kv_transfer_params")?;
+        if self.capture_kv && !kv.is_null() {
+            if let Ok(kv) = serde_json::from_value(kv) {
+                self.kv = Some(kv);
+            }
+        }
+        serde_json::to_vec(&value).ok()
     }
 
     /// An error event and the end marker, separated from anything forwarded before.
@@ -109,18 +147,43 @@ impl SseScanner {
     }
 }
 
+/// The key an event carries a KV handle under.
+const KV_FIELD: &[u8] = b"\"kv_transfer_params\"";
+
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// The top-level, non-null `kv_transfer_params` of a JSON response or chunk.
-pub fn kv_params_of(json: &[u8]) -> Option<KvTransferParams> {
-    let mut value: Value = serde_json::from_slice(json).ok()?;
-    let kv = value.get_mut("kv_transfer_params")?.take();
-    if kv.is_null() {
-        return None;
+/// The payload of an SSE `data:` line (without the `\r` of a CRLF line end).
+fn data_of(line: &[u8]) -> Option<&[u8]> {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let data = line.strip_prefix(b"data:")?;
+    Some(data.strip_prefix(b" ").unwrap_or(data))
+}
+
+/// A JSON response body without its top-level `kv_transfer_params`, and that handle.
+pub fn split_kv_params(body: Bytes) -> (Bytes, Option<KvTransferParams>) {
+    if !contains(&body, KV_FIELD) {
+        return (body, None);
     }
-    serde_json::from_value(kv).ok()
+    let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
+        return (body, None);
+    };
+    let Some(kv) = value
+        .as_object_mut()
+        .and_then(|o| o.remove("kv_transfer_params"))
+    else {
+        return (body, None);
+    };
+    let kv = if kv.is_null() {
+        None
+    } else {
+        serde_json::from_value(kv).ok()
+    };
+    match serde_json::to_vec(&value) {
+        Ok(stripped) => (Bytes::from(stripped), kv),
+        Err(_) => (body, kv),
+    }
 }
 
 /// Where a relayed stream stores the decode side's KV handle.
@@ -385,7 +448,11 @@ mod tests {
             ))
             .unwrap()
             .unwrap();
-        assert!(b.starts_with(b"data: {\"kv_transfer_params\""));
+        assert!(b.starts_with(b"data: {}\n\n"), "{b:?}");
+        assert!(
+            !contains(&b, KV_FIELD),
+            "the handle never reaches the client"
+        );
         assert_eq!(s.kv.as_ref().unwrap().remote_port, Some(7));
         assert!(s.saw_done);
     }
@@ -439,6 +506,29 @@ mod tests {
         assert!(out[1].starts_with(b"\ndata: {\"error\""), "{:?}", out[1]);
         assert!(out[1].ends_with(DONE));
         assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn kv_params_are_removed_from_every_event_and_body() {
+        let mut s = SseScanner::new(false);
+        let out = s
+            .push(Bytes::from_static(
+                b"data: {\"id\":\"x\",\"kv_transfer_params\":{\"remote_host\":\"10.0.0.9\"}}\r\n\r\ndata: [DONE]\r\n\r\n",
+            ))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            out,
+            Bytes::from_static(b"data: {\"id\":\"x\"}\r\n\r\ndata: [DONE]\r\n\r\n")
+        );
+        assert!(s.saw_done && s.kv.is_none());
+        let (body, kv) = split_kv_params(Bytes::from_static(
+            br#"{"id":"x","choices":[],"kv_transfer_params":{"do_remote_prefill":true,"remote_port":7}}"#,
+        ));
+        assert_eq!(body, Bytes::from_static(br#"{"id":"x","choices":[]}"#));
+        assert_eq!(kv.unwrap().remote_port, Some(7));
+        let untouched = Bytes::from_static(br#"{"id":"y"}"#);
+        assert_eq!(split_kv_params(untouched.clone()), (untouched, None));
     }
 
     #[test]
