@@ -150,8 +150,9 @@ impl SseScanner {
 /// The key an event carries a KV handle under.
 const KV_FIELD: &[u8] = b"\"kv_transfer_params\"";
 
+/// Whether `needle` occurs in `haystack` (SIMD search: every relayed chunk is checked).
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+    memchr::memmem::find(haystack, needle).is_some()
 }
 
 /// The payload of an SSE `data:` line (without the `\r` of a CRLF line end).
