@@ -5,8 +5,12 @@
 //! and each gateway run as separate processes (this binary re-executed with the `stub`
 //! and `gateway` subcommands); this process generates the load.
 //!
+//! With `--epd` it also measures encoder disaggregation (E+PD and E+P+D) with requests
+//! that carry one image, against a stub encoder, and prints the encoder stage's cost: the
+//! E+PD (E+P+D) gateway's latency minus the aggregated (P/D) gateway's on text requests.
+//!
 //! ```text
-//! cargo run --release -p pdserve-gateway --example gateway_overhead -- --secs 3
+//! cargo run --release -p pdserve-gateway --example gateway_overhead -- --secs 3 [--epd]
 //! ```
 
 use std::process::Stdio;
@@ -36,6 +40,9 @@ struct Cli {
     /// Tokens (stream chunks) per response.
     #[arg(long, default_value_t = 16)]
     tokens: usize,
+    /// Also measure E+PD and E+P+D (one image per request, stub encoder).
+    #[arg(long)]
+    epd: bool,
 }
 
 #[derive(Subcommand)]
@@ -64,13 +71,14 @@ fn main() {
             }
         }
         Some(Command::Stub { port, tokens }) => runtime.block_on(stub(port, tokens)),
-        None => runtime.block_on(drive(cli.secs, &cli.concurrency, cli.tokens)),
+        None => runtime.block_on(drive(cli.secs, &cli.concurrency, cli.tokens, cli.epd)),
     }
 }
 
 /// Precomputed stub answers.
 struct StubBodies {
     prefill: Bytes,
+    encoder: Bytes,
     decode_json: Bytes,
     decode_stream: Vec<Bytes>,
 }
@@ -99,8 +107,17 @@ async fn stub(ports: Vec<u16>, tokens: usize) {
         decode_stream.push(Bytes::from(format!("data: {chunk}\n\n")));
     }
     decode_stream.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    // What a vLLM encoder answers for a one-image sub-request.
+    let encoder = json!({"id": "chatcmpl-e", "object": "chat.completion", "created": 1,
+        "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                                   "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 260, "completion_tokens": 0, "total_tokens": 260},
+        "ec_transfer_params": {"e-hash": {"metadata": {"image_grid_thw": [[1, 16, 16]]},
+            "item_indices": [0], "peer_host": "127.0.0.1", "peer_port": 7000,
+            "size_bytes": 1_048_576}}});
     let bodies = Arc::new(StubBodies {
         prefill: Bytes::from(full(1)),
+        encoder: Bytes::from(encoder.to_string()),
         decode_json: Bytes::from(full(tokens)),
         decode_stream,
     });
@@ -134,6 +151,11 @@ fn stub_answer(bodies: &StubBodies, request: &[u8]) -> Response {
     let json_response = |b: &Bytes| ([(header::CONTENT_TYPE, "application/json")], b.clone());
     if has(b"\"do_remote_decode\":true") {
         return json_response(&bodies.prefill).into_response();
+    }
+    // Only an encoder sub-request still carries the raw image: the gateway rewrote it
+    // into `image_embeds` for the prefill/decode legs.
+    if has(b"\"type\":\"image_url\"") {
+        return json_response(&bodies.encoder).into_response();
     }
     if has(b"\"stream\":true") {
         let chunks: Vec<Result<Bytes, std::convert::Infallible>> =
@@ -219,9 +241,21 @@ impl Run {
     }
 }
 
-async fn load(client: &reqwest::Client, url: &str, stream: bool, conc: usize, secs: f64) -> Run {
+async fn load(
+    client: &reqwest::Client,
+    url: &str,
+    (stream, image): (bool, bool),
+    conc: usize,
+    secs: f64,
+) -> Run {
+    let content = if image {
+        json!([{"type": "text", "text": "Say something."},
+               {"type": "image_url", "image_url": {"url": "http://media.local/cat.png"}}])
+    } else {
+        json!("Say something.")
+    };
     let body = Bytes::from(
-        json!({"model": "m", "messages": [{"role": "user", "content": "Say something."}],
+        json!({"model": "m", "messages": [{"role": "user", "content": content}],
                "max_tokens": 16, "stream": stream})
         .to_string(),
     );
@@ -279,7 +313,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
+async fn drive(secs: f64, concurrency: &[usize], tokens: usize, epd: bool) {
     let client = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(1024)
@@ -287,17 +321,20 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
         .expect("client");
     let stub_port = free_port();
     let prefill_port = free_port();
+    let encoder_port = free_port();
     let _stub = spawn_self(&[
         "stub".into(),
         "--port".into(),
-        format!("{stub_port},{prefill_port}"),
+        format!("{stub_port},{prefill_port},{encoder_port}"),
         "--tokens".into(),
         tokens.to_string(),
     ]);
     let stub_url = format!("http://127.0.0.1:{stub_port}");
     let prefill_url = format!("http://127.0.0.1:{prefill_port}");
+    let encoder_url = format!("http://127.0.0.1:{encoder_port}");
     wait_ready(&client, &format!("{stub_url}/health")).await;
     wait_ready(&client, &format!("{prefill_url}/health")).await;
+    wait_ready(&client, &format!("{encoder_url}/health")).await;
 
     println!(
         "{} chunks per response, {secs} s per measurement, load generator and stub in separate processes",
@@ -311,16 +348,21 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
     for &stream in &[false, true] {
         for &conc in concurrency {
             let url = format!("{stub_url}/v1/chat/completions");
-            load(&client, &url, stream, conc, secs.min(1.0)).await; // warm-up
-            let run = load(&client, &url, stream, conc, secs).await;
+            load(&client, &url, (stream, false), conc, secs.min(1.0)).await; // warm-up
+            let run = load(&client, &url, (stream, false), conc, secs).await;
             print_row("direct", stream, conc, &run, None);
             direct.push(((stream, conc), run));
         }
     }
-    for (label, flag) in [("gateway agg", "--worker"), ("gateway P/D", "pd")] {
+    let mut setups = vec![("gateway agg", "agg"), ("gateway P/D", "pd")];
+    if epd {
+        setups.extend([("gateway E+PD", "e+pd"), ("gateway E+P+D", "e+p+d")]);
+    }
+    let mut measured: Vec<Measured> = Vec::new();
+    for (label, mode) in setups {
         let port = free_port();
         let mut args: Vec<String> = vec!["gateway".into(), "--port".into(), port.to_string()];
-        if flag == "pd" {
+        if mode.ends_with("p+d") || mode == "pd" {
             args.extend([
                 "--prefill".into(),
                 prefill_url.clone(),
@@ -328,7 +370,11 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
                 stub_url.clone(),
             ]);
         } else {
-            args.extend([flag.into(), stub_url.clone()]);
+            args.extend(["--worker".into(), stub_url.clone()]);
+        }
+        let image = mode.starts_with("e+");
+        if image {
+            args.extend(["--encode".into(), encoder_url.clone()]);
         }
         let gateway = spawn_self(&args);
         let gateway_url = format!("http://127.0.0.1:{port}");
@@ -337,13 +383,17 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
         for &stream in &[false, true] {
             for &conc in concurrency {
                 let url = format!("{gateway_url}/v1/chat/completions");
-                load(&client, &url, stream, conc, secs.min(1.0)).await;
-                let run = load(&client, &url, stream, conc, secs).await;
+                load(&client, &url, (stream, image), conc, secs.min(1.0)).await;
+                let run = load(&client, &url, (stream, image), conc, secs).await;
                 let base = direct
                     .iter()
                     .find(|(k, _)| *k == (stream, conc))
                     .map(|(_, r)| r);
                 print_row(label, stream, conc, &run, base);
+                measured.push((
+                    (mode, stream, conc),
+                    (ms(run.percentile(0.5)), ms(run.percentile(0.99))),
+                ));
             }
         }
         println!(
@@ -351,6 +401,48 @@ async fn drive(secs: f64, concurrency: &[usize], tokens: usize) {
             gateway.peak_rss_kib().unwrap_or(0) as f64 / 1024.0,
             idle_rss.unwrap_or(0) as f64 / 1024.0
         );
+    }
+    if epd {
+        print_encoder_stage(&measured, concurrency);
+    }
+}
+
+/// (setup, stream, concurrency) → (p50, p99) in ms, for the encoder stage's cost.
+type Measured = ((&'static str, bool, usize), (f64, f64));
+
+/// The encoder stage's cost: E+PD minus aggregated and E+P+D minus P/D (same stream
+/// and concurrency), next to the P/D handoff's own cost (P/D minus aggregated).
+fn print_encoder_stage(measured: &[Measured], concurrency: &[usize]) {
+    let find = |mode: &str, stream: bool, conc: usize| {
+        measured
+            .iter()
+            .find(|(k, _)| *k == (mode, stream, conc))
+            .map(|(_, v)| *v)
+    };
+    println!(
+        "{:<26} {:>6} {:>5} {:>12} {:>12}",
+        "added stage", "stream", "conc", "+p50 ms", "+p99 ms"
+    );
+    for stream in [false, true] {
+        for &conc in concurrency {
+            for (label, with, without) in [
+                ("encoder stage (E+PD)", "e+pd", "agg"),
+                ("encoder stage (E+P+D)", "e+p+d", "pd"),
+                ("P/D handoff (for scale)", "pd", "agg"),
+            ] {
+                if let (Some(a), Some(b)) = (find(with, stream, conc), find(without, stream, conc))
+                {
+                    println!(
+                        "{:<26} {:>6} {:>5} {:>+12.3} {:>+12.3}",
+                        label,
+                        if stream { "yes" } else { "no" },
+                        conc,
+                        a.0 - b.0,
+                        a.1 - b.1
+                    );
+                }
+            }
+        }
     }
 }
 
