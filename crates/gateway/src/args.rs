@@ -89,7 +89,8 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_EXPOSE_ROUTING")]
     pub expose_routing: bool,
 
-    /// Time limit in seconds for the whole prefill leg; past it the client gets 504.
+    /// Time limit in seconds for the whole prefill leg (and for each encoder sub-request);
+    /// past it the client gets 504 (502 for an encoder).
     #[arg(long, env = "PDSERVE_PREFILL_TIMEOUT_SECS", default_value = "300", value_parser = parse_secs)]
     pub prefill_timeout_secs: Duration,
 
