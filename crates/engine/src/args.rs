@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use pdserve_protocol::WorkerRole;
 
+use crate::orchestrator::HandoffMode;
+
 /// `pdserve worker` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
@@ -94,6 +96,42 @@ pub struct WorkerArgs {
     /// many seconds while requests are queued or running (a wedged engine).
     #[arg(long, env = "PDSERVE_WEDGED_AFTER_SECS", default_value_t = 30)]
     pub wedged_after_secs: u64,
+
+    /// Decode as orchestrator: a prefill worker (`http://host:port`; repeat the flag or
+    /// comma-separate for several) that computes each request's prompt KV. Makes this
+    /// decode worker the entry point (no gateway): its chat and completions routes
+    /// tokenize once, send the prefill leg as token ids to one of these workers
+    /// (round-robin, or by session: `X-Session-Id`, `conversation_id`, `user`) and
+    /// decode here. Needs `--role decode`. Requests that carry their own
+    /// `kv_transfer_params` are served as without it.
+    #[arg(
+        long = "prefill",
+        env = "PDSERVE_PREFILL",
+        value_delimiter = ',',
+        value_name = "URL"
+    )]
+    pub prefill: Vec<String>,
+
+    /// With --prefill: `sequential` reads the prompt's KV once the prefill worker has
+    /// answered; `concurrent` starts the read with the prefill leg (it waits for the
+    /// blocks) and races the decode against the prefill's answer.
+    #[arg(long, env = "PDSERVE_HANDOFF", value_enum, default_value_t = HandoffMode::Sequential)]
+    pub handoff: HandoffMode,
+
+    /// With --prefill: seconds a prefill worker may take to answer a prefill leg; past
+    /// it the client gets 504.
+    #[arg(long, env = "PDSERVE_PREFILL_TIMEOUT_SECS", default_value_t = 300)]
+    pub prefill_timeout_secs: u64,
+
+    /// With --prefill: seconds between pre-warm attempts of a cold prefill worker, and
+    /// between `/health` probes of a warm one.
+    #[arg(long, env = "PDSERVE_PREWARM_INTERVAL_SECS", default_value_t = 5)]
+    pub prewarm_interval_secs: u64,
+
+    /// With --prefill: pre-warm attempts per appearance of a prefill worker before
+    /// giving up until its `/health` answers 200 again.
+    #[arg(long, env = "PDSERVE_PREWARM_ATTEMPTS", default_value_t = 60)]
+    pub prewarm_attempts: u32,
 }
 
 #[cfg(test)]
@@ -161,5 +199,31 @@ mod tests {
         // Parsed (it is a role), refused when the worker starts (see `worker::check_args`).
         assert_eq!(role("encode").unwrap(), WorkerRole::Encode);
         assert!(role("aggregated").is_err());
+    }
+
+    #[test]
+    fn prefill_urls_repeat_or_comma_separate() {
+        let args = Cli::try_parse_from(["worker"]).unwrap().args;
+        assert!(args.prefill.is_empty());
+        assert_eq!(
+            (args.handoff, args.prefill_timeout_secs),
+            (HandoffMode::Sequential, 300)
+        );
+        assert_eq!((args.prewarm_interval_secs, args.prewarm_attempts), (5, 60));
+        let args = Cli::try_parse_from([
+            "worker",
+            "--role",
+            "decode",
+            "--prefill",
+            "http://a:1,http://b:2",
+            "--prefill",
+            "http://c:3",
+            "--handoff",
+            "concurrent",
+        ])
+        .unwrap()
+        .args;
+        assert_eq!(args.prefill, ["http://a:1", "http://b:2", "http://c:3"]);
+        assert_eq!(args.handoff, HandoffMode::Concurrent);
     }
 }

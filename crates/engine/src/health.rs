@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::orchestrator::PrefillPool;
 use crate::scheduler::EngineHandle;
 
 /// What the scheduler thread last reported about itself. It beats before and after
@@ -101,6 +102,9 @@ pub enum Unhealthy {
     /// Shutdown was asked for; in-flight requests are finishing.
     #[error("the worker is shutting down")]
     Draining,
+    /// An orchestrating decode worker has no warm prefill worker (yet).
+    #[error("no prefill worker is warm: pre-warming the prefill -> decode pairs")]
+    NoWarmPrefill,
 }
 
 impl Unhealthy {
@@ -110,6 +114,7 @@ impl Unhealthy {
             Self::SchedulerExited => "scheduler_exited",
             Self::SchedulerWedged(_) => "scheduler_wedged",
             Self::Draining => "draining",
+            Self::NoWarmPrefill => "prefill_not_warm",
         }
     }
 }
@@ -120,6 +125,8 @@ pub struct WorkerHealth {
     engine: EngineHandle,
     wedged_after: Duration,
     draining: AtomicBool,
+    /// With `--prefill`: the prefill workers, one of which must be warm.
+    prefill: Option<Arc<PrefillPool>>,
 }
 
 impl WorkerHealth {
@@ -130,7 +137,14 @@ impl WorkerHealth {
             engine,
             wedged_after,
             draining: AtomicBool::new(false),
+            prefill: None,
         }
+    }
+
+    /// Reports the worker unhealthy while none of `pool`'s prefill workers is warm.
+    pub fn requiring_warm_prefill(mut self, pool: Arc<PrefillPool>) -> Self {
+        self.prefill = Some(pool);
+        self
     }
 
     /// From now on the worker reports itself as draining.
@@ -145,6 +159,11 @@ impl WorkerHealth {
             SchedulerCondition::Wedged { silent } => Err(Unhealthy::SchedulerWedged(silent)),
             SchedulerCondition::Running if self.draining.load(Ordering::SeqCst) => {
                 Err(Unhealthy::Draining)
+            }
+            SchedulerCondition::Running
+                if self.prefill.as_ref().is_some_and(|p| p.warm_count() == 0) =>
+            {
+                Err(Unhealthy::NoWarmPrefill)
             }
             SchedulerCondition::Running => Ok(()),
         }

@@ -12,6 +12,7 @@ pub mod block_manager;
 pub mod health;
 pub mod kv;
 pub mod metrics;
+pub mod orchestrator;
 pub mod output_text;
 pub mod profile;
 pub mod request;

@@ -52,6 +52,12 @@ pub struct Metrics {
     pub batch_size_max: Gauge,
     /// KV transfer (P/D) metrics.
     pub kv: KvTransferMetrics,
+    /// Prompts this worker tokenized (a chat template rendered and tokenized, or a
+    /// completion's text prompt): one per request it was the first to see, none for a
+    /// token-id prompt, so an orchestrated request counts once, on the decode worker.
+    pub prompts_tokenized: Counter,
+    /// Decode-as-orchestrator metrics (`--prefill`).
+    pub orchestrator: crate::orchestrator::OrchestratorMetrics,
 }
 
 /// Metrics of the KV transfer service and of pulls from peers.
@@ -196,6 +202,8 @@ impl Metrics {
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
             batch_size_max: Gauge::default(),
             kv: KvTransferMetrics::new(),
+            prompts_tokenized: Counter::default(),
+            orchestrator: Default::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -288,7 +296,13 @@ impl Metrics {
             "Largest batch of any forward step",
             m.batch_size_max.clone(),
         );
+        r.register(
+            "prompts_tokenized",
+            "Prompts this worker tokenized (token-id prompts are not counted)",
+            m.prompts_tokenized.clone(),
+        );
         m.kv.register(r);
+        m.orchestrator.register(r);
         m
     }
 
@@ -326,6 +340,8 @@ mod tests {
             "pdserve_requests_finished_total{reason=\"stop\"} 1",
             "pdserve_kv_transfer_pinned_blocks 0",
             "pdserve_kv_transfer_aborted_by_timeout_total 0",
+            "pdserve_prompts_tokenized_total 0",
+            "pdserve_orchestrator_warm_prefill_workers 0",
             "# EOF",
         ] {
             assert!(text.contains(needle), "missing {needle}:\n{text}");

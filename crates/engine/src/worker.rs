@@ -18,6 +18,7 @@ use crate::args::WorkerArgs;
 use crate::health::WorkerHealth;
 use crate::kv::{KvContext, KvService, KvServiceConfig};
 use crate::metrics::Metrics;
+use crate::orchestrator::{prefill_url, Orchestrator, OrchestratorConfig};
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
 use crate::step_model::ModelRunner;
 
@@ -58,7 +59,8 @@ pub struct Worker {
     scheduler: std::thread::JoinHandle<()>,
     kv_addr: Option<SocketAddr>,
     kv_service: Option<Arc<KvService>>,
-    /// The KV transfer server and its abort-timeout sweeper.
+    /// The KV transfer server, its abort-timeout sweeper and, with `--prefill`, the
+    /// prefill workers' pre-warm supervisors.
     kv_tasks: Vec<JoinHandle<()>>,
     health: Arc<WorkerHealth>,
     shutdown_timeout: Duration,
@@ -81,6 +83,12 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
         ("--max-model-len", args.max_model_len.unwrap_or(2)),
         ("--kv-abort-timeout", args.kv_abort_timeout as usize),
         ("--wedged-after-secs", args.wedged_after_secs as usize),
+        ("--prefill-timeout-secs", args.prefill_timeout_secs as usize),
+        (
+            "--prewarm-interval-secs",
+            args.prewarm_interval_secs as usize,
+        ),
+        ("--prewarm-attempts", args.prewarm_attempts as usize),
     ] {
         if value == 0 {
             return Err(WorkerError::InvalidArgs(format!(
@@ -88,7 +96,34 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
             )));
         }
     }
+    orchestrator_config(args)?;
     Ok(())
+}
+
+/// The orchestrator `--prefill` asks for, if any.
+fn orchestrator_config(args: &WorkerArgs) -> Result<Option<OrchestratorConfig>, WorkerError> {
+    if args.prefill.is_empty() {
+        return Ok(None);
+    }
+    if args.role != WorkerRole::Decode {
+        return Err(WorkerError::InvalidArgs(format!(
+            "--prefill makes a decode worker the entry point: it needs --role decode, not {}",
+            args.role
+        )));
+    }
+    let prefill = args
+        .prefill
+        .iter()
+        .map(|u| prefill_url(u))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(WorkerError::InvalidArgs)?;
+    Ok(Some(OrchestratorConfig {
+        prefill,
+        handoff: args.handoff,
+        prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
+        prewarm_interval: Duration::from_secs(args.prewarm_interval_secs),
+        prewarm_attempts: args.prewarm_attempts,
+    }))
 }
 
 async fn blocking<T: Send + 'static>(
@@ -196,10 +231,18 @@ impl Worker {
         } else {
             None
         };
-        let health = Arc::new(WorkerHealth::new(
-            engine.clone(),
-            Duration::from_secs(args.wedged_after_secs),
-        ));
+        let orchestrator = match orchestrator_config(&args)? {
+            Some(config) => Some(Arc::new(
+                Orchestrator::new(config, metrics.clone()).map_err(WorkerError::InvalidArgs)?,
+            )),
+            None => None,
+        };
+        let mut health =
+            WorkerHealth::new(engine.clone(), Duration::from_secs(args.wedged_after_secs));
+        if let Some(orchestrator) = &orchestrator {
+            health = health.requiring_warm_prefill(orchestrator.pool().clone());
+        }
+        let health = Arc::new(health);
         let state = Arc::new(AppState {
             engine: engine.clone(),
             model,
@@ -212,7 +255,16 @@ impl Worker {
             },
             metrics,
             health: health.clone(),
+            orchestrator: orchestrator.clone(),
         });
+        if let Some(orchestrator) = &orchestrator {
+            kv_tasks.extend(orchestrator.spawn_prewarm(&state));
+            tracing::info!(
+                prefill = ?args.prefill,
+                handoff = ?args.handoff,
+                "decode as orchestrator: /health is 503 until a prefill worker is warm"
+            );
+        }
         let addr = listener.local_addr()?;
         let (stop_http, stopped) = oneshot::channel::<()>();
         let app = router(state);
@@ -426,5 +478,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--wedged-after-secs"), "{err}");
+        assert!(check(&["--role", "decode", "--prefill", "http://127.0.0.1:1"]).is_ok());
+        let err = check(&["--prefill", "http://127.0.0.1:1"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--role decode"), "{err}");
+        let err = check(&["--role", "decode", "--prefill", "127.0.0.1:1"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("http://host:port"), "{err}");
     }
 }

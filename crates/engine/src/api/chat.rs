@@ -7,6 +7,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use http::HeaderMap;
 use pdserve_model::ChatTurn;
 use pdserve_protocol::{
     sse, unix_now, ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -14,9 +15,8 @@ use pdserve_protocol::{
     KvTransferParams, MessageContent, TokenLogprob, TopLogprob, Usage,
 };
 
-use super::generation::{
-    collect_response, response_id, stream_response, ResolvedLogprob, ResponseFormat,
-};
+use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
+use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
 use super::validate::{check_model, generation_request, output_options, top_logprobs};
 use super::AppState;
@@ -25,9 +25,16 @@ use super::AppState;
 /// `ApiError`'s `IntoResponse`.
 pub async fn handle(
     State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_json(body)?;
+    let prepared = prepare(&app, req).await?;
+    Ok(serve(&app, prepared, &headers).await)
+}
+
+/// Checks `req`, renders its messages with the chat template and tokenizes them.
+async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
     check_model(req.model.as_deref(), &app.limits)?;
     let options = output_options(&req.transport, &req.generation)?;
     let want_logprobs = req.logprobs.unwrap_or(false);
@@ -55,6 +62,7 @@ pub async fn handle(
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    app.metrics.prompts_tokenized.inc();
     let max_tokens = req
         .generation
         .max_completion_tokens
@@ -67,22 +75,14 @@ pub async fn handle(
         &app.limits,
         "messages",
     )?;
-    let generation = app
-        .submit_with_kv(
-            req.transport.kv_transfer_params.as_ref(),
-            request,
-            options.stop,
-        )
-        .await?;
-    let format = ChatFormat {
-        id: response_id("chatcmpl"),
-        created: unix_now(),
-        model: app.limits.served_model_name.clone(),
-    };
-    Ok(if options.stream {
-        stream_response(generation, format, options.include_usage)
-    } else {
-        collect_response(generation, format, want_logprobs).await
+    let format = ChatFormat::new(app.limits.served_model_name.clone());
+    Ok(Prepared {
+        request,
+        session: body_session_key(&req.extra),
+        kv_transfer_params: req.transport.kv_transfer_params,
+        model: req.model,
+        reply: Reply::chat(format, &options, want_logprobs),
+        stop: options.stop,
     })
 }
 
@@ -135,13 +135,23 @@ fn token_logprob(lp: ResolvedLogprob) -> TokenLogprob {
     }
 }
 
-struct ChatFormat {
+/// How chat answers are shaped.
+pub(super) struct ChatFormat {
     id: String,
     created: u64,
     model: String,
 }
 
 impl ChatFormat {
+    /// A fresh response id, created now, for `model`.
+    fn new(model: String) -> Self {
+        Self {
+            id: response_id("chatcmpl"),
+            created: unix_now(),
+            model,
+        }
+    }
+
     fn chunk(
         &self,
         choices: Vec<ChatChunkChoice>,

@@ -7,15 +7,15 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use http::HeaderMap;
 use pdserve_protocol::{
     sse, unix_now, ApiError, CompletionChoice, CompletionLogprobs, CompletionRequest,
     CompletionResponse, KvTransferParams, Prompt, Usage,
 };
 use serde_json::{Map, Value};
 
-use super::generation::{
-    collect_response, response_id, stream_response, ResolvedLogprob, ResponseFormat,
-};
+use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
+use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
 use super::validate::{check_model, generation_request, output_options, top_logprobs};
 use super::AppState;
@@ -24,9 +24,16 @@ use super::AppState;
 /// `ApiError`'s `IntoResponse`.
 pub async fn handle(
     State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_json(body)?;
+    let prepared = prepare(&app, req).await?;
+    Ok(serve(&app, prepared, &headers).await)
+}
+
+/// Checks `req` and tokenizes its prompt (a token-id prompt is taken as it is).
+async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared, ApiError> {
     check_model(req.model.as_deref(), &app.limits)?;
     let options = output_options(&req.transport, &req.generation)?;
     if req.echo == Some(true) {
@@ -39,8 +46,8 @@ pub async fn handle(
         .map(|n| top_logprobs("logprobs", n))
         .transpose()?;
     let prompt = match req.prompt {
-        Prompt::Text(text) => tokenize(&app, text).await?,
-        Prompt::Texts(mut texts) if texts.len() == 1 => tokenize(&app, texts.remove(0)).await?,
+        Prompt::Text(text) => tokenize(app, text).await?,
+        Prompt::Texts(mut texts) if texts.len() == 1 => tokenize(app, texts.remove(0)).await?,
         Prompt::Tokens(ids) => ids,
         Prompt::TokenBatches(mut batches) if batches.len() == 1 => batches.remove(0),
         Prompt::Texts(_) | Prompt::TokenBatches(_) => {
@@ -58,31 +65,25 @@ pub async fn handle(
         &app.limits,
         "prompt",
     )?;
-    let generation = app
-        .submit_with_kv(
-            req.transport.kv_transfer_params.as_ref(),
-            request,
-            options.stop,
-        )
-        .await?;
-    let format = CompletionFormat {
-        id: response_id("cmpl"),
-        created: unix_now(),
-        model: app.limits.served_model_name.clone(),
-    };
-    Ok(if options.stream {
-        stream_response(generation, format, options.include_usage)
-    } else {
-        collect_response(generation, format, logprobs.is_some()).await
+    let format = CompletionFormat::new(app.limits.served_model_name.clone());
+    Ok(Prepared {
+        request,
+        session: body_session_key(&req.extra),
+        kv_transfer_params: req.transport.kv_transfer_params,
+        model: req.model,
+        reply: Reply::completion(format, &options, logprobs.is_some()),
+        stop: options.stop,
     })
 }
 
 async fn tokenize(app: &Arc<AppState>, text: String) -> Result<Vec<u32>, ApiError> {
     let model = app.model.clone();
-    tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
+    let ids = tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?;
+    app.metrics.prompts_tokenized.inc();
+    Ok(ids)
 }
 
 /// The legacy columnar logprobs of `lps`.
@@ -103,13 +104,23 @@ fn completion_logprobs(lps: Vec<ResolvedLogprob>) -> CompletionLogprobs {
     out
 }
 
-struct CompletionFormat {
+/// How completion answers are shaped.
+pub(super) struct CompletionFormat {
     id: String,
     created: u64,
     model: String,
 }
 
 impl CompletionFormat {
+    /// A fresh response id, created now, for `model`.
+    fn new(model: String) -> Self {
+        Self {
+            id: response_id("cmpl"),
+            created: unix_now(),
+            model,
+        }
+    }
+
     fn body(
         &self,
         choices: Vec<CompletionChoice>,

@@ -1,15 +1,59 @@
 //! Engine errors as clients see them: an HTTP status and an OpenAI-shaped body.
 
-use pdserve_protocol::ApiError;
+use axum::response::{IntoResponse, Response};
+use http::header;
+use pdserve_protocol::{ApiError, ErrorBody};
 
 use crate::kv::HandoffError;
+use crate::orchestrator::PrefillError;
 use crate::scheduler::SubmitError;
+
+/// A failed prefill leg as the orchestrator's client sees it: a prefill worker's 4xx
+/// with its own status and OpenAI body, a timeout as 504, anything else as 502.
+impl From<PrefillError> for ApiError {
+    fn from(e: PrefillError) -> Self {
+        let message = e.to_string();
+        match e {
+            PrefillError::Rejected { status, body, .. } => {
+                match serde_json::from_slice::<ErrorBody>(&body) {
+                    Ok(body) => ApiError { status, body },
+                    Err(_) => ApiError::new(
+                        status,
+                        "upstream_error",
+                        format!("{message}: {}", String::from_utf8_lossy(&body).trim()),
+                    ),
+                }
+            }
+            PrefillError::TimedOut { .. } => ApiError::gateway_timeout(message),
+            PrefillError::Failed { .. }
+            | PrefillError::Unreachable { .. }
+            | PrefillError::Broken { .. }
+            | PrefillError::BadAnswer { .. } => ApiError::bad_gateway(message),
+        }
+    }
+}
+
+impl IntoResponse for PrefillError {
+    /// A prefill worker's OpenAI-shaped 4xx is passed on byte for byte.
+    fn into_response(self) -> Response {
+        match self {
+            PrefillError::Rejected { status, body, .. }
+                if serde_json::from_slice::<ErrorBody>(&body).is_ok() =>
+            {
+                (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+            }
+            other => ApiError::from(other).into_response(),
+        }
+    }
+}
 
 impl From<HandoffError> for ApiError {
     fn from(e: HandoffError) -> Self {
         let message = e.to_string();
         match e {
-            HandoffError::ConflictingDirections | HandoffError::MissingField(_) => {
+            HandoffError::ConflictingDirections
+            | HandoffError::MissingField(_)
+            | HandoffError::BadPublishId(_) => {
                 ApiError::bad_request(message).with_param("kv_transfer_params")
             }
             HandoffError::PullTimedOut { .. } => ApiError::gateway_timeout(message),
@@ -88,6 +132,47 @@ mod tests {
         assert!(
             message.contains("covers only 3 of this prompt's 40 tokens"),
             "{message}"
+        );
+    }
+
+    #[tokio::test]
+    async fn prefill_errors_pass_4xx_on_and_make_the_rest_502_or_504() {
+        let url = "http://p:1".to_string();
+        let body = bytes::Bytes::from(
+            r#"{"error":{"message":"too long","type":"invalid_request_error","param":"prompt","code":"x","extra":1}}"#,
+        );
+        let rejected = PrefillError::Rejected {
+            url: url.clone(),
+            status: StatusCode::BAD_REQUEST,
+            body: body.clone(),
+        };
+        let response = rejected.into_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let got = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .unwrap();
+        assert_eq!(got, body, "the 4xx body is passed on unchanged");
+        let plain = PrefillError::Rejected {
+            url: url.clone(),
+            status: StatusCode::NOT_FOUND,
+            body: "nope".into(),
+        };
+        let api = ApiError::from(plain);
+        assert_eq!(api.status, StatusCode::NOT_FOUND);
+        assert!(api.body.error.message.contains("nope"), "{api}");
+        let failed = PrefillError::Failed {
+            url: url.clone(),
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "boom".into(),
+        };
+        assert_eq!(failed.into_response().status(), StatusCode::BAD_GATEWAY);
+        let timed_out = PrefillError::TimedOut {
+            url,
+            limit: std::time::Duration::from_secs(2),
+        };
+        assert_eq!(
+            ApiError::from(timed_out).status,
+            StatusCode::GATEWAY_TIMEOUT
         );
     }
 

@@ -2,6 +2,8 @@
 //! pieces (stop strings applied), log-probabilities and a final usage report. Shared by
 //! chat and completions, streamed or not.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
@@ -11,7 +13,8 @@ use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
 
 use super::server::sse_response;
 use super::AppState;
-use crate::kv::service::{release_unpublished, PublishKind};
+use crate::kv::service::release_unpublished;
+use crate::kv::Publish;
 use crate::output_text::{OutputText, TokenText};
 use crate::request::{FinishReason, PinnedKv, SeqEvent, SeqEvents};
 use crate::sampling::TokenLogprobs;
@@ -54,6 +57,10 @@ pub enum Piece {
     Error(ApiError),
 }
 
+/// Another task this output depends on (a concurrent prefill leg): the output stands
+/// only if it succeeds.
+pub type Companion = Pin<Box<dyn Future<Output = Result<(), ApiError>> + Send>>;
+
 /// Reads a sequence's events and produces [`Piece`]s.
 pub struct Generation {
     app: Arc<AppState>,
@@ -66,7 +73,17 @@ pub struct Generation {
     pending_end: Option<Vec<Piece>>,
     done: bool,
     /// How to publish the blocks the finished sequence leaves pinned.
-    publish: Option<PublishKind>,
+    publish: Option<Publish>,
+    /// Raced against every event; awaited before the end.
+    companion: Option<Companion>,
+    /// A piece taken by [`Generation::prime`], returned first.
+    primed: Option<Piece>,
+}
+
+/// What woke a generation waiting for its next event.
+enum Wake {
+    Event(Option<SeqEvent>),
+    Companion(Result<(), ApiError>),
 }
 
 impl Generation {
@@ -87,21 +104,48 @@ impl Generation {
             pending_end: None,
             done: false,
             publish: None,
+            companion: None,
+            primed: None,
         }
     }
 
-    /// Publishes the finished sequence's pinned blocks as `kind` (the request was
+    /// Publishes the finished sequence's pinned blocks as `publish` says (the request was
     /// submitted with `pin_on_finish`); the end piece then carries their
     /// `kv_transfer_params`.
-    pub fn publishing(mut self, kind: Option<PublishKind>) -> Self {
-        self.publish = kind;
+    pub fn publishing(mut self, publish: Option<Publish>) -> Self {
+        self.publish = publish;
         self
     }
 
-    fn publish(&self, pinned: Option<PinnedKv>) -> Option<KvTransferParams> {
+    /// Makes the output depend on `companion`: its failure ends the output with its
+    /// error as soon as it is seen, and the end piece waits for it.
+    pub fn with_companion(mut self, companion: Companion) -> Self {
+        self.companion = Some(companion);
+        self
+    }
+
+    /// Waits for the first piece and returns it if it is an error, so the caller can
+    /// answer a plain JSON error instead of starting a stream (the first piece decides
+    /// JSON vs SSE). Any other piece is kept and returned first by [`Generation::next`].
+    pub async fn prime(&mut self) -> Option<ApiError> {
+        match self.next().await? {
+            Piece::Error(e) => Some(e),
+            piece => {
+                self.primed = Some(piece);
+                None
+            }
+        }
+    }
+
+    fn publish(&mut self, pinned: Option<PinnedKv>) -> Option<KvTransferParams> {
         let pinned = pinned?;
-        match (&self.app.kv.service, self.publish) {
-            (Some(service), Some(kind)) => service.publish(pinned, kind),
+        match (&self.app.kv.service, self.publish.take()) {
+            (Some(service), Some(plan)) => {
+                let id = plan.name.as_ref().map(|n| n.id().to_string());
+                // `plan` (and with it the announcement of a reader-chosen id) is dropped
+                // only after the publication is in the table.
+                service.publish_as(pinned, plan.kind, id)
+            }
             _ => {
                 release_unpublished(&self.app.engine, pinned.blocks);
                 None
@@ -119,6 +163,36 @@ impl Generation {
 
     /// The next piece, or `None` after `End`/`Error`.
     pub async fn next(&mut self) -> Option<Piece> {
+        if let Some(piece) = self.primed.take() {
+            return Some(piece);
+        }
+        let piece = self.next_piece().await;
+        if let (Some(Piece::End { .. }), Some(companion)) = (&piece, self.companion.as_mut()) {
+            // Never a successful end while the leg this output depends on may still fail.
+            let result = companion.await;
+            self.companion = None;
+            if let Err(e) = result {
+                self.pending_end = None;
+                self.done = true;
+                return Some(Piece::Error(e));
+            }
+        }
+        piece
+    }
+
+    /// The next event, raced against the companion while there is one.
+    async fn next_event(&mut self) -> Wake {
+        let Some(companion) = self.companion.as_mut() else {
+            return Wake::Event(self.events.recv().await);
+        };
+        tokio::select! {
+            biased;
+            result = companion => Wake::Companion(result),
+            event = self.events.recv() => Wake::Event(event),
+        }
+    }
+
+    async fn next_piece(&mut self) -> Option<Piece> {
         if let Some(pending) = self.pending_end.as_mut() {
             let piece = pending.pop();
             if piece.is_none() {
@@ -130,7 +204,21 @@ impl Generation {
             return None;
         }
         loop {
-            let Some(event) = self.events.recv().await else {
+            let event = match self.next_event().await {
+                Wake::Event(event) => event,
+                Wake::Companion(Ok(())) => {
+                    self.companion = None;
+                    continue;
+                }
+                Wake::Companion(Err(e)) => {
+                    self.companion = None;
+                    self.done = true;
+                    // Stops the sequence in the scheduler.
+                    self.events.close();
+                    return Some(Piece::Error(e));
+                }
+            };
+            let Some(event) = event else {
                 self.done = true;
                 return Some(Piece::Error(ApiError::internal(
                     "the engine stopped before the request finished",

@@ -5,6 +5,7 @@ mod chat;
 mod completions;
 mod error;
 pub mod generation;
+pub mod prepared;
 pub mod server;
 mod state;
 pub mod validate;

@@ -11,6 +11,7 @@ use super::validate::ModelLimits;
 use crate::health::WorkerHealth;
 use crate::kv::{handoff, KvContext, PublishKind};
 use crate::metrics::Metrics;
+use crate::orchestrator::Orchestrator;
 use crate::request::{GenerationRequest, SeqEvents};
 use crate::scheduler::EngineHandle;
 
@@ -28,6 +29,8 @@ pub struct AppState {
     pub kv: KvContext,
     /// What `GET /health` reports.
     pub health: Arc<WorkerHealth>,
+    /// With `--prefill`: runs each request's prefill on a prefill worker first.
+    pub orchestrator: Option<Arc<Orchestrator>>,
 }
 
 impl AppState {
@@ -48,7 +51,7 @@ impl AppState {
         let publish = handoff::prepare(&self.kv, params, &mut request).await?;
         // A prefill for a peer must end with its one token, never be cut by a stop string
         // (that cancels the sequence and its blocks with it).
-        let stop = if publish == Some(PublishKind::Prefill) {
+        let stop = if publish.as_ref().map(|p| p.kind) == Some(PublishKind::Prefill) {
             Vec::new()
         } else {
             stop

@@ -39,6 +39,9 @@ pub enum HandoffError {
         #[source]
         source: TransferError,
     },
+    /// `publish_request_id` is not a string, or names an id in use here.
+    #[error("kv_transfer_params.publish_request_id: {0}")]
+    BadPublishId(String),
     /// The peer's KV holds another prompt than this request's.
     #[error(
         "the prefill worker's KV covers only {covered} of this prompt's {prompt_tokens} \

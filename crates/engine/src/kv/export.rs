@@ -6,27 +6,56 @@
 //! suffix is computed. That read is an optimisation: if it fails, the prompt is computed
 //! here in full.
 
+use std::sync::Arc;
+
 use pdserve_protocol::KvTransferParams;
+use serde_json::Value;
 
 use pdserve_model::BLOCK_SIZE;
 
 use super::pull::{pull_blocks, RemoteBlocks};
-use super::KvContext;
+use super::{ExpectedPublication, HandoffError, KvContext, KvService, PUBLISH_REQUEST_ID};
 use crate::request::{GenerationRequest, KvImport};
 
 /// Turns `request` into a one-token prefill whose blocks stay pinned, importing a
-/// previous turn's shared prefix when `params` name one.
+/// previous turn's shared prefix when `params` name one. Returns the announced
+/// reader-chosen id to publish under, when the params carry one.
 pub async fn prepare_prefill(
+    kv: &KvContext,
+    service: &Arc<KvService>,
+    params: &KvTransferParams,
+    request: &mut GenerationRequest,
+) -> Result<Option<ExpectedPublication>, HandoffError> {
+    // Announced first: a reader waiting for it must learn as early as possible that this
+    // prefill is on its way (or, by the guard's drop, that it failed).
+    let name = match params.extra.get(PUBLISH_REQUEST_ID) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(id)) if !id.is_empty() => Some(
+            service
+                .expect(id)
+                .map_err(|e| HandoffError::BadPublishId(e.to_string()))?,
+        ),
+        Some(other) => {
+            return Err(HandoffError::BadPublishId(format!(
+                "expected a non-empty string, got {other}"
+            )))
+        }
+    };
+    request.max_new_tokens = 1;
+    request.min_new_tokens = 0;
+    request.pin_on_finish = true;
+    if RemoteBlocks::named_by(params) {
+        import_conversation_prefix(kv, params, request).await;
+    }
+    Ok(name)
+}
+
+/// Loads the shared prefix of a previous turn's KV that `params` name, if it can.
+async fn import_conversation_prefix(
     kv: &KvContext,
     params: &KvTransferParams,
     request: &mut GenerationRequest,
 ) {
-    request.max_new_tokens = 1;
-    request.min_new_tokens = 0;
-    request.pin_on_finish = true;
-    if !RemoteBlocks::named_by(params) {
-        return;
-    }
     let remote = match RemoteBlocks::from_params(params, &kv.layout) {
         Ok(r) => r,
         Err(e) => {

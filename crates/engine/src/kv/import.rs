@@ -5,6 +5,7 @@
 //! here, as the prefix cache always does, so the first token comes from this worker's
 //! own logits and greedy output is token for token the aggregated one.
 
+use pdserve_kv_transfer::PulledBlocks;
 use pdserve_model::BLOCK_SIZE;
 use pdserve_protocol::KvTransferParams;
 
@@ -22,6 +23,16 @@ pub async fn import_prompt_kv(
 ) -> Result<(), HandoffError> {
     let remote = RemoteBlocks::from_params(params, &kv.layout)?;
     let pulled = pull_blocks(kv, remote, &request.prompt).await?;
+    use_pulled_prompt_kv(kv, pulled, request)
+}
+
+/// Loads `pulled` (a peer's KV for `request`'s prompt) into `request.kv_import`; a peer
+/// whose KV does not cover the prompt is an error.
+pub fn use_pulled_prompt_kv(
+    kv: &KvContext,
+    pulled: PulledBlocks,
+    request: &mut GenerationRequest,
+) -> Result<(), HandoffError> {
     let needed = request.prompt.len() - 1;
     if pulled.matched_tokens < needed {
         return Err(HandoffError::PromptNotCovered {

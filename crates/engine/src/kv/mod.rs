@@ -10,12 +10,35 @@ use crate::metrics::Metrics;
 mod error;
 mod export;
 pub mod handoff;
-mod import;
+pub mod import;
 pub mod pull;
 pub mod service;
 
 pub use error::HandoffError;
+pub use service::awaited::{ExpectedPublication, AWAITED_BLOCK};
 pub use service::{KvService, KvServiceConfig, PublishKind};
+
+/// `kv_transfer_params` field of a prefill request (`do_remote_decode`) naming the id to
+/// publish the prompt's KV under, chosen by the reader so it can start reading before
+/// the prefill answers (concurrent handoff). pdserve's own extension; other workers
+/// ignore it and publish under an id of their own.
+pub const PUBLISH_REQUEST_ID: &str = "publish_request_id";
+
+/// How the blocks a finished request leaves pinned are to be published.
+#[derive(Debug)]
+pub struct Publish {
+    /// Why they are published.
+    pub kind: PublishKind,
+    /// The reader-chosen id to publish under, when there is one.
+    pub name: Option<ExpectedPublication>,
+}
+
+impl Publish {
+    /// Publication as `kind` under an id of this worker's own.
+    pub fn unnamed(kind: PublishKind) -> Self {
+        Self { kind, name: None }
+    }
+}
 
 /// What KV handoff needs of its worker.
 #[derive(Debug)]

@@ -47,13 +47,8 @@ impl RemoteBlocks {
             .as_ref()
             .ok_or_else(|| missing("remote_block_ids"))?
             .flatten();
-        let addr = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
         Ok(Self {
-            addr,
+            addr: socket_addr(host, port),
             read: ReadRequest {
                 engine_id,
                 request_id,
@@ -64,6 +59,21 @@ impl RemoteBlocks {
         })
     }
 
+    /// A read that waits for `peer` to publish a prompt of `prompt_tokens` tokens under
+    /// `request_id`, an id this worker chose (see [`super::awaited`]).
+    pub fn awaited(peer: &KvPeer, request_id: String, prompt_tokens: usize, layout: &str) -> Self {
+        Self {
+            addr: socket_addr(&peer.host, peer.port),
+            read: ReadRequest {
+                engine_id: peer.engine_id.clone(),
+                request_id,
+                block_ids: super::service::awaited::awaited_block_ids(prompt_tokens),
+                token_ids: Vec::new(),
+                layout: layout.to_string(),
+            },
+        }
+    }
+
     /// Whether `params` name a peer's blocks at all (a fresh prefill request has them
     /// all null).
     pub fn named_by(params: &KvTransferParams) -> bool {
@@ -71,6 +81,37 @@ impl RemoteBlocks {
             || params.remote_port.is_some()
             || params.remote_block_ids.is_some()
             || params.remote_request_id.is_some()
+    }
+}
+
+/// A peer's KV transfer service, as its `kv_transfer_params` name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvPeer {
+    /// `remote_host`.
+    pub host: String,
+    /// `remote_port`.
+    pub port: u16,
+    /// `remote_engine_id`.
+    pub engine_id: String,
+}
+
+impl KvPeer {
+    /// The peer `params` name, if they name one completely.
+    pub fn from_params(params: &KvTransferParams) -> Option<Self> {
+        Some(Self {
+            host: params.remote_host.clone().filter(|h| !h.is_empty())?,
+            port: params.remote_port?,
+            engine_id: params.remote_engine_id.clone()?,
+        })
+    }
+}
+
+/// `host:port`, bracketing IPv6 literals.
+fn socket_addr(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
     }
 }
 

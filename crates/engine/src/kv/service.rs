@@ -3,8 +3,12 @@
 //! turn's prefill), served over the `pdserve-kv-transfer` protocol. Published blocks are
 //! freed when a peer has read them, when an accepted read breaks off, when the abort
 //! timeout passes unread, or (conversations only) when they crowd the KV pool.
+//!
+//! A prefill may also be published under an id its reader chose (`publish_request_id`):
+//! the reader then starts its read before the prefill has finished and the read waits
+//! for the publication (see [`awaited`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -14,6 +18,7 @@ use pdserve_kv_transfer::{
 use pdserve_model::{BlockId, BLOCK_SIZE};
 use pdserve_protocol::{KvTransferParams, RemoteBlockIds};
 use serde_json::Value;
+use tokio::sync::Notify;
 
 use crate::metrics::Metrics;
 use crate::request::PinnedKv;
@@ -55,6 +60,8 @@ struct Published {
     /// The tokens whose KV the blocks hold.
     tokens: Vec<u32>,
     kind: PublishKind,
+    /// Published under an id the reader chose, so the reader cannot know the block ids.
+    named_by_reader: bool,
 }
 
 #[derive(Debug, Default)]
@@ -65,6 +72,8 @@ struct State {
     /// Conversation publications, oldest first (may name entries already gone).
     conversations: VecDeque<String>,
     conversation_blocks: usize,
+    /// Reader-chosen ids whose prefill is running here (see [`awaited`]).
+    expected: HashSet<String>,
 }
 
 impl State {
@@ -84,6 +93,8 @@ pub struct KvService {
     engine: EngineHandle,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
+    /// Woken whenever a publication appears or an expected one is abandoned.
+    changed: Notify,
 }
 
 impl KvService {
@@ -94,6 +105,7 @@ impl KvService {
             engine,
             metrics,
             state: Mutex::new(State::default()),
+            changed: Notify::new(),
         }
     }
 
@@ -122,9 +134,22 @@ impl KvService {
     /// Synchronous on purpose: once the blocks left the scheduler they are either in the
     /// table (and the sweeper frees them) or being freed, with no await in between.
     pub fn publish(&self, pinned: PinnedKv, kind: PublishKind) -> Option<KvTransferParams> {
+        self.publish_as(pinned, kind, None)
+    }
+
+    /// [`KvService::publish`] under `request_id` when given (a reader-chosen id, see
+    /// [`awaited`]), else under a fresh one.
+    pub fn publish_as(
+        &self,
+        pinned: PinnedKv,
+        kind: PublishKind,
+        request_id: Option<String>,
+    ) -> Option<KvTransferParams> {
         let num_blocks = pinned.blocks.len();
         let mut evicted = Vec::new();
-        let request_id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
+        let named_by_reader = request_id.is_some();
+        let request_id =
+            request_id.unwrap_or_else(|| format!("pdkv-{}", uuid::Uuid::new_v4().simple()));
         {
             let mut st = self.lock();
             if kind == PublishKind::Conversation {
@@ -158,8 +183,12 @@ impl KvService {
                 blocks: pinned.blocks.clone(),
                 tokens: pinned.tokens,
                 kind,
+                named_by_reader,
             };
             st.pins.insert(request_id.clone(), published, deadline);
+        }
+        if named_by_reader {
+            self.changed.notify_waiters();
         }
         self.metrics.kv.pinned_blocks.inc_by(num_blocks as i64);
         self.metrics.kv.published.inc();
@@ -277,6 +306,10 @@ impl BlockSource for KvService {
     }
 
     async fn export(&self, request: &ReadRequest) -> Result<Export, (ErrorCode, String)> {
+        let awaited = awaited::is_awaited_read(request);
+        if awaited {
+            self.await_publication(&request.request_id).await;
+        }
         let entry = {
             let mut st = self.lock();
             let Some(entry) = st.pins.get(&request.request_id) else {
@@ -288,8 +321,14 @@ impl BlockSource for KvService {
                     ),
                 ));
             };
-            let published = entry.blocks.iter().map(|&b| u64::from(b));
-            if !published.eq(request.block_ids.iter().copied()) {
+            if awaited {
+                awaited::check_awaited_read(request, entry.named_by_reader)?;
+            } else if !entry
+                .blocks
+                .iter()
+                .map(|&b| u64::from(b))
+                .eq(request.block_ids.iter().copied())
+            {
                 return Err((
                     ErrorCode::BlockMismatch,
                     format!(
@@ -311,6 +350,20 @@ impl BlockSource for KvService {
         };
         let matched = common_prefix(&request.token_ids, &entry.tokens);
         let wanted = entry.blocks[..matched.div_ceil(BLOCK_SIZE)].to_vec();
+        if wanted.len() > request.block_ids.len() {
+            // Only an awaited read can get here (a named read lists every block): it
+            // announced room for fewer blocks than its own tokens match.
+            self.lock().reading.remove(&request.request_id);
+            release(&self.engine, &self.metrics, entry.blocks).await;
+            return Err((
+                ErrorCode::BlockMismatch,
+                format!(
+                    "the read has room for {} blocks, its tokens match {}",
+                    request.block_ids.len(),
+                    wanted.len()
+                ),
+            ));
+        }
         match self.engine.read_blocks(wanted).await {
             Ok(blocks) => Ok(Export {
                 matched_tokens: matched,
@@ -361,6 +414,9 @@ mod tests {
         assert_eq!(common_prefix(&[7, 8], &[7, 8]), 2);
     }
 }
+
+#[path = "awaited.rs"]
+pub mod awaited;
 
 #[cfg(test)]
 #[path = "service_tests.rs"]

@@ -179,3 +179,131 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
     engine.shutdown();
     thread.join().unwrap();
 }
+
+/// A read that waits for a publication under an id its reader chose: it gets the blocks
+/// once they are published, fails at once when the announced prefill ends without
+/// publishing, and the id cannot be announced twice.
+#[tokio::test]
+async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
+    let metrics = Arc::new(Metrics::new());
+    let config = SchedulerConfig {
+        max_num_seqs: 4,
+        max_waiting: 8,
+        max_num_batched_tokens: 256,
+        max_model_len: 256,
+    };
+    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let service = Arc::new(KvService::new(
+        KvServiceConfig {
+            engine_id: "engine-p".into(),
+            layout: "fake".into(),
+            block_bytes: 64,
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().unwrap().port(),
+            abort_timeout: Duration::from_secs(10),
+            conversation_budget: 4,
+        },
+        engine.clone(),
+        metrics.clone(),
+    ));
+    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
+        listener,
+        service.clone(),
+        ServerConfig::default(),
+        std::future::pending(),
+    ));
+    let prompt: Vec<u32> = (1..=40).collect();
+    let awaited_read = |id: &str| ReadRequest {
+        engine_id: "engine-p".into(),
+        request_id: id.into(),
+        block_ids: awaited::awaited_block_ids(prompt.len()),
+        token_ids: prompt.clone(),
+        layout: "fake".into(),
+    };
+    assert!(awaited::is_awaited_read(&awaited_read("x")));
+
+    // Announced, read started, then published: the read gets the blocks.
+    let expected = service.expect("pdkv-a").unwrap();
+    assert!(service.expect("pdkv-a").is_err(), "announced twice");
+    let read = {
+        let (addr, read) = (addr.clone(), awaited_read("pdkv-a"));
+        tokio::spawn(async move { pull(&addr, &read, 64, &PullConfig::default()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!read.is_finished(), "the read waits for the publication");
+    let pinned = finished_pinned(&engine, prompt.clone()).await;
+    let params = service
+        .publish_as(
+            pinned,
+            PublishKind::Prefill,
+            Some(expected.id().to_string()),
+        )
+        .unwrap();
+    drop(expected);
+    assert_eq!(params.remote_request_id.as_deref(), Some("pdkv-a"));
+    let pulled = tokio::time::timeout(DEADLINE, read)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!((pulled.matched_tokens, pulled.blocks.len()), (40, 3));
+    settle(&metrics, 0).await;
+
+    // Announced, then abandoned (the prefill failed): the waiting read fails at once.
+    let expected = service.expect("pdkv-b").unwrap();
+    let read = {
+        let (addr, read) = (addr.clone(), awaited_read("pdkv-b"));
+        tokio::spawn(async move { pull(&addr, &read, 64, &PullConfig::default()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    drop(expected);
+    let err = tokio::time::timeout(DEADLINE, read)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::UnknownRequest,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "abandonment is seen at once"
+    );
+
+    // A publication under this worker's own id cannot be taken by an awaited read.
+    let pinned = finished_pinned(&engine, prompt.clone()).await;
+    let own = service.publish(pinned, PublishKind::Prefill).unwrap();
+    let id = own.remote_request_id.clone().unwrap();
+    assert!(service.expect(&id).is_err(), "the id is in use");
+    let err = pull(&addr, &awaited_read(&id), 64, &PullConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::BlockMismatch,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    pull(&addr, &read_of(&own, &prompt), 64, &PullConfig::default())
+        .await
+        .unwrap();
+    settle(&metrics, 0).await;
+
+    server.abort();
+    engine.shutdown();
+    thread.join().unwrap();
+}

@@ -1,0 +1,145 @@
+//! A checked, tokenized request and how to answer it: what chat and completions share
+//! once their own fields are validated, whether this worker serves the request alone or,
+//! as an orchestrator, has a prefill worker compute its prompt first.
+
+use std::sync::Arc;
+
+use axum::response::{IntoResponse, Response};
+use http::HeaderMap;
+use pdserve_protocol::{ApiError, KvTransferParams};
+use serde_json::{Map, Value};
+
+use super::chat::ChatFormat;
+use super::completions::CompletionFormat;
+use super::generation::{collect_response, stream_response, Generation};
+use super::validate::OutputOptions;
+use super::AppState;
+use crate::request::GenerationRequest;
+
+/// A validated request with its prompt as token ids.
+pub struct Prepared {
+    /// What the scheduler runs: prompt token ids, sampling, limits.
+    pub request: GenerationRequest,
+    /// Stop strings, applied to the output text.
+    pub stop: Vec<String>,
+    /// The client's own `kv_transfer_params` (a proxy running the handoff itself).
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// The client's `model` field.
+    pub model: Option<String>,
+    /// The session key the body carries (`conversation_id`, else `user`).
+    pub session: Option<String>,
+    /// How to answer.
+    pub reply: Reply,
+}
+
+/// How a prepared request is answered: its API's shape and the output options.
+pub struct Reply {
+    format: Format,
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+enum Format {
+    Chat(ChatFormat),
+    Completion(CompletionFormat),
+}
+
+impl Reply {
+    pub(super) fn chat(format: ChatFormat, options: &OutputOptions, logprobs: bool) -> Self {
+        Self::new(Format::Chat(format), options, logprobs)
+    }
+
+    pub(super) fn completion(
+        format: CompletionFormat,
+        options: &OutputOptions,
+        logprobs: bool,
+    ) -> Self {
+        Self::new(Format::Completion(format), options, logprobs)
+    }
+
+    fn new(format: Format, options: &OutputOptions, logprobs: bool) -> Self {
+        Self {
+            format,
+            stream: options.stream,
+            include_usage: options.include_usage,
+            logprobs,
+        }
+    }
+
+    /// Whether the answer is a server-sent event stream.
+    pub fn is_stream(&self) -> bool {
+        self.stream
+    }
+
+    /// Answers with `generation`'s output: a stream, or one JSON body once it is done.
+    pub async fn respond(self, generation: Generation) -> Response {
+        match (self.format, self.stream) {
+            (Format::Chat(f), true) => stream_response(generation, f, self.include_usage),
+            (Format::Chat(f), false) => collect_response(generation, f, self.logprobs).await,
+            (Format::Completion(f), true) => stream_response(generation, f, self.include_usage),
+            (Format::Completion(f), false) => collect_response(generation, f, self.logprobs).await,
+        }
+    }
+}
+
+/// The session key in a request body: a top-level `conversation_id`, else the OpenAI
+/// `user` field (non-empty strings only).
+pub fn body_session_key(extra: &Map<String, Value>) -> Option<String> {
+    ["conversation_id", "user"]
+        .iter()
+        .filter_map(|k| extra.get(*k)?.as_str())
+        .find(|s| !s.is_empty())
+        .map(str::to_string)
+}
+
+/// Serves `prepared`: through the orchestrator (a prefill worker computes the prompt,
+/// this worker decodes) when this worker orchestrates and the client did not run the
+/// handoff itself with its own `kv_transfer_params`; otherwise on this worker alone.
+pub(super) async fn serve(
+    app: &Arc<AppState>,
+    prepared: Prepared,
+    headers: &HeaderMap,
+) -> Response {
+    match &app.orchestrator {
+        Some(orchestrator) if prepared.kv_transfer_params.is_none() => {
+            orchestrator.serve(app, prepared, headers).await
+        }
+        _ => serve_locally(app, prepared)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+    }
+}
+
+async fn serve_locally(app: &Arc<AppState>, prepared: Prepared) -> Result<Response, ApiError> {
+    let generation = app
+        .submit_with_kv(
+            prepared.kv_transfer_params.as_ref(),
+            prepared.request,
+            prepared.stop,
+        )
+        .await?;
+    Ok(prepared.reply.respond(generation).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_body_session_key_is_conversation_id_then_user() {
+        let extra = |v: Value| v.as_object().unwrap().clone();
+        let key = |v| body_session_key(&extra(v));
+        assert_eq!(
+            key(json!({"conversation_id": "c", "user": "u"})).as_deref(),
+            Some("c")
+        );
+        assert_eq!(
+            key(json!({"conversation_id": "", "user": "u"})).as_deref(),
+            Some("u")
+        );
+        assert_eq!(key(json!({"user": 7})), None);
+        assert_eq!(key(json!({})), None);
+    }
+}

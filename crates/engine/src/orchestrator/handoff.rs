@@ -1,0 +1,208 @@
+//! Moving an orchestrated request's prompt KV from the prefill worker to this one, then
+//! decoding here.
+//!
+//! - Sequential: the prefill leg answers with where its KV is; this worker reads it and
+//!   decodes.
+//! - Concurrent: this worker picks the publication's id, sends the prefill leg and, at
+//!   the same time, starts a read that waits for the prefill worker to publish under
+//!   that id. The prefill leg runs as its own task; every step of the decode is raced
+//!   against it, so a failed prefill reaches the client as its error (a JSON error
+//!   before the first chunk, an error event after it), never as a stream that hangs on
+//!   KV that will not come or that ends as if nothing happened. The task is always
+//!   awaited or aborted (dropping the request aborts it), never left behind.
+//!
+//! Either way the decode imports every prompt position but the last and computes that
+//! one itself, so greedy output is token for token the aggregated worker's.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::response::Response;
+use pdserve_protocol::{ApiError, KvTransferParams};
+use tokio::task::{JoinError, JoinHandle};
+
+use super::leg::prefill_body;
+use super::{OrchestrateError, Orchestrator, PrefillError, PrefillWorker};
+use crate::api::generation::{Companion, Generation};
+use crate::api::prepared::{Prepared, Reply};
+use crate::api::AppState;
+use crate::kv::import::{import_prompt_kv, use_pulled_prompt_kv};
+use crate::kv::pull::{pull_blocks, KvPeer, RemoteBlocks};
+use crate::kv::HandoffError;
+use crate::request::GenerationRequest;
+
+/// Prefill leg, then the KV read, then the decode.
+pub async fn sequential(
+    orchestrator: &Orchestrator,
+    app: &Arc<AppState>,
+    worker: &PrefillWorker,
+    prepared: Prepared,
+) -> Result<Response, OrchestrateError> {
+    let Prepared {
+        mut request,
+        stop,
+        model,
+        reply,
+        ..
+    } = prepared;
+    let body = prefill_body(model.as_deref(), &request.prompt, None);
+    let params = orchestrator.prefill(worker, &body).await?;
+    match params.as_ref().filter(|p| RemoteBlocks::named_by(p)) {
+        Some(params) => import_prompt_kv(&app.kv, params, &mut request).await?,
+        None => tracing::warn!(
+            prefill = %worker.url,
+            "the prefill worker answered without kv_transfer_params (it keeps no KV?); \
+             computing the prompt here"
+        ),
+    }
+    Ok(decode(app, request, stop, reply, None).await?)
+}
+
+/// The KV read starts with the prefill leg and waits for its blocks.
+pub async fn concurrent(
+    orchestrator: &Arc<Orchestrator>,
+    app: &Arc<AppState>,
+    worker: &Arc<PrefillWorker>,
+    peer: KvPeer,
+    prepared: Prepared,
+) -> Result<Response, OrchestrateError> {
+    let Prepared {
+        mut request,
+        stop,
+        model,
+        reply,
+        ..
+    } = prepared;
+    let id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
+    let body = prefill_body(model.as_deref(), &request.prompt, Some(&id));
+    let mut prefill = {
+        let (orchestrator, worker) = (orchestrator.clone(), worker.clone());
+        AbortOnDrop(tokio::spawn(async move {
+            orchestrator.prefill(&worker, &body).await
+        }))
+    };
+    let remote = RemoteBlocks::awaited(&peer, id, request.prompt.len(), &app.kv.layout);
+    let (pulled, prefill_pending) = {
+        let read = pull_blocks(&app.kv, remote, &request.prompt);
+        tokio::pin!(read);
+        tokio::select! {
+        // A failed prefill wins the race: dropping the read closes its connection.
+        joined = &mut prefill => {
+            let params = prefill_result(joined)?;
+            let pulled = match read.await {
+                Ok(pulled) => pulled,
+                Err(e) => read_by_params(orchestrator, app, params, &request, e).await?,
+            };
+            (pulled, false)
+        }
+        pulled = &mut read => match pulled {
+            Ok(pulled) => (pulled, true),
+            Err(e) => {
+                let params = prefill_result(prefill.await_result().await)?;
+                (read_by_params(orchestrator, app, params, &request, e).await?, false)
+            }
+        },
+        }
+    };
+    use_pulled_prompt_kv(&app.kv, pulled, &mut request)?;
+    // The blocks are here, but the prefill worker has not answered yet: the output
+    // stands only if it answers with success.
+    let companion: Option<Companion> = prefill_pending.then(|| {
+        Box::pin(async move {
+            prefill_result(prefill.await_result().await)
+                .map(drop)
+                .map_err(ApiError::from)
+        }) as Companion
+    });
+    Ok(decode(app, request, stop, reply, companion).await?)
+}
+
+/// After a failed awaited read whose prefill answered with success: read the blocks by
+/// the params it returned (a prefill worker that does not know `publish_request_id`
+/// published under an id of its own; a restarted one has a new engine id).
+async fn read_by_params(
+    orchestrator: &Orchestrator,
+    app: &Arc<AppState>,
+    params: Option<KvTransferParams>,
+    request: &GenerationRequest,
+    awaited_error: HandoffError,
+) -> Result<pdserve_kv_transfer::PulledBlocks, HandoffError> {
+    let Some(params) = params.filter(RemoteBlocks::named_by) else {
+        return Err(awaited_error);
+    };
+    tracing::info!(
+        "the concurrent KV read failed ({awaited_error}); reading by the prefill's answer"
+    );
+    orchestrator.metrics.orchestrator.concurrent_fallbacks.inc();
+    let remote = RemoteBlocks::from_params(&params, &app.kv.layout)?;
+    pull_blocks(&app.kv, remote, &request.prompt).await
+}
+
+fn prefill_result(
+    joined: Result<Result<Option<KvTransferParams>, PrefillError>, JoinError>,
+) -> Result<Option<KvTransferParams>, OrchestrateError> {
+    match joined {
+        Ok(result) => Ok(result?),
+        Err(e) => Err(ApiError::internal(format!("the prefill leg's task failed: {e}")).into()),
+    }
+}
+
+impl From<OrchestrateError> for ApiError {
+    fn from(e: OrchestrateError) -> Self {
+        match e {
+            OrchestrateError::Api(e) => e,
+            OrchestrateError::Prefill(e) => e.into(),
+        }
+    }
+}
+
+/// Submits `request` here and answers with its output. A stream is started only once
+/// the first piece is there, so an error before any output (a failed prefill leg
+/// included) is a JSON error with its own status.
+async fn decode(
+    app: &Arc<AppState>,
+    request: GenerationRequest,
+    stop: Vec<String>,
+    reply: Reply,
+    companion: Option<Companion>,
+) -> Result<Response, ApiError> {
+    let prompt_tokens = request.prompt.len();
+    let events = app.submit(request)?;
+    let mut generation = Generation::new(app.clone(), events, prompt_tokens, stop);
+    if let Some(companion) = companion {
+        generation = generation.with_companion(companion);
+    }
+    if reply.is_stream() {
+        if let Some(e) = generation.prime().await {
+            return Err(e);
+        }
+    }
+    Ok(reply.respond(generation).await)
+}
+
+/// A task that is aborted when its handle is dropped (a client that goes away takes
+/// the prefill leg with it).
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    /// Waits for the task's result.
+    async fn await_result(&mut self) -> Result<T, JoinError> {
+        (&mut self.0).await
+    }
+}
+
+impl<T> Future for AbortOnDrop<T> {
+    type Output = Result<T, JoinError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,308 @@
+//! The prefill leg: a completion request with the prompt as token ids, one token, not
+//! streamed, asking the prefill worker to keep the prompt's KV for this worker
+//! (`kv_transfer_params.do_remote_decode`), and how it can fail.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use pdserve_protocol::KvTransferParams;
+use serde_json::{json, Value};
+
+use crate::kv::PUBLISH_REQUEST_ID;
+
+/// Longest part of an upstream error body quoted in an error message.
+const QUOTE_LIMIT: usize = 512;
+
+/// The prefill leg's body for `prompt`. `publish_as` names the id the prefill worker
+/// publishes the KV under (concurrent handoff); `model` is the client's `model` field.
+/// Sampling fields are left out: the prefill's one token is thrown away (this worker
+/// computes the last prompt position itself and samples from its own logits).
+pub fn prefill_body(model: Option<&str>, prompt: &[u32], publish_as: Option<&str>) -> Value {
+    let mut params = serde_json::to_value(KvTransferParams::prefill_request())
+        .expect("kv_transfer_params serialize");
+    if let Some(id) = publish_as {
+        params[PUBLISH_REQUEST_ID] = Value::from(id);
+    }
+    let mut body = json!({
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": false,
+        "kv_transfer_params": params,
+    });
+    if let Some(model) = model {
+        body["model"] = Value::from(model);
+    }
+    body
+}
+
+/// A failed prefill leg.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefillError {
+    /// The prefill worker refused the request (4xx); the client gets its answer as is.
+    #[error("prefill worker {url} answered {status}")]
+    Rejected {
+        /// The prefill worker.
+        url: String,
+        /// Its 4xx status.
+        status: StatusCode,
+        /// Its body, passed on unchanged.
+        body: Bytes,
+    },
+    /// The prefill worker answered with a non-4xx error status.
+    #[error("prefill worker {url} answered {status}: {message}")]
+    Failed {
+        /// The prefill worker.
+        url: String,
+        /// Its status.
+        status: StatusCode,
+        /// The start of its body.
+        message: String,
+    },
+    /// No connection could be made.
+    #[error("prefill worker {url} could not be reached: {reason}")]
+    Unreachable {
+        /// The prefill worker.
+        url: String,
+        /// The connection error.
+        reason: String,
+    },
+    /// The connection broke before the answer was complete.
+    #[error("prefill worker {url} broke off the request: {reason}")]
+    Broken {
+        /// The prefill worker.
+        url: String,
+        /// The transport error.
+        reason: String,
+    },
+    /// No complete answer within `--prefill-timeout-secs`.
+    #[error("prefill worker {url} did not answer within {} s", .limit.as_secs_f64())]
+    TimedOut {
+        /// The prefill worker.
+        url: String,
+        /// The limit that passed.
+        limit: Duration,
+    },
+    /// A 200 whose body is not a completion with usable `kv_transfer_params`.
+    #[error("prefill worker {url} answered 200 with {reason}")]
+    BadAnswer {
+        /// The prefill worker.
+        url: String,
+        /// What is wrong with the body.
+        reason: String,
+    },
+}
+
+impl PrefillError {
+    /// The `outcome` label of the prefill-request counter.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Self::Rejected { .. } => "rejected",
+            Self::Failed { .. } => "failed",
+            Self::Unreachable { .. } => "unreachable",
+            Self::Broken { .. } => "broken",
+            Self::TimedOut { .. } => "timeout",
+            Self::BadAnswer { .. } => "bad_answer",
+        }
+    }
+
+    /// Whether the worker looks gone (not just this request failed): it is then routed
+    /// around until pre-warmed again.
+    pub fn worker_gone(&self) -> bool {
+        matches!(self, Self::Unreachable { .. } | Self::Broken { .. })
+    }
+}
+
+/// Sends prefill legs over pooled HTTP/1.1 connections.
+#[derive(Debug, Clone)]
+pub struct PrefillClient {
+    http: reqwest::Client,
+    timeout: Duration,
+}
+
+impl PrefillClient {
+    /// A client whose legs may take at most `timeout` each.
+    pub fn new(timeout: Duration) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .connect_timeout(Duration::from_secs(3).min(timeout))
+            .build()
+            .map_err(|e| format!("cannot build the prefill HTTP client: {e}"))?;
+        Ok(Self { http, timeout })
+    }
+
+    /// POSTs `body` to `url`'s `/v1/completions` and returns the `kv_transfer_params`
+    /// of its 200 answer (`None` when it has none: a worker that keeps no KV).
+    pub async fn send(
+        &self,
+        url: &str,
+        body: &Value,
+    ) -> Result<Option<KvTransferParams>, PrefillError> {
+        let exchange = async {
+            let response = self
+                .http
+                .post(format!("{url}/v1/completions"))
+                .json(body)
+                .send()
+                .await
+                .map_err(|e| transport_error(url, &e))?;
+            let status = response.status();
+            let bytes = response.bytes().await.map_err(|e| PrefillError::Broken {
+                url: url.to_string(),
+                reason: error_chain(&e),
+            })?;
+            answer(url, status, bytes)
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| PrefillError::TimedOut {
+                url: url.to_string(),
+                limit: self.timeout,
+            })?
+    }
+
+    /// Whether `url`'s `/health` answers 200 within `limit`.
+    pub async fn healthy(&self, url: &str, limit: Duration) -> Result<(), String> {
+        let response = self
+            .http
+            .get(format!("{url}/health"))
+            .timeout(limit)
+            .send()
+            .await
+            .map_err(|e| error_chain(&e))?;
+        match response.status() {
+            StatusCode::OK => Ok(()),
+            status => Err(format!("/health answered {status}")),
+        }
+    }
+}
+
+fn transport_error(url: &str, e: &reqwest::Error) -> PrefillError {
+    let url = url.to_string();
+    let reason = error_chain(e);
+    if e.is_connect() {
+        PrefillError::Unreachable { url, reason }
+    } else {
+        PrefillError::Broken { url, reason }
+    }
+}
+
+/// Classifies a complete answer.
+fn answer(
+    url: &str,
+    status: StatusCode,
+    body: Bytes,
+) -> Result<Option<KvTransferParams>, PrefillError> {
+    let url = url.to_string();
+    if status.is_client_error() {
+        return Err(PrefillError::Rejected { url, status, body });
+    }
+    if !status.is_success() {
+        return Err(PrefillError::Failed {
+            url,
+            status,
+            message: quote(&body),
+        });
+    }
+    let bad = |reason: String| PrefillError::BadAnswer {
+        url: url.clone(),
+        reason,
+    };
+    let mut answer: Value =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("a body that is not JSON: {e}")))?;
+    let Some(object) = answer.as_object_mut() else {
+        return Err(bad("a body that is not a JSON object".into()));
+    };
+    match object.remove("kv_transfer_params") {
+        None | Some(Value::Null) => Ok(None),
+        Some(params) => serde_json::from_value(params)
+            .map(Some)
+            .map_err(|e| bad(format!("malformed kv_transfer_params: {e}"))),
+    }
+}
+
+/// The start of `body` as text, for error messages.
+fn quote(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    match text.char_indices().nth(QUOTE_LIMIT) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
+
+/// `e` with its sources ("error sending request: connection refused").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_leg_is_a_one_token_token_id_completion() {
+        let body = prefill_body(Some("m"), &[1, 2, 3], Some("pdkv-x"));
+        assert_eq!(
+            body,
+            json!({
+                "prompt": [1, 2, 3], "max_tokens": 1, "stream": false, "model": "m",
+                "kv_transfer_params": {
+                    "do_remote_decode": true, "do_remote_prefill": false,
+                    "remote_engine_id": null, "remote_block_ids": null,
+                    "remote_host": null, "remote_port": null,
+                    "publish_request_id": "pdkv-x"
+                }
+            })
+        );
+        let body = prefill_body(None, &[7], None);
+        assert!(body.get("model").is_none());
+        assert!(body["kv_transfer_params"].get(PUBLISH_REQUEST_ID).is_none());
+    }
+
+    #[test]
+    fn answers_are_classified() {
+        let url = "http://p:1";
+        let ok = answer(
+            url,
+            StatusCode::OK,
+            Bytes::from(r#"{"kv_transfer_params": {"do_remote_prefill": true, "remote_port": 9}}"#),
+        )
+        .unwrap()
+        .unwrap();
+        assert!(ok.do_remote_prefill && ok.remote_port == Some(9));
+        assert_eq!(
+            answer(url, StatusCode::OK, Bytes::from("{}")).unwrap(),
+            None
+        );
+        let body = Bytes::from(r#"{"error": {"message": "too long"}}"#);
+        match answer(url, StatusCode::BAD_REQUEST, body.clone()).unwrap_err() {
+            PrefillError::Rejected {
+                status, body: b, ..
+            } => {
+                assert_eq!((status, b), (StatusCode::BAD_REQUEST, body))
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = answer(url, StatusCode::SERVICE_UNAVAILABLE, Bytes::from("busy")).unwrap_err();
+        assert_eq!(e.outcome(), "failed");
+        assert!(e.to_string().contains("busy"), "{e}");
+        let e = answer(url, StatusCode::OK, Bytes::from("nope")).unwrap_err();
+        assert_eq!(e.outcome(), "bad_answer");
+        let e = answer(
+            url,
+            StatusCode::OK,
+            Bytes::from(r#"{"kv_transfer_params": 3}"#),
+        )
+        .unwrap_err();
+        assert_eq!(e.outcome(), "bad_answer");
+        assert_eq!(quote("x".repeat(600).as_bytes()).chars().count(), 513);
+    }
+}

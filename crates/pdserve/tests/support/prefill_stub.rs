@@ -1,0 +1,141 @@
+//! A stand-in prefill worker on a real socket whose answers a test scripts: forward to a
+//! real prefill worker, refuse (4xx), fail (5xx), never answer, or forward and then drop
+//! the connection without answering (what a prefill worker killed mid-request looks
+//! like to its client). Plain HTTP/1.1, one request per connection.
+
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// How the stub answers `POST /v1/completions` (`GET /health` is always 200).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forward to the real prefill worker and answer with its answer.
+    Proxy,
+    /// 400 with [`REJECTION`].
+    Reject,
+    /// 500 with a plain-text body.
+    Fail,
+    /// Read the request, never answer.
+    Hang,
+    /// Forward to the real prefill worker (it computes and publishes the KV), then close
+    /// the connection without answering.
+    Drop,
+}
+
+/// The stub's 400 body, OpenAI-shaped with a field the engine does not know.
+pub const REJECTION: &str = r#"{"error":{"message":"the stub refuses this prompt","type":"invalid_request_error","param":"prompt","code":"stub_says_no","stub_detail":[1,2]}}"#;
+
+/// A running stub.
+pub struct PrefillStub {
+    mode: Arc<Mutex<Mode>>,
+    task: JoinHandle<()>,
+}
+
+impl PrefillStub {
+    /// Serves on `listener`, forwarding to `upstream` (`http://host:port`) where asked.
+    pub fn start(listener: TcpListener, upstream: String, mode: Mode) -> Self {
+        let mode = Arc::new(Mutex::new(mode));
+        let shared = mode.clone();
+        let task = tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                let mode = *shared.lock().unwrap();
+                tokio::spawn(serve(socket, mode, http.clone(), upstream.clone()));
+            }
+        });
+        Self { mode, task }
+    }
+
+    /// Answers later requests as `mode` says.
+    pub fn set(&self, mode: Mode) {
+        *self.mode.lock().unwrap() = mode;
+    }
+}
+
+impl Drop for PrefillStub {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(mut socket: TcpStream, mode: Mode, http: reqwest::Client, upstream: String) {
+    let Some((head, body)) = read_request(&mut socket).await else {
+        return;
+    };
+    if head.starts_with("GET /health") {
+        return respond(&mut socket, 200, "application/json", br#"{"status":"ok"}"#).await;
+    }
+    match mode {
+        Mode::Reject => respond(&mut socket, 400, "application/json", REJECTION.as_bytes()).await,
+        Mode::Fail => respond(&mut socket, 500, "text/plain", b"the stub exploded").await,
+        Mode::Hang => {
+            // Hold the connection open until the client gives up.
+            let mut sink = [0u8; 64];
+            while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
+        }
+        Mode::Proxy | Mode::Drop => {
+            let answer = http
+                .post(format!("{upstream}/v1/completions"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await;
+            let Ok(answer) = answer else {
+                return respond(&mut socket, 502, "text/plain", b"upstream unreachable").await;
+            };
+            let status = answer.status().as_u16();
+            let bytes = answer.bytes().await.unwrap_or_default();
+            if mode == Mode::Proxy {
+                respond(&mut socket, status, "application/json", &bytes).await;
+            }
+            // Mode::Drop: the socket closes here with no answer.
+        }
+    }
+}
+
+/// The request line and headers, and the body (by Content-Length).
+async fn read_request(socket: &mut TcpStream) -> Option<(String, Vec<u8>)> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = socket.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let length = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < length {
+        let n = socket.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    Some((head, body))
+}
+
+async fn respond(socket: &mut TcpStream, status: u16, content_type: &str, body: &[u8]) {
+    let head = format!(
+        "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = socket.write_all(head.as_bytes()).await;
+    let _ = socket.write_all(body).await;
+    let _ = socket.shutdown().await;
+}
