@@ -34,8 +34,12 @@ impl GenerateRequest {
         }
         .map_err(json_error)?;
         // Only the gateway writes KV handles: a client's would make a worker open a
-        // connection to any address the client names.
+        // connection to any address the client names. The same holds for the encoder
+        // cache's handles (peer hosts and ports of published embeddings).
         request.transport_mut().kv_transfer_params = None;
+        request
+            .extra_mut()
+            .remove(crate::handoff::mm_rewrite::EC_TRANSFER_PARAMS);
         let conversation_id = match request.extra_mut().remove(CONVERSATION_ID) {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) if s.is_empty() => None,
@@ -146,10 +150,15 @@ mod tests {
                 Endpoint::Completions,
                 br#"{"prompt":"hi","kv_transfer_params":{"do_remote_decode":true}}"#,
             ),
+            (
+                Endpoint::Chat,
+                br#"{"messages":[{"role":"user","content":"hi"}],"ec_transfer_params":{"h":{"peer_host":"10.0.0.1","peer_port":22}}}"#,
+            ),
         ] {
             let (req, _) = GenerateRequest::parse(endpoint, body).unwrap();
             let forwarded: Value = serde_json::from_slice(&req.to_body()).unwrap();
             assert!(forwarded.get("kv_transfer_params").is_none(), "{forwarded}");
+            assert!(forwarded.get("ec_transfer_params").is_none(), "{forwarded}");
         }
     }
 
