@@ -1,7 +1,9 @@
 //! `pdserve up`: the whole stack on this machine in one command — workers on free local
-//! ports, each pinned to its own cores, and a gateway in front of them. SIGTERM or Ctrl-C
-//! drains the gateway first (its in-flight requests still need the workers), then the
-//! workers; a second signal kills whatever is left.
+//! ports, each pinned to its own cores, and a gateway in front of them; or, with
+//! `--topology orchestrator`, prefill workers and one decode worker that is itself the
+//! entry point (decode as orchestrator, no gateway). SIGTERM or Ctrl-C drains the front
+//! door first (its in-flight requests still need the workers), then the workers; a
+//! second signal kills whatever is left.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -9,6 +11,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use pdserve_engine::orchestrator::HandoffMode;
 use pdserve_protocol::WorkerRole;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -16,13 +19,24 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 /// How long past its `--shutdown-timeout` a member may take to exit before it is killed.
 const STOP_MARGIN: Duration = Duration::from_secs(5);
 
+/// How the stack is put together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Topology {
+    /// A gateway in front of the workers; it runs the P/D handoff.
+    Gateway,
+    /// No gateway: one decode worker started with `--prefill` is the entry point and runs
+    /// the prefill leg itself (decode as orchestrator).
+    Orchestrator,
+}
+
 /// `pdserve up` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
-    /// Port of the gateway (the OpenAI endpoint clients use).
+    /// Port of the entry point clients use (the gateway, or the orchestrating decode
+    /// worker).
     #[arg(long, env = "PDSERVE_PORT", default_value_t = 8000)]
     port: u16,
-    /// Address the gateway binds.
+    /// Address the entry point binds.
     #[arg(long, env = "PDSERVE_HOST", default_value = "127.0.0.1")]
     host: String,
     /// GGUF model to serve (default: SmolLM2-135M-Instruct, fetched on first use).
@@ -64,6 +78,15 @@ pub struct UpArgs {
     /// in-flight requests before they are ended (passed on as their --shutdown-timeout).
     #[arg(long, env = "PDSERVE_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     shutdown_timeout: u64,
+    /// `gateway`: a gateway in front of P/D (or aggregated) workers. `orchestrator`:
+    /// `--prefill N` prefill workers and one decode worker on its own cores that is the
+    /// entry point (on --host/--port) and sends each request's prefill leg itself.
+    #[arg(long, env = "PDSERVE_TOPOLOGY", value_enum, default_value_t = Topology::Gateway)]
+    topology: Topology,
+    /// With `--topology orchestrator`: the decode worker's `--handoff` (`sequential`
+    /// reads the KV after the prefill answered; `concurrent` starts the read with it).
+    #[arg(long, env = "PDSERVE_HANDOFF", value_enum, default_value_t = HandoffMode::Sequential)]
+    handoff: HandoffMode,
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -79,8 +102,8 @@ fn gateway_flag(role: WorkerRole) -> &'static str {
 /// One child process of the stack.
 struct Member {
     name: String,
-    /// `None` for the gateway.
-    role: Option<WorkerRole>,
+    /// The entry point (the gateway, or the orchestrating decode worker): drained first.
+    front: bool,
     child: Child,
 }
 
@@ -145,65 +168,165 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
         .cores
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-    let roles: Vec<WorkerRole> = if args.aggregated {
-        vec![WorkerRole::PrefillDecode; args.workers.into()]
-    } else {
-        std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
-            .chain(std::iter::repeat_n(WorkerRole::Decode, args.decode.into()))
-            .collect()
+    let stack = Stack {
+        exe: &exe,
+        model: &model,
+        args,
     };
-    let shutdown_timeout = args.shutdown_timeout.to_string();
-    let mut gateway = Command::new(&exe);
-    gateway
-        .arg("gateway")
-        .args(["--host", &args.host, "--port", &args.port.to_string()])
-        .args(["--shutdown-timeout", &shutdown_timeout])
-        .args(["--policy", &args.policy])
-        .args(&args.gateway_args);
-    let mut worker_urls = Vec::new();
-    let mut summary = Vec::new();
-    for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
-        let port = free_port()?;
-        let url = format!("http://127.0.0.1:{port}");
-        let mut worker = Command::new(&exe);
-        worker
-            .arg("worker")
-            .args(["--role", role.as_str(), "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string()])
-            .arg("--model")
-            .arg(&model)
-            .args(["--threads", &cpus.len().to_string()])
-            .args(["--shutdown-timeout", &shutdown_timeout]);
-        if *role != WorkerRole::PrefillDecode {
-            worker
-                .args(["--kv-port", &free_port()?.to_string()])
-                .args(["--kv-abort-timeout", &args.kv_abort_timeout.to_string()]);
-        }
-        let name = format!("{role} worker {}", worker_urls.len());
-        members.push(spawn(&name, Some(*role), worker, &cpus)?);
-        gateway.args([gateway_flag(*role), &url]);
-        summary.push(format!("{role} worker at {url} on cores {cpus:?}"));
-        worker_urls.push(url);
-    }
-    let limit = Duration::from_secs(args.ready_timeout_secs);
-    for url in &worker_urls {
-        wait_ready(members, url, limit).await?;
-    }
-    members.push(spawn("gateway", None, gateway, &[])?);
-    let gateway_url = format!("http://{}:{}", args.host, args.port);
-    wait_ready(members, &gateway_url, Duration::from_secs(30)).await?;
+    let (entry, summary) = match args.topology {
+        Topology::Gateway => stack.start_with_gateway(members, cores).await?,
+        Topology::Orchestrator => stack.start_orchestrated(members, cores).await?,
+    };
 
-    println!("pdserve is up at {gateway_url}/v1");
+    println!("pdserve is up at {entry}/v1");
     for line in &summary {
         println!("  {line}");
     }
     println!(
-        "try:\n  curl {gateway_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Give me three tips for staying healthy.\"}}], \"max_tokens\": 64}}'"
+        "try:\n  curl {entry}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Give me three tips for staying healthy.\"}}], \"max_tokens\": 64}}'"
     );
     println!("Ctrl-C stops everything.");
 
     let (name, status) = first_exit(members).await;
     bail!("{name} exited unexpectedly ({status}); stopping the stack")
+}
+
+/// What every member is started from.
+struct Stack<'a> {
+    exe: &'a std::path::Path,
+    model: &'a std::path::Path,
+    args: &'a UpArgs,
+}
+
+impl Stack<'_> {
+    /// `pdserve worker` as `role` on `host:port`, with `cpus.len()` compute threads.
+    fn worker(
+        &self,
+        role: WorkerRole,
+        host: &str,
+        port: u16,
+        cpus: &[usize],
+    ) -> anyhow::Result<Command> {
+        let mut worker = Command::new(self.exe);
+        worker
+            .arg("worker")
+            .args(["--role", role.as_str(), "--host", host])
+            .args(["--port", &port.to_string()])
+            .arg("--model")
+            .arg(self.model)
+            .args(["--threads", &cpus.len().to_string()])
+            .args([
+                "--shutdown-timeout",
+                &self.args.shutdown_timeout.to_string(),
+            ]);
+        if role != WorkerRole::PrefillDecode {
+            worker.args(["--kv-port", &free_port()?.to_string()]).args([
+                "--kv-abort-timeout",
+                &self.args.kv_abort_timeout.to_string(),
+            ]);
+        }
+        Ok(worker)
+    }
+
+    /// Workers, then a gateway in front of them; returns the gateway's URL and a summary.
+    async fn start_with_gateway(
+        &self,
+        members: &mut Vec<Member>,
+        cores: usize,
+    ) -> anyhow::Result<(String, Vec<String>)> {
+        let args = self.args;
+        let roles: Vec<WorkerRole> = if args.aggregated {
+            vec![WorkerRole::PrefillDecode; args.workers.into()]
+        } else {
+            std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
+                .chain(std::iter::repeat_n(WorkerRole::Decode, args.decode.into()))
+                .collect()
+        };
+        let mut gateway = Command::new(self.exe);
+        gateway
+            .arg("gateway")
+            .args(["--host", &args.host, "--port", &args.port.to_string()])
+            .args(["--shutdown-timeout", &args.shutdown_timeout.to_string()])
+            .args(["--policy", &args.policy])
+            .args(&args.gateway_args);
+        let mut worker_urls = Vec::new();
+        let mut summary = Vec::new();
+        for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
+            let port = free_port()?;
+            let url = format!("http://127.0.0.1:{port}");
+            let worker = self.worker(*role, "127.0.0.1", port, &cpus)?;
+            let name = format!("{role} worker {}", worker_urls.len());
+            members.push(spawn(&name, false, worker, &cpus)?);
+            gateway.args([gateway_flag(*role), &url]);
+            summary.push(format!("{role} worker at {url} on cores {cpus:?}"));
+            worker_urls.push(url);
+        }
+        let limit = Duration::from_secs(args.ready_timeout_secs);
+        for url in &worker_urls {
+            wait_ready(members, url, limit).await?;
+        }
+        members.push(spawn("gateway", true, gateway, &[])?);
+        let gateway_url = format!("http://{}:{}", args.host, args.port);
+        wait_ready(members, &gateway_url, Duration::from_secs(30)).await?;
+        Ok((gateway_url, summary))
+    }
+
+    /// Prefill workers, then the decode worker that orchestrates them on the public port;
+    /// returns its URL and a summary. It is ready once a prefill worker is pre-warmed.
+    async fn start_orchestrated(
+        &self,
+        members: &mut Vec<Member>,
+        cores: usize,
+    ) -> anyhow::Result<(String, Vec<String>)> {
+        let args = self.args;
+        if args.aggregated || args.decode != 1 || !args.gateway_args.is_empty() {
+            bail!(
+                "--topology orchestrator runs --prefill N prefill workers and one decode \
+                 worker as the entry point: --aggregated, --decode and --gateway-arg do not apply"
+            );
+        }
+        let workers = usize::from(args.prefill) + 1;
+        let mut shares = split_cores(workers, cores);
+        let decode_cpus = shares.pop().expect("at least two workers");
+        let mut summary = Vec::new();
+        let mut prefill_urls = Vec::new();
+        for (i, cpus) in shares.iter().enumerate() {
+            let port = free_port()?;
+            let url = format!("http://127.0.0.1:{port}");
+            let worker = self.worker(WorkerRole::Prefill, "127.0.0.1", port, cpus)?;
+            members.push(spawn(&format!("prefill worker {i}"), false, worker, cpus)?);
+            summary.push(format!("prefill worker at {url} on cores {cpus:?}"));
+            prefill_urls.push(url);
+        }
+        let limit = Duration::from_secs(args.ready_timeout_secs);
+        for url in &prefill_urls {
+            wait_ready(members, url, limit).await?;
+        }
+        let mut decode = self.worker(WorkerRole::Decode, &args.host, args.port, &decode_cpus)?;
+        decode
+            .args(["--prefill", &prefill_urls.join(",")])
+            .args(["--handoff", handoff_name(args.handoff)]);
+        members.push(spawn(
+            "decode worker (orchestrator)",
+            true,
+            decode,
+            &decode_cpus,
+        )?);
+        let entry = format!("http://{}:{}", args.host, args.port);
+        wait_ready(members, &entry, limit).await?;
+        summary.push(format!(
+            "decode worker (orchestrator, {} handoff) at {entry} on cores {decode_cpus:?}",
+            handoff_name(args.handoff)
+        ));
+        Ok((entry, summary))
+    }
+}
+
+fn handoff_name(mode: HandoffMode) -> &'static str {
+    match mode {
+        HandoffMode::Sequential => "sequential",
+        HandoffMode::Concurrent => "concurrent",
+    }
 }
 
 /// The cores each worker is pinned to: disjoint, contiguous shares while there are
@@ -227,12 +350,7 @@ fn split_cores(workers: usize, cores: usize) -> Vec<Vec<usize>> {
 }
 
 /// Starts a member, pinned to `cpus` (anywhere when empty).
-fn spawn(
-    name: &str,
-    role: Option<WorkerRole>,
-    mut cmd: Command,
-    cpus: &[usize],
-) -> anyhow::Result<Member> {
+fn spawn(name: &str, front: bool, mut cmd: Command, cpus: &[usize]) -> anyhow::Result<Member> {
     cmd.stdin(Stdio::null()).kill_on_drop(true);
     let cpus = cpus.to_vec();
     // SAFETY: setpgid(2), prctl(2) and sched_setaffinity(2) are async-signal-safe and
@@ -266,7 +384,7 @@ fn spawn(
         .with_context(|| format!("cannot start the {name}"))?;
     Ok(Member {
         name: name.to_string(),
-        role,
+        front,
         child,
     })
 }
@@ -307,13 +425,14 @@ async fn first_exit(members: &mut [Member]) -> (String, std::process::ExitStatus
     }
 }
 
-/// Stops the gateway, then the workers: each gets SIGTERM and `limit` to drain and exit,
-/// then is killed. A second signal kills every member still running at once.
+/// Stops the entry point (gateway or orchestrating decode worker), then the other
+/// workers: each gets SIGTERM and `limit` to drain and exit, then is killed. A second
+/// signal kills every member still running at once.
 async fn stop_all(members: &mut [Member], limit: Duration, signals: &mut StopSignals) {
-    let (gateway, workers): (Vec<&mut Member>, Vec<&mut Member>) =
-        members.iter_mut().partition(|m| m.role.is_none());
+    let (front, workers): (Vec<&mut Member>, Vec<&mut Member>) =
+        members.iter_mut().partition(|m| m.front);
     let mut forced = false;
-    for mut stage in [gateway, workers] {
+    for mut stage in [front, workers] {
         if !forced {
             for m in stage.iter_mut() {
                 if let (Ok(None), Some(pid)) = (m.child.try_wait(), m.child.id()) {
