@@ -41,7 +41,7 @@ enum Command {
     /// The whole stack on this machine: gateway plus workers on the default model.
     Up(up::UpArgs),
     /// OpenAI-compatible gateway in front of prefill, decode and aggregated workers.
-    Gateway(pdserve_gateway::GatewayArgs),
+    Gateway(Box<pdserve_gateway::GatewayArgs>),
     /// The embedded CPU engine, serving a GGUF model as a prefill, decode or aggregated worker.
     Worker(pdserve_engine::WorkerArgs),
     /// Manage the model file.
@@ -80,7 +80,7 @@ async fn main() -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Up(args) => up::run(args).await?,
-        Command::Gateway(args) => pdserve_gateway::run(args).await?,
+        Command::Gateway(args) => pdserve_gateway::run(*args).await?,
         Command::Worker(args) => pdserve_engine::run(args).await?,
         Command::Bench(args) => pdserve_bench::run(args).await?,
         Command::Model {
