@@ -419,6 +419,19 @@ async fn prefill_errors(s: &Suite) {
         assert!(started.elapsed() < WARM_BOUND, "{status} {got}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+
+    // A prefill worker that ignores publish_request_id: the early read finds nothing,
+    // the KV is read by the answer's params instead (same output), and the worker gets
+    // sequential handoff from then on (no second fallback).
+    s.stub.set(Mode::ProxyWithoutPublishId);
+    let fallbacks = "pdserve_orchestrator_concurrent_fallbacks_total";
+    let before = s.metric(&s.stubbed, fallbacks, &[]).await;
+    for _ in 0..2 {
+        let got = s.ok(&s.stubbed, "/v1/chat/completions", &body).await;
+        assert_eq!(text_of(&got), expected);
+    }
+    assert_eq!(s.metric(&s.stubbed, fallbacks, &[]).await - before, 1.0);
+    s.stub.set(Mode::Proxy);
 }
 
 /// A client that drops a concurrent stream mid-way aborts both legs.

@@ -83,7 +83,13 @@ pub async fn concurrent(
             orchestrator.prefill(&worker, &body).await
         }))
     };
-    let remote = RemoteBlocks::awaited(&peer, id, request.prompt.len(), &app.kv.layout);
+    let remote = RemoteBlocks::awaited(&peer, id.clone(), request.prompt.len(), &app.kv.layout);
+    let fallback = Fallback {
+        orchestrator,
+        app,
+        worker,
+        id: &id,
+    };
     let (pulled, prefill_pending) = {
         let read = pull_blocks(&app.kv, remote, &request.prompt);
         tokio::pin!(read);
@@ -91,9 +97,16 @@ pub async fn concurrent(
         // A failed prefill wins the race: dropping the read closes its connection.
         joined = &mut prefill => {
             let params = prefill_result(joined)?;
-            let pulled = match read.await {
-                Ok(pulled) => pulled,
-                Err(e) => read_by_params(orchestrator, app, params, &request, e).await?,
+            let pulled = if fallback.published_elsewhere(params.as_ref()) {
+                // It published under an id of its own: the early read would only wait
+                // for nothing.
+                let why = HandoffError::BadPublishId("ignored by the prefill worker".into());
+                fallback.read(params, &request, why).await?
+            } else {
+                match read.await {
+                    Ok(pulled) => pulled,
+                    Err(e) => fallback.read(params, &request, e).await?,
+                }
             };
             (pulled, false)
         }
@@ -101,7 +114,7 @@ pub async fn concurrent(
             Ok(pulled) => (pulled, true),
             Err(e) => {
                 let params = prefill_result(prefill.await_result().await)?;
-                (read_by_params(orchestrator, app, params, &request, e).await?, false)
+                (fallback.read(params, &request, e).await?, false)
             }
         },
         }
@@ -119,25 +132,51 @@ pub async fn concurrent(
     Ok(decode(app, request, stop, reply, companion).await?)
 }
 
-/// After a failed awaited read whose prefill answered with success: read the blocks by
-/// the params it returned (a prefill worker that does not know `publish_request_id`
-/// published under an id of its own; a restarted one has a new engine id).
-async fn read_by_params(
-    orchestrator: &Orchestrator,
-    app: &Arc<AppState>,
-    params: Option<KvTransferParams>,
-    request: &GenerationRequest,
-    awaited_error: HandoffError,
-) -> Result<pdserve_kv_transfer::PulledBlocks, HandoffError> {
-    let Some(params) = params.filter(RemoteBlocks::named_by) else {
-        return Err(awaited_error);
-    };
-    tracing::info!(
-        "the concurrent KV read failed ({awaited_error}); reading by the prefill's answer"
-    );
-    orchestrator.metrics.orchestrator.concurrent_fallbacks.inc();
-    let remote = RemoteBlocks::from_params(&params, &app.kv.layout)?;
-    pull_blocks(&app.kv, remote, &request.prompt).await
+/// Reading the KV by the prefill's answer when the early read failed.
+struct Fallback<'a> {
+    orchestrator: &'a Orchestrator,
+    app: &'a Arc<AppState>,
+    worker: &'a PrefillWorker,
+    /// The id the early read waited for.
+    id: &'a str,
+}
+
+impl Fallback<'_> {
+    /// Whether the prefill's answer names a publication under another id than ours.
+    fn published_elsewhere(&self, params: Option<&KvTransferParams>) -> bool {
+        params.is_some_and(|p| {
+            RemoteBlocks::named_by(p) && p.remote_request_id.as_deref() != Some(self.id)
+        })
+    }
+
+    /// After a failed awaited read whose prefill answered with success: reads the blocks
+    /// by the params it returned (a prefill worker that does not know
+    /// `publish_request_id` published under an id of its own; a restarted one has a new
+    /// engine id).
+    async fn read(
+        &self,
+        params: Option<KvTransferParams>,
+        request: &GenerationRequest,
+        awaited_error: HandoffError,
+    ) -> Result<pdserve_kv_transfer::PulledBlocks, HandoffError> {
+        let Some(params) = params.filter(RemoteBlocks::named_by) else {
+            return Err(awaited_error);
+        };
+        tracing::info!(
+            prefill = %self.worker.url,
+            "the concurrent KV read failed ({awaited_error}); reading by the prefill's answer"
+        );
+        self.orchestrator
+            .metrics
+            .orchestrator
+            .concurrent_fallbacks
+            .inc();
+        if params.remote_request_id.as_deref() != Some(self.id) {
+            self.worker.ignores_publish_request_id();
+        }
+        let remote = RemoteBlocks::from_params(&params, &self.app.kv.layout)?;
+        pull_blocks(&self.app.kv, remote, &request.prompt).await
+    }
 }
 
 fn prefill_result(

@@ -183,11 +183,12 @@ impl Orchestrator {
         let session = session_key(headers, prepared.session.as_deref());
         let worker = self.pool.choose(session);
         let result = match (self.config.handoff, worker.kv_peer()) {
-            (HandoffMode::Concurrent, Some(peer)) => {
+            (HandoffMode::Concurrent, Some(peer)) if worker.supports_awaited_reads() => {
                 handoff::concurrent(self, app, &worker, peer, prepared).await
             }
             // Until a prefill worker has answered once, where its KV service is is
-            // unknown: the read cannot start early.
+            // unknown, and a worker that ignores `publish_request_id` cannot be read
+            // early at all.
             _ => handoff::sequential(self, app, &worker, prepared).await,
         };
         result.unwrap_or_else(IntoResponse::into_response)

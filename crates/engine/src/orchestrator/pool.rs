@@ -26,6 +26,9 @@ pub struct PrefillWorker {
     kv_peer: Mutex<Option<KvPeer>>,
     /// Wakes the worker's supervisor when a request found the worker gone.
     pub(super) went_cold: Notify,
+    /// Cleared when the worker published under an id of its own although asked for
+    /// ours (it predates `publish_request_id`): concurrent handoff cannot read early.
+    awaited_reads: AtomicBool,
 }
 
 impl PrefillWorker {
@@ -35,6 +38,22 @@ impl PrefillWorker {
             warm: AtomicBool::new(false),
             kv_peer: Mutex::new(None),
             went_cold: Notify::new(),
+            awaited_reads: AtomicBool::new(true),
+        }
+    }
+
+    /// Whether a KV read may start before the worker answers (concurrent handoff).
+    pub fn supports_awaited_reads(&self) -> bool {
+        self.awaited_reads.load(Ordering::Relaxed)
+    }
+
+    /// Records that the worker ignores `publish_request_id`.
+    pub fn ignores_publish_request_id(&self) {
+        if self.awaited_reads.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                prefill = %self.url,
+                "the prefill worker ignores publish_request_id; using sequential handoff with it"
+            );
         }
     }
 

@@ -23,6 +23,9 @@ pub enum Mode {
     /// Forward to the real prefill worker (it computes and publishes the KV), then close
     /// the connection without answering.
     Drop,
+    /// Forward without `kv_transfer_params.publish_request_id`, as a prefill worker that
+    /// predates it would see the request (it publishes under an id of its own).
+    ProxyWithoutPublishId,
 }
 
 /// The stub's 400 body, OpenAI-shaped with a field the engine does not know.
@@ -76,7 +79,16 @@ async fn serve(mut socket: TcpStream, mode: Mode, http: reqwest::Client, upstrea
             let mut sink = [0u8; 64];
             while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
         }
-        Mode::Proxy | Mode::Drop => {
+        Mode::Proxy | Mode::Drop | Mode::ProxyWithoutPublishId => {
+            let body = if mode == Mode::ProxyWithoutPublishId {
+                let mut json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                if let Some(params) = json["kv_transfer_params"].as_object_mut() {
+                    params.remove("publish_request_id");
+                }
+                serde_json::to_vec(&json).unwrap()
+            } else {
+                body
+            };
             let answer = http
                 .post(format!("{upstream}/v1/completions"))
                 .header("content-type", "application/json")
@@ -88,7 +100,7 @@ async fn serve(mut socket: TcpStream, mode: Mode, http: reqwest::Client, upstrea
             };
             let status = answer.status().as_u16();
             let bytes = answer.bytes().await.unwrap_or_default();
-            if mode == Mode::Proxy {
+            if mode != Mode::Drop {
                 respond(&mut socket, status, "application/json", &bytes).await;
             }
             // Mode::Drop: the socket closes here with no answer.
