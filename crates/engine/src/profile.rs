@@ -292,9 +292,11 @@ mod tests {
                 None => panic!("events closed"),
             }
         }
-        let trace = engine.profiler().stop().unwrap();
+        // The last step is recorded after its tokens go out: let the scheduler finish
+        // before reading the trace.
         engine.shutdown();
         thread.join().unwrap();
+        let trace = engine.profiler().stop().unwrap();
 
         let text = std::fs::read_to_string(&trace.path).unwrap();
         let json: Value = serde_json::from_str(&text).unwrap();
