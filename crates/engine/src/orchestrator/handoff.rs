@@ -94,29 +94,29 @@ pub async fn concurrent(
         let read = pull_blocks(&app.kv, remote, &request.prompt);
         tokio::pin!(read);
         tokio::select! {
-        // A failed prefill wins the race: dropping the read closes its connection.
-        joined = &mut prefill => {
-            let params = prefill_result(joined)?;
-            let pulled = if fallback.published_elsewhere(params.as_ref()) {
-                // It published under an id of its own: the early read would only wait
-                // for nothing.
-                let why = HandoffError::BadPublishId("ignored by the prefill worker".into());
-                fallback.read(params, &request, why).await?
-            } else {
-                match read.await {
-                    Ok(pulled) => pulled,
-                    Err(e) => fallback.read(params, &request, e).await?,
-                }
-            };
-            (pulled, false)
-        }
-        pulled = &mut read => match pulled {
-            Ok(pulled) => (pulled, true),
-            Err(e) => {
-                let params = prefill_result(prefill.await_result().await)?;
-                (fallback.read(params, &request, e).await?, false)
+            // A failed prefill wins the race: dropping the read closes its connection.
+            joined = &mut prefill => {
+                let params = prefill_result(joined)?;
+                let pulled = if fallback.published_elsewhere(params.as_ref()) {
+                    // It published under an id of its own: the early read would only wait
+                    // for nothing.
+                    let why = HandoffError::BadPublishId("ignored by the prefill worker".into());
+                    fallback.read(params, &request, why).await?
+                } else {
+                    match read.await {
+                        Ok(pulled) => pulled,
+                        Err(e) => fallback.read(params, &request, e).await?,
+                    }
+                };
+                (pulled, false)
             }
-        },
+            pulled = &mut read => match pulled {
+                Ok(pulled) => (pulled, true),
+                Err(e) => {
+                    let params = prefill_result(prefill.await_result().await)?;
+                    (fallback.read(params, &request, e).await?, false)
+                }
+            },
         }
     };
     use_pulled_prompt_kv(&app.kv, pulled, &mut request)?;
