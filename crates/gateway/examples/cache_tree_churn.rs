@@ -52,7 +52,7 @@ fn main() {
     let policy = policy::build("cache_aware", &config).expect("cache_aware exists");
     let workers: Vec<Arc<Worker>> = (0..worker_count)
         .map(|i| {
-            let url = reqwest::Url::parse(&format!("http://10.0.0.{}:8000", i + 1)).unwrap();
+            let url = reqwest::Url::parse(&format!("http://127.0.0.1:{}", 8000 + i)).unwrap();
             Arc::new(Worker::new(
                 WorkerSpec::new(WorkerRole::PrefillDecode, url),
                 Gauge::default(),

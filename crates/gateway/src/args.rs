@@ -22,7 +22,7 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_GATEWAY_PORT", default_value_t = 8000)]
     pub port: u16,
 
-    /// Prefill worker base URL (e.g. http://10.0.0.1:8100); repeat for a pool.
+    /// Prefill worker base URL (e.g. http://127.0.0.1:8100); repeat for a pool.
     /// Comma-separated in the environment variable.
     #[arg(long = "prefill", env = "PDSERVE_PREFILL", value_delimiter = ',')]
     pub prefill: Vec<String>,

@@ -144,7 +144,7 @@ mod tests {
         for (endpoint, body) in [
             (
                 Endpoint::Chat,
-                &br#"{"messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.1","remote_port":22}}"#[..],
+                &br#"{"messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"127.0.0.1","remote_port":22}}"#[..],
             ),
             (
                 Endpoint::Completions,
@@ -152,7 +152,7 @@ mod tests {
             ),
             (
                 Endpoint::Chat,
-                br#"{"messages":[{"role":"user","content":"hi"}],"ec_transfer_params":{"h":{"peer_host":"10.0.0.1","peer_port":22}}}"#,
+                br#"{"messages":[{"role":"user","content":"hi"}],"ec_transfer_params":{"h":{"peer_host":"127.0.0.1","peer_port":22}}}"#,
             ),
         ] {
             let (req, _) = GenerateRequest::parse(endpoint, body).unwrap();

@@ -53,7 +53,7 @@ fn parse(args: &[String]) -> Served {
     // Kubernetes expands $(POD_IP) from the environment; any address parses the same.
     let args: Vec<String> = args
         .iter()
-        .map(|a| a.replace("$(POD_IP)", "10.1.2.3"))
+        .map(|a| a.replace("$(POD_IP)", "127.0.0.1"))
         .collect();
     let (command, flags) = args.split_first().expect("a subcommand");
     let argv = std::iter::once(command.clone()).chain(flags.iter().cloned());

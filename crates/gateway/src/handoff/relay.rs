@@ -514,7 +514,7 @@ mod tests {
         let mut s = SseScanner::new(false);
         let out = s
             .push(Bytes::from_static(
-                b"data: {\"id\":\"x\",\"kv_transfer_params\":{\"remote_host\":\"10.0.0.9\"}}\r\n\r\ndata: [DONE]\r\n\r\n",
+                b"data: {\"id\":\"x\",\"kv_transfer_params\":{\"remote_host\":\"127.0.0.1\"}}\r\n\r\ndata: [DONE]\r\n\r\n",
             ))
             .unwrap()
             .unwrap();

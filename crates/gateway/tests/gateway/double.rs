@@ -283,7 +283,7 @@ fn kv_handle(shared: &Shared, request_id: &str) -> Value {
         "remote_block_ids": blocks,
         "remote_engine_id": format!("engine-{}", shared.name),
         "remote_request_id": format!("{}-{request_id}", shared.name),
-        "remote_host": "10.0.0.9",
+        "remote_host": "127.0.0.1",
         "remote_port": port,
         "tp_size": 1
     })

@@ -166,7 +166,7 @@ fn normal_params(name: &str, body: &Value) -> Value {
             json!({
                 "metadata": metadata_for(kind),
                 "item_indices": [position],
-                "peer_host": "10.0.0.5",
+                "peer_host": "127.0.0.1",
                 "peer_port": 7000 + position,
                 "size_bytes": 4096,
                 "encoder": name,

@@ -152,7 +152,7 @@ async fn e_pd_sends_media_to_the_encoder_and_metadata_to_the_worker() {
         assert_eq!((sent.body["max_tokens"].clone(), sent.body["priority"].clone()), (json!(3), json!(2)));
         // The connector handles, keyed by mm_hash, and one transfer per rewritten item.
         let params = &sent.body["ec_transfer_params"];
-        assert_eq!(params[&uuid_a]["peer_host"], "10.0.0.5");
+        assert_eq!(params[&uuid_a]["peer_host"], "127.0.0.1");
         assert_eq!(params[&uuid_a]["metadata"], metadata_for("image_url"));
         assert_eq!(params["ec_items"].as_array().unwrap().len(), 4);
         assert_eq!(params["ec_items"][0]["mm_hash"], uuid_a);
@@ -395,13 +395,13 @@ async fn the_consumers_rank_and_push_address_are_named_to_encoders_and_consumer(
             .header("x-api-key", "k")
             .json(
                 &json!({"role": "prefill_decode", "url": worker.url, "dp_size": 2,
-                          "ec_zmq_addrs": ["tcp://10.0.0.7:5100", "tcp://10.0.0.7:5101"]}),
+                          "ec_zmq_addrs": ["tcp://127.0.0.1:5100", "tcp://127.0.0.1:5101"]}),
             )
             .send()
             .await
             .unwrap();
         assert_eq!(registered.status(), 200);
-        for (n, (rank, zmq)) in [("0", "tcp://10.0.0.7:5100"), ("1", "tcp://10.0.0.7:5101")]
+        for (n, (rank, zmq)) in [("0", "tcp://127.0.0.1:5100"), ("1", "tcp://127.0.0.1:5101")]
             .into_iter()
             .enumerate()
         {
