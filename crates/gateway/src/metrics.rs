@@ -301,6 +301,17 @@ impl Metrics {
             .clone()
     }
 
+    /// Stops exporting a removed worker's series, so registration churn cannot grow
+    /// `/metrics` without bound.
+    pub fn forget_worker(&self, role: &str, worker: &str) {
+        let labels = WorkerLabels {
+            role: role.to_string(),
+            worker: worker.to_string(),
+        };
+        self.worker_in_flight.remove(&labels);
+        self.worker_circuit.remove(&labels);
+    }
+
     /// Records a finished prefill leg.
     pub fn observe_prefill(&self, d: Duration) {
         self.prefill_seconds.observe(d.as_secs_f64());

@@ -344,6 +344,8 @@ impl Registry {
         let mut members = roster.members().to_vec();
         let removed = members.remove(i);
         tracing::info!(role = %removed.worker.role(), url = %key, "unregistered worker");
+        self.metrics
+            .forget_worker(removed.worker.role().as_str(), key);
         self.publish(members);
         true
     }
@@ -422,6 +424,8 @@ impl Registry {
             return;
         }
         for m in &gone {
+            self.metrics
+                .forget_worker(m.worker.role().as_str(), &m.worker.base);
             tracing::warn!(role = %m.worker.role(), url = %m.worker.base, "worker stayed down past --evicted-ttl; forgetting it");
         }
         self.publish(kept);

@@ -173,3 +173,13 @@ fn assign_continues_the_rotation_across_calls_and_roster_changes() {
     assert_eq!(ports(r.assign(WorkerRole::Encode, 2)), [3, 1]);
     assert!(r.assign(WorkerRole::Prefill, 1).is_empty());
 }
+
+#[test]
+fn removed_workers_leave_no_metric_series_behind() {
+    let metrics = Arc::new(Metrics::default());
+    let r = Registry::new(metrics.clone(), HealthPolicy::default());
+    r.register(spec(WorkerRole::Decode, 7)).unwrap();
+    assert!(metrics.encode().contains("http://127.0.0.1:7"));
+    assert!(r.unregister("http://127.0.0.1:7"));
+    assert!(!metrics.encode().contains("http://127.0.0.1:7"));
+}
