@@ -23,8 +23,15 @@ pub struct GatewayArgs {
     pub port: u16,
 
     /// Prefill worker base URL (e.g. http://127.0.0.1:8100); repeat for a pool.
-    /// Comma-separated in the environment variable.
-    #[arg(long = "prefill", env = "PDSERVE_PREFILL", value_delimiter = ',')]
+    /// Comma-separated in the environment variable. As in SGLang's router, the URL may be
+    /// followed by the worker's bootstrap port or `none` (`--prefill URL 8998`).
+    #[arg(
+        long = "prefill",
+        env = "PDSERVE_PREFILL",
+        value_delimiter = ',',
+        num_args = 1..=2,
+        value_names = ["URL", "BOOTSTRAP_PORT"]
+    )]
     pub prefill: Vec<String>,
 
     /// Decode worker base URL; repeat for a pool. Comma-separated in the environment variable.
@@ -210,6 +217,71 @@ pub struct GatewayArgs {
     /// not pay connection and KV-transfer set-up. Retried every 5 s, up to 60 times.
     #[arg(long, env = "PDSERVE_PREWARM")]
     pub prewarm: bool,
+
+    /// The P/D handoff protocol. `vllm`: prefill first, then decode with the prefill
+    /// worker's `kv_transfer_params`. `sglang`: `bootstrap_host`/`bootstrap_port`/
+    /// `bootstrap_room` injected into one body sent to prefill and decode at once (also
+    /// serves SGLang's native `POST /generate`). Default: `sglang` with
+    /// --pd-disaggregation, else `vllm`.
+    #[arg(long, env = "PDSERVE_PROTOCOL", value_enum)]
+    pub protocol: Option<Protocol>,
+
+    /// SGLang router flag: prefill/decode disaggregation over --prefill and --decode
+    /// workers; selects `--protocol sglang` unless --protocol says otherwise.
+    #[arg(long, env = "PDSERVE_PD_DISAGGREGATION")]
+    pub pd_disaggregation: bool,
+
+    /// SGLang router flag: aggregated worker URLs, space-separated (like --worker).
+    #[arg(long = "worker-urls", num_args = 1.., value_name = "URL")]
+    pub worker_urls: Vec<String>,
+
+    /// `--protocol sglang`: hold the decode worker's first byte until the prefill worker's
+    /// response head arrived (what SGLang's router did before its TTFT fast path). Off by
+    /// default; exists to measure what the fast path saves.
+    #[arg(long, env = "PDSERVE_SGLANG_WAIT_PREFILL_HEAD")]
+    pub sglang_wait_prefill_head: bool,
+}
+
+/// How the gateway hands a request from prefill to decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Protocol {
+    /// vLLM's sequential handoff with `kv_transfer_params`.
+    #[default]
+    Vllm,
+    /// SGLang's bootstrap handoff: both legs at once, joined by `bootstrap_room`.
+    Sglang,
+}
+
+/// Splits `--prefill` values into URLs, each with the bootstrap port that follows it
+/// (a number or `none`), as SGLang's router reads `--prefill URL [BOOTSTRAP_PORT]`.
+pub fn split_prefill_values(raw: &[String]) -> Result<Vec<(String, Option<u16>)>, GatewayError> {
+    let mut out: Vec<(String, Option<u16>)> = Vec::new();
+    for value in raw.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let port = if value.eq_ignore_ascii_case("none") {
+            Some(None)
+        } else if value.bytes().all(|b| b.is_ascii_digit()) {
+            match value.parse::<u16>() {
+                Ok(p) if p > 0 => Some(Some(p)),
+                _ => {
+                    return Err(GatewayError::Config(format!(
+                        "--prefill bootstrap port `{value}` is not a port number (1-65535)"
+                    )))
+                }
+            }
+        } else {
+            None
+        };
+        match (port, out.last_mut()) {
+            (None, _) => out.push((value.to_string(), None)),
+            (Some(port), Some(last)) => last.1 = port,
+            (Some(_), None) => {
+                return Err(GatewayError::Config(format!(
+                    "--prefill `{value}`: a bootstrap port must follow a URL"
+                )))
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Parses a non-negative number of seconds (fractions allowed) into a `Duration`.
@@ -275,6 +347,12 @@ pub struct GatewayConfig {
     pub shutdown_timeout: Duration,
     /// Whether new pairs are pre-warmed.
     pub prewarm: bool,
+    /// The P/D handoff protocol.
+    pub protocol: Protocol,
+    /// Bootstrap port of each `prefill` worker (same order; missing entries: none).
+    pub prefill_bootstrap_ports: Vec<Option<u16>>,
+    /// sglang: wait for the prefill response head before streaming decode.
+    pub sglang_wait_prefill_head: bool,
 }
 
 impl GatewayConfig {
@@ -310,6 +388,9 @@ impl GatewayConfig {
             health: HealthPolicy::default(),
             shutdown_timeout: Duration::from_secs(30),
             prewarm: false,
+            protocol: Protocol::Vllm,
+            prefill_bootstrap_ports: Vec::new(),
+            sglang_wait_prefill_head: false,
         }
     }
 
@@ -320,7 +401,11 @@ impl GatewayConfig {
                 .map(move |u| WorkerSpec::new(role, u.clone()))
                 .collect::<Vec<_>>()
         };
-        of(WorkerRole::Prefill, &self.prefill)
+        let mut prefill = of(WorkerRole::Prefill, &self.prefill);
+        for (spec, port) in prefill.iter_mut().zip(&self.prefill_bootstrap_ports) {
+            spec.bootstrap_port = *port;
+        }
+        prefill
             .into_iter()
             .chain(of(WorkerRole::Decode, &self.decode))
             .chain(of(WorkerRole::PrefillDecode, &self.worker))
@@ -347,9 +432,27 @@ impl GatewayArgs {
                 .map(|s| parse_worker_url(flag, s))
                 .collect()
         };
-        let prefill = urls("--prefill", &self.prefill)?;
+        let prefill_values = split_prefill_values(&self.prefill)?;
+        let prefill = prefill_values
+            .iter()
+            .map(|(url, _)| parse_worker_url("--prefill", url))
+            .collect::<Result<Vec<_>, _>>()?;
         let decode = urls("--decode", &self.decode)?;
-        let worker = urls("--worker", &self.worker)?;
+        let mut worker = urls("--worker", &self.worker)?;
+        worker.extend(urls("--worker-urls", &self.worker_urls)?);
+        if self.pd_disaggregation
+            && (prefill.is_empty() || decode.is_empty())
+            && !self.dynamic_registration
+        {
+            return Err(GatewayError::Config(
+                "--pd-disaggregation needs at least one --prefill and one --decode worker".into(),
+            ));
+        }
+        let protocol = self.protocol.unwrap_or(if self.pd_disaggregation {
+            Protocol::Sglang
+        } else {
+            Protocol::Vllm
+        });
         let encode = urls("--encode", &self.encode)?;
         let split = !prefill.is_empty() || !decode.is_empty();
         if !worker.is_empty() && split {
@@ -441,6 +544,9 @@ impl GatewayArgs {
             },
             shutdown_timeout: self.shutdown_timeout,
             prewarm: self.prewarm,
+            protocol,
+            prefill_bootstrap_ports: prefill_values.iter().map(|(_, port)| *port).collect(),
+            sglang_wait_prefill_head: self.sglang_wait_prefill_head,
         })
     }
 }
@@ -559,6 +665,79 @@ mod tests {
         assert!(alone.args.to_config().is_err(), "encoders need a consumer");
         let alias = Cli::parse_from(["x", "--decode-retries", "1"]);
         assert_eq!(alias.args.max_retries, 1);
+    }
+
+    #[test]
+    fn sglang_router_flags() {
+        let cli = Cli::parse_from([
+            "x",
+            "--pd-disaggregation",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "8998",
+            "--prefill",
+            "http://127.0.0.1:2",
+            "--prefill",
+            "http://127.0.0.1:3",
+            "none",
+            "--decode",
+            "http://127.0.0.1:4",
+            "--policy",
+            "cache_aware",
+        ]);
+        let cfg = cli.args.to_config().unwrap();
+        assert_eq!(cfg.protocol, Protocol::Sglang);
+        assert_eq!(cfg.prefill.len(), 3);
+        assert_eq!(cfg.prefill_bootstrap_ports, [Some(8998), None, None]);
+        let ports: Vec<_> = cfg
+            .static_workers()
+            .filter(|s| s.role == WorkerRole::Prefill)
+            .map(|s| s.bootstrap_port)
+            .collect();
+        assert_eq!(ports, [Some(8998), None, None]);
+        // vLLM mode stays the default, and comma-separated pools still split.
+        let cli = Cli::parse_from([
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1,http://127.0.0.1:2",
+            "--decode",
+            "http://127.0.0.1:4",
+        ]);
+        let cfg = cli.args.to_config().unwrap();
+        assert_eq!((cfg.protocol, cfg.prefill.len()), (Protocol::Vllm, 2));
+        let cli = Cli::parse_from([
+            "x",
+            "--pd-disaggregation",
+            "--protocol",
+            "vllm",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:4",
+        ]);
+        assert_eq!(cli.args.to_config().unwrap().protocol, Protocol::Vllm);
+        let cli = Cli::parse_from([
+            "x",
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:2",
+        ]);
+        assert_eq!(cli.args.to_config().unwrap().worker.len(), 2);
+        for bad in [
+            vec!["x", "--pd-disaggregation", "--decode", "http://127.0.0.1:4"],
+            vec!["x", "--prefill", "8998", "--decode", "http://127.0.0.1:4"],
+            vec![
+                "x",
+                "--prefill",
+                "http://127.0.0.1:1",
+                "70000",
+                "--decode",
+                "http://127.0.0.1:4",
+            ],
+        ] {
+            let cli = Cli::parse_from(bad.clone());
+            assert!(cli.args.to_config().is_err(), "{bad:?}");
+        }
     }
 
     #[test]
