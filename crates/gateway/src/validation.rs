@@ -12,7 +12,19 @@ use crate::endpoint::Endpoint;
 /// The gateway's own top-level field naming a conversation; never forwarded.
 pub const CONVERSATION_ID: &str = "conversation_id";
 
-/// A validated chat or completion request (unknown fields kept for forwarding).
+/// Top-level numbers the gateway reads or rewrites (the prefill leg's length fields,
+/// the bootstrap handoff's room and port); every other number is passed through untyped.
+pub const OWNED_NUMBERS: &[&str] = &[
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+
+/// A validated chat or completion request (unknown fields kept for forwarding). Top-level
+/// numbers other than [`OWNED_NUMBERS`] (`temperature`, `top_p`, `seed`, ...) are held in
+/// `extra` as parsed, not in the protocol types' fields.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenerateRequest {
     /// A `/v1/chat/completions` body.
@@ -28,11 +40,29 @@ impl GenerateRequest {
     // boxing it would only add an allocation on the error path.
     #[allow(clippy::result_large_err)]
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<(Self, Option<String>), ApiError> {
+        let mut fields: Map<String, Value> = serde_json::from_slice(body).map_err(json_error)?;
+        // Numbers the gateway does not own skip the protocol types (whose f32 fields would
+        // turn `1e39` into infinity and then `null`, i.e. the worker's default): they are
+        // forwarded as serde_json read them (i64, u64 or a finite f64, written back as the
+        // same value) and the worker judges them, as it would without the gateway.
+        let passed: Vec<(String, Value)> = {
+            let keys: Vec<String> = fields
+                .iter()
+                .filter(|(key, value)| value.is_number() && !OWNED_NUMBERS.contains(&key.as_str()))
+                .map(|(key, _)| key.clone())
+                .collect();
+            keys.into_iter()
+                .filter_map(|key| fields.remove(&key).map(|value| (key, value)))
+                .collect()
+        };
         let mut request = match endpoint {
-            Endpoint::Chat => serde_json::from_slice(body).map(Self::Chat),
-            Endpoint::Completions => serde_json::from_slice(body).map(Self::Completion),
+            Endpoint::Chat => serde_json::from_value(Value::Object(fields)).map(Self::Chat),
+            Endpoint::Completions => {
+                serde_json::from_value(Value::Object(fields)).map(Self::Completion)
+            }
         }
         .map_err(json_error)?;
+        request.extra_mut().extend(passed);
         // Only the gateway writes KV handles: a client's would make a worker open a
         // connection to any address the client names. The same holds for the encoder
         // cache's handles (peer hosts and ports of published embeddings).
@@ -137,6 +167,33 @@ mod tests {
         let body: Value = serde_json::from_slice(&req.to_body()).unwrap();
         assert!(body.get(CONVERSATION_ID).is_none());
         assert_eq!(body["x"], 1);
+    }
+
+    #[test]
+    fn numbers_it_does_not_own_pass_unchanged() {
+        let (mut req, _) = GenerateRequest::parse(
+            Endpoint::Completions,
+            br#"{"prompt":"a","temperature":1e39,"top_p":1e39,"seed":12345678901234567,"presence_penalty":0.30000000000000004,"top_k":5,"min_p":0.05,"max_tokens":7}"#,
+        )
+        .unwrap();
+        let body = String::from_utf8(req.to_body().to_vec()).unwrap();
+        for kept in [
+            // Same value; serde_json (like Python's json) writes the exponent as `e+39`.
+            r#""temperature":1e+39"#,
+            r#""top_p":1e+39"#,
+            r#""seed":12345678901234567"#,
+            r#""presence_penalty":0.30000000000000004"#,
+            r#""top_k":5"#,
+            r#""min_p":0.05"#,
+        ] {
+            assert!(body.contains(kept), "{kept} missing from {body}");
+        }
+        // The length fields stay typed: the prefill leg rewrites them.
+        assert_eq!(req.generation_mut().max_tokens, Some(7));
+        req.generation_mut().max_tokens = Some(1);
+        let body = String::from_utf8(req.to_body().to_vec()).unwrap();
+        assert_eq!(body.matches("max_tokens").count(), 1, "{body}");
+        assert!(body.contains(r#""max_tokens":1"#), "{body}");
     }
 
     #[test]
