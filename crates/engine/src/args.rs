@@ -75,6 +75,27 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
     pub kv_abort_timeout: u64,
 
+    /// Hosts this worker exchanges KV blocks with, both ways: it connects only to a
+    /// `remote_host` listed here (anything else is a 400, nothing is dialled) and serves
+    /// KV reads only to connections from them. IP addresses, CIDR ranges
+    /// (`127.0.0.0/8`, `fd00::/8`) or host names; repeat the flag or comma-separate.
+    /// Default: loopback, this worker's --host and --kv-host, and the hosts of its
+    /// --prefill URLs. Set it for peers on other machines (e.g. the pod network's CIDR).
+    #[arg(
+        long = "kv-peers",
+        env = "PDSERVE_KV_PEERS",
+        value_delimiter = ',',
+        value_name = "HOST|CIDR"
+    )]
+    pub kv_peers: Vec<String>,
+
+    /// Shared KV transfer secret: sent with every KV read this worker makes, required of
+    /// every KV read it serves and of `POST /v1/kv/release` (header
+    /// `X-PDServe-KV-Secret`). Give every worker the same value; prefer the environment
+    /// variable (a flag shows in `ps`). Default: none asked or sent.
+    #[arg(long, env = "PDSERVE_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
+
     /// This engine's id (`remote_engine_id`); a peer naming another id is refused.
     /// Default: a random UUID.
     #[arg(long, env = "PDSERVE_ENGINE_ID")]

@@ -87,6 +87,16 @@ pub struct KvTransferMetrics {
     pub serve_failures: Counter,
     /// Pulls from a peer that failed.
     pub pull_failures: Counter,
+    /// Reads refused before dialling: `remote_host` not in `--kv-peers`.
+    pub peers_refused: Counter,
+    /// Publications freed by `POST /v1/kv/release`.
+    pub released: Counter,
+    /// Reads of a peer's conversation hand-back that found it reclaimed ("gone"); the
+    /// prompt was computed instead (`pdserve_kv_handback_gone_total`).
+    pub handback_gone: Counter,
+    /// Hand-back blocks this worker's pool reclaimed for new requests before anyone
+    /// read them (`pdserve_kv_handback_reclaimed_blocks_total`).
+    pub handback_reclaimed_blocks: Counter,
 }
 
 impl KvTransferMetrics {
@@ -104,11 +114,38 @@ impl KvTransferMetrics {
             evicted: Counter::default(),
             serve_failures: Counter::default(),
             pull_failures: Counter::default(),
+            peers_refused: Counter::default(),
+            released: Counter::default(),
+            handback_gone: Counter::default(),
+            handback_reclaimed_blocks: Counter::default(),
         }
     }
 
     fn register(&self, r: &mut Registry) {
+        {
+            let r = r.sub_registry_with_prefix("kv_handback");
+            r.register(
+                "gone",
+                "Reads of a peer's conversation hand-back that found it reclaimed (the prompt was computed instead)",
+                self.handback_gone.clone(),
+            );
+            r.register(
+                "reclaimed_blocks",
+                "Conversation hand-back blocks reclaimed for new requests before anyone read them",
+                self.handback_reclaimed_blocks.clone(),
+            );
+        }
         let r = r.sub_registry_with_prefix("kv_transfer");
+        r.register(
+            "peers_refused",
+            "KV reads refused before connecting: remote_host not in --kv-peers",
+            self.peers_refused.clone(),
+        );
+        r.register(
+            "released",
+            "Publications freed by POST /v1/kv/release",
+            self.released.clone(),
+        );
         r.register(
             "pinned_blocks",
             "KV blocks pinned for a peer to read",

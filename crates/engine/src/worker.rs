@@ -97,6 +97,7 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
         }
     }
     orchestrator_config(args)?;
+    crate::kv::security::peers_from_args(args).map_err(WorkerError::InvalidArgs)?;
     Ok(())
 }
 
@@ -197,6 +198,17 @@ impl Worker {
         };
         let mut kv_tasks = Vec::new();
         let mut kv_addr = None;
+        // Who may read this worker's KV and whom it reads from (`--kv-peers`,
+        // `PDSERVE_KV_SECRET`): the KV transfer service and every pull check them.
+        let kv_peers = Arc::new(
+            crate::kv::security::peers_from_args(&args).map_err(WorkerError::InvalidArgs)?,
+        );
+        let kv_secret = crate::kv::security::secret_from_args(&args);
+        let kv_server_config = pdserve_kv_transfer::ServerConfig {
+            peers: Some(kv_peers.clone()),
+            secret: kv_secret.clone(),
+            ..Default::default()
+        };
         let kv_service = if args.role != WorkerRole::PrefillDecode || args.kv_port.is_some() {
             let kv_listener =
                 TcpListener::bind((args.host.as_str(), args.kv_port.unwrap_or(0))).await?;
@@ -222,11 +234,17 @@ impl Worker {
             kv_tasks.push(tokio::spawn(pdserve_kv_transfer::server::serve(
                 kv_listener,
                 service.clone(),
-                pdserve_kv_transfer::ServerConfig::default(),
+                kv_server_config.clone(),
                 std::future::pending(),
             )));
             kv_tasks.push(tokio::spawn(service.clone().sweep_forever()));
-            tracing::info!(%addr, role = %args.role, "KV transfer service listening");
+            tracing::info!(
+                %addr,
+                role = %args.role,
+                peers = %kv_peers,
+                secret = kv_secret.is_some(),
+                "KV transfer service listening"
+            );
             Some(service)
         } else {
             None
@@ -252,6 +270,8 @@ impl Worker {
                 block_bytes: kv_block_bytes,
                 metrics: metrics.clone(),
                 service: kv_service.clone(),
+                peers: kv_peers,
+                secret: kv_secret,
             },
             metrics,
             health: health.clone(),

@@ -6,9 +6,10 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
+use crate::auth::TransferSecret;
 use crate::error::TransferError;
 use crate::frame::{read_frame, write_frame, FrameKind};
-use crate::message::{ErrorMessage, ReadAccepted, ReadRequest};
+use crate::message::{ErrorMessage, ReadAccepted, ReadRequest, WireReadRequest};
 
 /// Limits of the pulling side.
 #[derive(Debug, Clone)]
@@ -17,6 +18,8 @@ pub struct PullConfig {
     pub connect_timeout: Duration,
     /// Longest wait for any one frame.
     pub io_timeout: Duration,
+    /// The shared transfer secret, sent with the read request.
+    pub secret: Option<TransferSecret>,
 }
 
 impl Default for PullConfig {
@@ -24,6 +27,7 @@ impl Default for PullConfig {
         Self {
             connect_timeout: Duration::from_secs(3),
             io_timeout: Duration::from_secs(10),
+            secret: None,
         }
     }
 }
@@ -58,7 +62,11 @@ pub async fn pull(
             source,
         })?;
     let _ = stream.set_nodelay(true);
-    let json = serde_json::to_vec(request).map_err(|e| TransferError::Protocol(e.to_string()))?;
+    let wire = WireReadRequest {
+        request: std::borrow::Cow::Borrowed(request),
+        secret: config.secret.as_ref().map(|s| s.expose().to_string()),
+    };
+    let json = serde_json::to_vec(&wire).map_err(|e| TransferError::Protocol(e.to_string()))?;
     timeout(
         config.io_timeout,
         write_frame(&mut stream, FrameKind::ReadRequest, &[&json]),

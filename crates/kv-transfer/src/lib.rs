@@ -5,15 +5,19 @@
 //! needs them calls [`client::pull`]. The wire format is documented in this crate's
 //! README: length-prefixed, versioned frames; JSON control messages; raw block bytes.
 
+pub mod auth;
 pub mod client;
 pub mod error;
 pub mod frame;
 pub mod message;
+pub mod peers;
 pub mod pins;
 pub mod server;
 
+pub use auth::TransferSecret;
 pub use client::{pull, PullConfig, PulledBlocks};
 pub use error::TransferError;
 pub use message::{ErrorCode, ReadAccepted, ReadRequest};
+pub use peers::{InvalidPeer, PeerAllowList};
 pub use pins::PinTable;
 pub use server::{BlockSource, Export, ReadOutcome, ServerConfig, TransferStats};

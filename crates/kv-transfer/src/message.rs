@@ -18,6 +18,16 @@ pub struct ReadRequest {
     pub layout: String,
 }
 
+/// [`ReadRequest`] as it travels: the request's fields plus the transfer secret, so
+/// the secret never sits in a struct that gets logged.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct WireReadRequest<'a> {
+    #[serde(flatten)]
+    pub request: std::borrow::Cow<'a, ReadRequest>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
 /// Server → client: the read is accepted; `num_blocks` block frames follow.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReadAccepted {
@@ -45,6 +55,13 @@ pub enum ErrorCode {
     LayoutMismatch,
     /// The server failed while reading its blocks.
     Internal,
+    /// The read request carried no transfer secret, or another one than the server's.
+    Unauthorized,
+    /// The client's address is not in the server's `--kv-peers` allow-list.
+    PeerNotAllowed,
+    /// The blocks were kept as evictable cache (a decode worker's conversation
+    /// hand-back) and the pool has reclaimed them: recompute instead.
+    Gone,
 }
 
 /// Payload of an error frame.

@@ -1,6 +1,7 @@
 //! The serving side: answers reads of pinned blocks from a [`BlockSource`].
 
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -9,9 +10,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::timeout;
 
+use crate::auth::TransferSecret;
 use crate::error::TransferError;
 use crate::frame::{read_frame, write_frame, FrameKind};
-use crate::message::{ErrorCode, ErrorMessage, ReadAccepted, ReadRequest};
+use crate::message::{ErrorCode, ErrorMessage, ReadAccepted, ReadRequest, WireReadRequest};
+use crate::peers::PeerAllowList;
 
 /// Blocks copied out for one read.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +71,10 @@ pub struct ServerConfig {
     pub max_blocks: usize,
     /// Most connections served at once.
     pub max_connections: usize,
+    /// Addresses served (`None`: any). Others get a `peer_not_allowed` error.
+    pub peers: Option<Arc<PeerAllowList>>,
+    /// The secret every read request must carry (`None`: none asked).
+    pub secret: Option<TransferSecret>,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +84,8 @@ impl Default for ServerConfig {
             max_request_bytes: 4 << 20,
             max_blocks: 16_384,
             max_connections: 64,
+            peers: None,
+            secret: None,
         }
     }
 }
@@ -110,7 +119,7 @@ pub async fn serve<S: BlockSource>(
         let source = source.clone();
         let config = config.clone();
         tokio::spawn(async move {
-            if let Err(e) = handle_connection(stream, &*source, &config).await {
+            if let Err(e) = handle_connection(stream, peer.ip(), &*source, &config).await {
                 tracing::debug!(%peer, error = %e, "KV transfer connection ended with an error");
             }
             drop(permit);
@@ -120,6 +129,7 @@ pub async fn serve<S: BlockSource>(
 
 async fn handle_connection<S: BlockSource>(
     mut stream: TcpStream,
+    peer: IpAddr,
     source: &S,
     config: &ServerConfig,
 ) -> Result<(), TransferError> {
@@ -130,9 +140,23 @@ async fn handle_connection<S: BlockSource>(
     )
     .await
     .map_err(|_| TransferError::Timeout("waiting for a read request"))??;
+    // The request was read (bounded) before answering so the client sees the refusal
+    // rather than a reset; it is not looked at.
+    if let Some(peers) = &config.peers {
+        if !peers.allows_addr(peer).await {
+            tracing::warn!(%peer, "KV transfer connection refused: not in --kv-peers");
+            let message = format!("{peer} is not an allowed KV peer of this worker");
+            return refuse(&mut stream, ErrorCode::PeerNotAllowed, message, config).await;
+        }
+    }
     let request = match parse_request(frame.kind, &frame.payload, source, config) {
         Ok(r) => r,
-        Err((code, message)) => return refuse(&mut stream, code, message, config).await,
+        Err((code, message)) => {
+            if code == ErrorCode::Unauthorized {
+                tracing::warn!(%peer, "KV read refused: {message}");
+            }
+            return refuse(&mut stream, code, message, config).await;
+        }
     };
     let started = Instant::now();
     let export = match source.export(&request).await {
@@ -172,8 +196,22 @@ fn parse_request<S: BlockSource>(
             format!("expected a read request, got {kind:?}"),
         ));
     }
-    let request: ReadRequest = serde_json::from_slice(payload)
+    let wire: WireReadRequest<'static> = serde_json::from_slice(payload)
         .map_err(|e| (ErrorCode::BadRequest, format!("invalid read request: {e}")))?;
+    if let Some(secret) = &config.secret {
+        if !secret.verify(wire.secret.as_deref()) {
+            let why = if wire.secret.is_some() {
+                "the read request's transfer secret is wrong"
+            } else {
+                "the read request carries no transfer secret"
+            };
+            return Err((
+                ErrorCode::Unauthorized,
+                format!("{why} (PDSERVE_KV_SECRET must be the same on every worker)"),
+            ));
+        }
+    }
+    let request = wire.request.into_owned();
     if request.engine_id != source.engine_id() {
         return Err((
             ErrorCode::WrongEngine,

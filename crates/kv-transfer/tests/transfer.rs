@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdserve_kv_transfer::{
-    pull, server, BlockSource, ErrorCode, Export, PullConfig, ReadOutcome, ReadRequest,
-    ServerConfig, TransferError, TransferStats,
+    pull, server, BlockSource, ErrorCode, Export, PeerAllowList, PullConfig, ReadOutcome,
+    ReadRequest, ServerConfig, TransferError, TransferSecret, TransferStats,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -92,16 +92,24 @@ fn quick() -> PullConfig {
     PullConfig {
         connect_timeout: Duration::from_millis(500),
         io_timeout: Duration::from_millis(500),
+        secret: None,
     }
 }
 
 async fn start(source: Arc<MemorySource>) -> (String, tokio::sync::oneshot::Sender<()>) {
+    start_with(source, ServerConfig::default()).await
+}
+
+async fn start_with(
+    source: Arc<MemorySource>,
+    config: ServerConfig,
+) -> (String, tokio::sync::oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let config = ServerConfig {
         io_timeout: Duration::from_millis(500),
-        ..ServerConfig::default()
+        ..config
     };
     tokio::spawn(server::serve(listener, source, config, async {
         let _ = rx.await;
@@ -291,4 +299,68 @@ async fn dead_silent_and_garbage_peers_fail_in_bounded_time() {
         .unwrap_err();
     assert!(matches!(err, TransferError::Protocol(_)), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+fn refusal(err: TransferError) -> ErrorCode {
+    match err {
+        TransferError::Remote { code, .. } => code,
+        other => panic!("expected a refusal, got {other}"),
+    }
+}
+
+/// With a secret configured, a read without it or with another one is refused before
+/// anything is looked up (the blocks stay pinned); the right secret reads them.
+#[tokio::test]
+async fn reads_need_the_shared_secret() {
+    let source = Arc::new(MemorySource::default());
+    let blocks = pin(&source, "r1", 2);
+    let config = ServerConfig {
+        secret: TransferSecret::new("correct horse"),
+        ..ServerConfig::default()
+    };
+    let (addr, _stop) = start_with(source.clone(), config).await;
+    for offered in [None, TransferSecret::new("wrong horse")] {
+        let config = PullConfig {
+            secret: offered,
+            ..quick()
+        };
+        let err = pull(&addr, &request("r1", 2), BLOCK, &config)
+            .await
+            .unwrap_err();
+        assert_eq!(refusal(err), ErrorCode::Unauthorized);
+        assert!(source.pinned.lock().unwrap().contains_key("r1"));
+    }
+    let config = PullConfig {
+        secret: TransferSecret::new("correct horse"),
+        ..quick()
+    };
+    let got = pull(&addr, &request("r1", 2), BLOCK, &config)
+        .await
+        .unwrap();
+    assert_eq!(got.blocks, blocks);
+    let started = std::time::Instant::now();
+    while !source.pinned.lock().unwrap().is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(5), "never freed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A connection from an address outside `--kv-peers` is refused whatever it asks.
+#[tokio::test]
+async fn connections_from_peers_not_allowed_are_refused() {
+    let source = Arc::new(MemorySource::default());
+    pin(&source, "r1", 1);
+    let mut only_v6 = PeerAllowList::default();
+    only_v6.add("::1").unwrap();
+    let config = ServerConfig {
+        peers: Some(Arc::new(only_v6)),
+        ..ServerConfig::default()
+    };
+    let (addr, _stop) = start_with(source.clone(), config).await;
+    let err = pull(&addr, &request("r1", 1), BLOCK, &quick())
+        .await
+        .unwrap_err();
+    assert_eq!(refusal(err), ErrorCode::PeerNotAllowed);
+    assert!(source.pinned.lock().unwrap().contains_key("r1"));
+    assert!(source.finished.lock().unwrap().is_empty());
 }

@@ -53,6 +53,7 @@ impl From<HandoffError> for ApiError {
         match e {
             HandoffError::ConflictingDirections
             | HandoffError::MissingField(_)
+            | HandoffError::PeerNotAllowed { .. }
             | HandoffError::BadPublishId(_) => {
                 ApiError::bad_request(message).with_param("kv_transfer_params")
             }

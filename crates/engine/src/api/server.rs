@@ -33,6 +33,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/start_profile", post(start_profile))
         .route("/stop_profile", post(stop_profile))
+        .route(crate::kv::release::RELEASE_PATH, post(crate::kv::release::handle))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

@@ -8,6 +8,16 @@ pub enum HandoffError {
     /// `do_remote_decode` and `do_remote_prefill` were both set.
     #[error("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")]
     ConflictingDirections,
+    /// `remote_host` is not in this worker's `--kv-peers`: refused without connecting,
+    /// so the answer is the same whatever listens there.
+    #[error(
+        "kv_transfer_params.remote_host {host:?} is not an allowed KV peer of this worker \
+         (see --kv-peers)"
+    )]
+    PeerNotAllowed {
+        /// The refused `remote_host`.
+        host: String,
+    },
     /// A field needed to read KV from a peer is absent.
     #[error("kv_transfer_params.{0} is required to read KV from a peer")]
     MissingField(&'static str),

@@ -45,35 +45,38 @@ pub async fn prepare_prefill(
     request.min_new_tokens = 0;
     request.pin_on_finish = true;
     if RemoteBlocks::named_by(params) {
-        import_conversation_prefix(kv, params, request).await;
+        import_conversation_prefix(kv, params, request).await?;
     }
     Ok(name)
 }
 
-/// Loads the shared prefix of a previous turn's KV that `params` name, if it can.
+/// Loads the shared prefix of a previous turn's KV that `params` name, if it can. Only
+/// a peer outside `--kv-peers` is an error; any other failure (the blocks are gone, the
+/// peer is down) just means the prompt is computed here.
 async fn import_conversation_prefix(
     kv: &KvContext,
     params: &KvTransferParams,
     request: &mut GenerationRequest,
-) {
+) -> Result<(), HandoffError> {
     let remote = match RemoteBlocks::from_params(params, &kv.layout) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!("ignoring an incomplete KV handle; computing the prompt: {e}");
-            return;
+            return Ok(());
         }
     };
     let pulled = match pull_blocks(kv, remote, &request.prompt).await {
         Ok(p) => p,
+        Err(e @ HandoffError::PeerNotAllowed { .. }) => return Err(e),
         Err(e) => {
             tracing::warn!("reusing the conversation's KV failed; computing the prompt: {e}");
-            return;
+            return Ok(());
         }
     };
     // The last prompt token is always computed here (it yields the logits).
     let reused = pulled.matched_tokens.min(request.prompt.len() - 1);
     if reused == 0 {
-        return;
+        return Ok(());
     }
     let mut blocks = pulled.blocks;
     blocks.truncate(reused.div_ceil(BLOCK_SIZE));
@@ -87,4 +90,5 @@ async fn import_conversation_prefix(
         num_tokens: reused,
         blocks,
     });
+    Ok(())
 }

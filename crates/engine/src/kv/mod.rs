@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use pdserve_kv_transfer::{PeerAllowList, TransferSecret};
+
 use crate::metrics::Metrics;
 
 mod error;
@@ -12,6 +14,8 @@ mod export;
 pub mod handoff;
 pub mod import;
 pub mod pull;
+pub mod release;
+pub mod security;
 pub mod service;
 
 pub use error::HandoffError;
@@ -51,4 +55,8 @@ pub struct KvContext {
     pub metrics: Arc<Metrics>,
     /// The KV transfer service, when this worker runs one (prefill and decode roles).
     pub service: Option<Arc<KvService>>,
+    /// Hosts this worker reads KV from and serves KV to (`--kv-peers`).
+    pub peers: Arc<PeerAllowList>,
+    /// The shared transfer secret (`PDSERVE_KV_SECRET`), when configured.
+    pub secret: Option<TransferSecret>,
 }

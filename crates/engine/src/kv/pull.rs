@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pdserve_kv_transfer::{pull, PullConfig, PulledBlocks, ReadRequest};
+use pdserve_kv_transfer::{pull, ErrorCode, PullConfig, PulledBlocks, ReadRequest, TransferError};
 use pdserve_protocol::KvTransferParams;
 
 use super::{HandoffError, KvContext};
@@ -18,6 +18,8 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// The peer and read a set of `kv_transfer_params` name.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RemoteBlocks {
+    /// The peer's host (`remote_host`), checked against `--kv-peers`.
+    pub host: String,
     /// `host:port` of the peer's KV service.
     pub addr: String,
     /// What to ask the peer for (`token_ids` still empty).
@@ -48,6 +50,7 @@ impl RemoteBlocks {
             .ok_or_else(|| missing("remote_block_ids"))?
             .flatten();
         Ok(Self {
+            host: host.to_string(),
             addr: socket_addr(host, port),
             read: ReadRequest {
                 engine_id,
@@ -63,6 +66,7 @@ impl RemoteBlocks {
     /// `request_id`, an id this worker chose (see [`super::awaited`]).
     pub fn awaited(peer: &KvPeer, request_id: String, prompt_tokens: usize, layout: &str) -> Self {
         Self {
+            host: peer.host.clone(),
             addr: socket_addr(&peer.host, peer.port),
             read: ReadRequest {
                 engine_id: peer.engine_id.clone(),
@@ -116,15 +120,22 @@ fn socket_addr(host: &str, port: u16) -> String {
 }
 
 /// Reads the blocks `remote` names, for `token_ids`; the peer frees them afterwards.
+/// A host outside `--kv-peers` is refused before anything is dialled.
 pub async fn pull_blocks(
     kv: &KvContext,
     mut remote: RemoteBlocks,
     token_ids: &[u32],
 ) -> Result<PulledBlocks, HandoffError> {
+    if !kv.peers.allows_host(&remote.host) {
+        kv.metrics.kv.peers_refused.inc();
+        tracing::warn!(host = %remote.host, "refused to read KV from a host not in --kv-peers");
+        return Err(HandoffError::PeerNotAllowed { host: remote.host });
+    }
     remote.read.token_ids = token_ids.to_vec();
     let config = PullConfig {
         connect_timeout: CONNECT_TIMEOUT,
         io_timeout: IO_TIMEOUT,
+        secret: kv.secret.clone(),
     };
     let counters = &kv.metrics.kv;
     match pull(&remote.addr, &remote.read, kv.block_bytes, &config).await {
@@ -145,7 +156,24 @@ pub async fn pull_blocks(
         }
         Err(e) => {
             counters.pull_failures.inc();
-            tracing::warn!(addr = %remote.addr, error = %e, "KV pull failed");
+            match &e {
+                TransferError::Remote {
+                    code: ErrorCode::Unauthorized | ErrorCode::PeerNotAllowed,
+                    ..
+                } => tracing::error!(
+                    addr = %remote.addr,
+                    error = %e,
+                    "KV peer refused this worker: PDSERVE_KV_SECRET or --kv-peers differ between the workers"
+                ),
+                TransferError::Remote {
+                    code: ErrorCode::Gone,
+                    ..
+                } => {
+                    counters.handback_gone.inc();
+                    tracing::info!(addr = %remote.addr, "the KV peer reclaimed the blocks already");
+                }
+                _ => tracing::warn!(addr = %remote.addr, error = %e, "KV pull failed"),
+            }
             Err(HandoffError::pull(&remote.addr, e))
         }
     }

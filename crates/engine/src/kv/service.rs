@@ -218,6 +218,28 @@ impl KvService {
         })
     }
 
+    /// This engine's id (`remote_engine_id`).
+    pub fn engine_id(&self) -> &str {
+        &self.config.engine_id
+    }
+
+    /// Frees what is published under `request_id` at once (`POST /v1/kv/release`: the
+    /// decode leg that would have read it failed). Returns the blocks freed, or `None`
+    /// when nothing is published under it (never, already read or released, expired,
+    /// or a read is in progress, which frees the blocks when it ends).
+    pub async fn release(&self, request_id: &str) -> Option<usize> {
+        let entry = self.lock().take(request_id)?;
+        let blocks = entry.blocks.len();
+        self.metrics.kv.released.inc();
+        tracing::info!(
+            request_id,
+            blocks,
+            "published KV blocks released on request"
+        );
+        release(&self.engine, &self.metrics, entry.blocks).await;
+        Some(blocks)
+    }
+
     /// Frees every publication whose abort deadline passed; returns how many.
     pub async fn sweep(&self) -> usize {
         let expired = {

@@ -1,0 +1,106 @@
+//! Who this worker exchanges KV with: the `--kv-peers` allow-list (default: loopback,
+//! this worker's own addresses and its `--prefill` workers) and the shared transfer
+//! secret (`PDSERVE_KV_SECRET`).
+
+use pdserve_kv_transfer::{PeerAllowList, TransferSecret};
+
+use crate::args::WorkerArgs;
+
+/// HTTP header that carries the transfer secret on the worker's KV routes
+/// (`POST /v1/kv/release`).
+pub const SECRET_HEADER: &str = "x-pdserve-kv-secret";
+
+/// The allow-list `args` configure: `--kv-peers` when given (exactly those), else
+/// loopback plus the hosts this worker is told about (`--host`, `--kv-host`, the hosts
+/// of `--prefill` URLs).
+pub fn peers_from_args(args: &WorkerArgs) -> Result<PeerAllowList, String> {
+    let mut peers = PeerAllowList::default();
+    if !args.kv_peers.is_empty() {
+        for entry in args.kv_peers.iter().filter(|e| !e.trim().is_empty()) {
+            peers.add(entry).map_err(|e| format!("--kv-peers: {e}"))?;
+        }
+        return Ok(peers);
+    }
+    peers = PeerAllowList::loopback();
+    let own = [Some(args.host.as_str()), args.kv_host.as_deref()];
+    let prefill = args.prefill.iter().filter_map(|u| url_host(u));
+    for host in own.into_iter().flatten().chain(prefill) {
+        // A wildcard listen address is no peer; unparsable hosts are refused elsewhere.
+        if !matches!(host, "0.0.0.0" | "::" | "[::]" | "") {
+            let _ = peers.add(host);
+        }
+    }
+    Ok(peers)
+}
+
+/// The shared secret `args` configure, if any.
+pub fn secret_from_args(args: &WorkerArgs) -> Option<TransferSecret> {
+    args.kv_secret.clone().and_then(TransferSecret::new)
+}
+
+/// The host of an `http://host:port` URL.
+fn url_host(url: &str) -> Option<&str> {
+    let rest = url.trim().strip_prefix("http://")?;
+    let authority = rest.split('/').next()?;
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split(']').next();
+    }
+    authority
+        .rsplit_once(':')
+        .map_or(Some(authority), |(h, _)| Some(h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: WorkerArgs,
+    }
+
+    fn args(argv: &[&str]) -> WorkerArgs {
+        let argv = std::iter::once("worker").chain(argv.iter().copied());
+        Cli::try_parse_from(argv).unwrap().args
+    }
+
+    #[test]
+    fn default_peers_are_loopback_and_configured_hosts_only() {
+        let peers = peers_from_args(&args(&[])).unwrap();
+        assert!(peers.allows_host("127.0.0.1") && peers.allows_host("::1"));
+        assert!(!peers.allows_host("169.254.169.254"));
+        let peers = peers_from_args(&args(&[
+            "--role",
+            "decode",
+            "--host",
+            "0.0.0.0",
+            "--kv-host",
+            "decode-0.pd",
+            "--prefill",
+            "http://prefill-0.pd:8100,http://[fd00::7]:8100",
+        ]))
+        .unwrap();
+        for host in ["decode-0.pd", "prefill-0.pd", "fd00::7", "localhost"] {
+            assert!(peers.allows_host(host), "{host}");
+        }
+        assert!(!peers.allows_host("0.0.0.0") && !peers.allows_host("prefill-1.pd"));
+    }
+
+    #[test]
+    fn explicit_peers_replace_the_default_and_bad_entries_are_refused() {
+        let peers = peers_from_args(&args(&["--kv-peers", "::1", "--kv-peers", "fd00::/8,p.pd"]));
+        let peers = peers.unwrap();
+        assert!(!peers.allows_host("127.0.0.1"), "loopback v4 not listed");
+        assert!(
+            peers.allows_host("::1") && peers.allows_host("fd00::1") && peers.allows_host("p.pd")
+        );
+        let err = peers_from_args(&args(&["--kv-peers", "not a host"])).unwrap_err();
+        assert!(err.contains("--kv-peers"), "{err}");
+        assert!(secret_from_args(&args(&[])).is_none());
+        assert!(secret_from_args(&args(&["--kv-secret", ""])).is_none());
+        let secret = secret_from_args(&args(&["--kv-secret", "s"])).unwrap();
+        assert!(secret.verify(Some("s")));
+    }
+}

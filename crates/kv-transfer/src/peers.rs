@@ -1,0 +1,147 @@
+//! Which hosts a worker exchanges KV blocks with (`--kv-peers`): addresses, CIDR ranges
+//! and host names. Checked on both sides: a reader connects only to allowed hosts, and
+//! a server answers only connections from allowed addresses.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+/// An allow-list of KV peers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerAllowList {
+    nets: Vec<IpNet>,
+    /// Host names, lower-cased.
+    hosts: Vec<String>,
+}
+
+/// An allow-list entry that is neither an address, a CIDR range nor a host name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid KV peer {0:?}: expected an IP address, a CIDR range (e.g. 127.0.0.0/8) or a host name"
+)]
+pub struct InvalidPeer(pub String);
+
+impl PeerAllowList {
+    /// Loopback only: `127.0.0.0/8`, `::1` and `localhost`.
+    pub fn loopback() -> Self {
+        let mut list = Self::default();
+        for entry in ["127.0.0.0/8", "::1", "localhost"] {
+            list.add(entry).expect("valid loopback entries");
+        }
+        list
+    }
+
+    /// Adds an IP address, a CIDR range or a host name (a bracketed IPv6 literal too).
+    pub fn add(&mut self, entry: &str) -> Result<(), InvalidPeer> {
+        let entry = entry.trim();
+        let bare = entry.trim_start_matches('[').trim_end_matches(']');
+        if let Ok(net) = bare.parse::<IpNet>() {
+            self.nets.push(net.trunc());
+        } else if let Ok(ip) = bare.parse::<IpAddr>() {
+            self.nets.push(IpNet::from(ip.to_canonical()));
+        } else if is_host_name(entry) {
+            let host = entry.to_ascii_lowercase();
+            if !self.hosts.contains(&host) {
+                self.hosts.push(host);
+            }
+        } else {
+            return Err(InvalidPeer(entry.to_string()));
+        }
+        Ok(())
+    }
+
+    /// Whether a reader may connect to `host` (a `remote_host`): an address inside an
+    /// allowed range, or exactly an allowed host name. Nothing is resolved, so the answer
+    /// says nothing about the network.
+    pub fn allows_host(&self, host: &str) -> bool {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        match bare.parse::<IpAddr>() {
+            Ok(ip) => self.contains_ip(ip),
+            Err(_) => self.hosts.contains(&bare.to_ascii_lowercase()),
+        }
+    }
+
+    /// Whether a connection from `ip` may be served: inside an allowed range, or an
+    /// address an allowed host name resolves to now.
+    pub async fn allows_addr(&self, ip: IpAddr) -> bool {
+        if self.contains_ip(ip) {
+            return true;
+        }
+        let ip = ip.to_canonical();
+        for host in &self.hosts {
+            if let Ok(addrs) = tokio::net::lookup_host((host.as_str(), 0)).await {
+                if addrs.into_iter().any(|a| a.ip().to_canonical() == ip) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    fn contains_ip(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.nets.iter().any(|n| n.contains(&ip))
+    }
+}
+
+impl std::fmt::Display for PeerAllowList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nets = self.nets.iter().map(ToString::to_string);
+        let all: Vec<String> = nets.chain(self.hosts.iter().cloned()).collect();
+        f.write_str(&all.join(","))
+    }
+}
+
+/// RFC 1123 host names (labels of letters, digits and hyphens, dot-separated).
+fn is_host_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn addresses_ranges_and_names_are_matched_exactly() {
+        let mut list = PeerAllowList::loopback();
+        list.add("Prefill-0.svc").unwrap();
+        list.add("fd00::/8").unwrap();
+        for host in [
+            "127.0.0.1",
+            "127.9.9.9",
+            "::1",
+            "[::1]",
+            "localhost",
+            "prefill-0.svc",
+        ] {
+            assert!(list.allows_host(host), "{host}");
+        }
+        for host in ["128.0.0.1", "::2", "prefill-1.svc", "svc", "0.0.0.0", ""] {
+            assert!(!list.allows_host(host), "{host}");
+        }
+        assert!(list.allows_host("fd12::1"));
+        assert!(list.allows_addr("127.0.0.1".parse().unwrap()).await);
+        assert!(list.allows_addr("::ffff:127.0.0.1".parse().unwrap()).await);
+        let only_v6 = {
+            let mut l = PeerAllowList::default();
+            l.add("::1").unwrap();
+            l
+        };
+        assert!(!only_v6.allows_host("127.0.0.1"));
+        assert!(!only_v6.allows_addr("127.0.0.1".parse().unwrap()).await);
+        for bad in ["a b", "1.2.3.4/40", "-x", "http://h:1", "h:1"] {
+            assert!(PeerAllowList::default().add(bad).is_err(), "{bad}");
+        }
+        assert_eq!(only_v6.to_string(), "::1/128");
+    }
+}
