@@ -1,11 +1,15 @@
 //! Prometheus metrics of a worker, served as text on `/metrics`.
 
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+#[path = "metrics_vllm.rs"]
+mod vllm;
+pub use vllm::VllmMetrics;
 
 /// Label set naming a finish reason.
 pub type ReasonLabels = Vec<(&'static str, &'static str)>;
@@ -14,6 +18,10 @@ pub type ReasonLabels = Vec<(&'static str, &'static str)>;
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// The `vllm:*` series (see [`VllmMetrics`]).
+    vllm_registry: Registry,
+    /// vLLM-named histograms and the KV usage gauge.
+    pub vllm: VllmMetrics,
     /// Sequences in the running batch.
     pub running: Gauge,
     /// Sequences waiting for admission.
@@ -216,10 +224,18 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// All metrics, registered under the `pdserve` prefix.
+    /// All metrics, registered under the `pdserve` prefix (and the `vllm:` names with
+    /// `model_name="pdserve"`).
     pub fn new() -> Self {
+        Self::for_model("pdserve")
+    }
+
+    /// All metrics, the `vllm:*` series labelled `model_name=<model_name>`.
+    pub fn for_model(model_name: &str) -> Self {
         let mut m = Self {
             registry: Registry::with_prefix("pdserve"),
+            vllm_registry: Registry::default(),
+            vllm: VllmMetrics::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_blocks_used: Gauge::default(),
@@ -352,9 +368,15 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> String {
+        self.vllm.set_kv_usage(
+            self.kv_blocks_used.get().max(0) as usize,
+            self.kv_blocks_free.get().max(0) as usize,
+        );
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = encode(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.registry)
+            .and_then(|()| encode_registry(&mut out, &self.vllm_registry))
+            .and_then(|()| encode_eof(&mut out));
         out
     }
 }
@@ -383,5 +405,42 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing {needle}:\n{text}");
         }
+    }
+
+    #[test]
+    fn vllm_names_share_values_and_carry_the_model_name() {
+        let m = Metrics::for_model("smol");
+        m.running.set(3);
+        m.waiting.set(2);
+        m.kv_blocks_used.set(1);
+        m.kv_blocks_free.set(3);
+        m.prompt_tokens.inc_by(34);
+        m.prefix_cache_hits.inc_by(16);
+        m.vllm.time_to_first_token.observe(0.03);
+        m.vllm.inter_token_latency.observe(0.02);
+        m.vllm.e2e_request_latency.observe(0.9);
+        let text = m.encode();
+        let labels = "model_name=\"smol\",engine=\"0\"";
+        for needle in [
+            format!("vllm:num_requests_running{{{labels}}} 3"),
+            format!("vllm:num_requests_waiting{{{labels}}} 2"),
+            format!("vllm:kv_cache_usage_perc{{{labels}}} 0.25"),
+            format!("vllm:prompt_tokens_total{{{labels}}} 34"),
+            format!("vllm:generation_tokens_total{{{labels}}} 0"),
+            format!("vllm:prefix_cache_hits_total{{{labels}}} 16"),
+            format!("vllm:prefix_cache_queries_total{{{labels}}} 0"),
+            format!("vllm:time_to_first_token_seconds_bucket{{{labels},le=\"0.02\"}} 0"),
+            format!("vllm:time_to_first_token_seconds_bucket{{{labels},le=\"0.04\"}} 1"),
+            format!("vllm:inter_token_latency_seconds_bucket{{{labels},le=\"0.025\"}} 1"),
+            format!("vllm:e2e_request_latency_seconds_bucket{{{labels},le=\"0.8\"}} 0"),
+            format!("vllm:e2e_request_latency_seconds_bucket{{{labels},le=\"1.0\"}} 1"),
+            format!("vllm:e2e_request_latency_seconds_count{{{labels}}} 1"),
+            "# TYPE vllm:prompt_tokens counter".to_string(),
+        ] {
+            assert!(text.contains(&needle), "missing {needle}:\n{text}");
+        }
+        assert!(text.contains("pdserve_prompt_tokens_total 34"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "one EOF, at the end");
+        assert_eq!(text.matches("# EOF").count(), 1);
     }
 }

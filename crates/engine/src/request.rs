@@ -92,6 +92,8 @@ pub struct TokenUsage {
     pub completion_tokens: usize,
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
+    /// Prompt tokens whose KV was loaded from a peer (`kv_import`), not computed here.
+    pub kv_imported_tokens: usize,
 }
 
 /// One event of a sequence's output stream.
@@ -101,6 +103,8 @@ pub enum SeqEvent {
     Admitted {
         /// Prompt tokens whose KV came from the prefix cache.
         cached_tokens: usize,
+        /// Prompt tokens whose KV was loaded from a peer.
+        kv_imported_tokens: usize,
     },
     /// A generated token.
     Token {

@@ -1,6 +1,16 @@
-//! Token sampling from logits: greedy at temperature 0, otherwise temperature, top-k and
-//! top-p with a per-request RNG (seeded when the request gives a `seed`), plus the
-//! log-probabilities OpenAI's `logprobs` report.
+//! Token sampling from logits: greedy at temperature 0, otherwise temperature, min-p,
+//! top-k and top-p with a per-request RNG (seeded when the request gives a `seed`), plus
+//! the log-probabilities OpenAI's `logprobs` report.
+//!
+//! Before either, the logits are adjusted as vLLM does: `logit_bias` is added, then the
+//! repetition penalty (over prompt and generated tokens) divides positive and multiplies
+//! negative logits, then the frequency and presence penalties (over generated tokens
+//! only) are subtracted. Without any of them the logits are used as they are, so greedy
+//! output is unchanged. Reported log-probabilities stay those of the raw logits (vLLM's
+//! default `raw_logprobs`).
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -16,6 +26,17 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Seed for a reproducible RNG; `None` seeds from the OS.
     pub seed: Option<u64>,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 keeps every token.
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token generated so far (-2..=2).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated so far (-2..=2).
+    pub frequency_penalty: f32,
+    /// Tokens seen in the prompt or output: positive logits divided by it, negative
+    /// ones multiplied (> 0; 1 is off).
+    pub repetition_penalty: f32,
+    /// Added to the logits of these tokens (values in -100..=100).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -25,6 +46,11 @@ impl Default for SamplingParams {
             top_p: 1.0,
             top_k: 0,
             seed: None,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -37,6 +63,14 @@ impl SamplingParams {
             ..Self::default()
         }
     }
+
+    /// Whether any bias or penalty changes the logits before sampling.
+    fn adjusts_logits(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
 }
 
 /// A sampled token's log-probability and the most likely alternatives.
@@ -48,26 +82,87 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Chooses tokens for one sequence.
+/// Chooses tokens for one sequence, remembering what it generated (for the penalties).
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Distinct prompt tokens; only kept when a repetition penalty is set.
+    prompt: HashSet<u32>,
+    /// How often each token was sampled so far.
+    generated: HashMap<u32, u32>,
 }
 
 impl Sampler {
-    /// A sampler for `params`.
+    /// A sampler for `params` with an empty prompt.
     pub fn new(params: SamplingParams) -> Self {
+        Self::for_prompt(params, &[])
+    }
+
+    /// A sampler for `params` continuing `prompt` (which the repetition penalty counts).
+    pub fn for_prompt(params: SamplingParams, prompt: &[u32]) -> Self {
         let rng = match params.seed {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Self { params, rng }
+        let prompt = if params.repetition_penalty != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
+        Self {
+            params,
+            rng,
+            prompt,
+            generated: HashMap::new(),
+        }
+    }
+
+    /// `logits` with the logit bias and the penalties applied (borrowed when none is set).
+    pub fn adjusted<'a>(&self, logits: &'a [f32]) -> Cow<'a, [f32]> {
+        let p = &self.params;
+        if !p.adjusts_logits() {
+            return Cow::Borrowed(logits);
+        }
+        let mut out = logits.to_vec();
+        for &(id, bias) in &p.logit_bias {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let seen = self
+                .prompt
+                .iter()
+                .chain(self.generated.keys().filter(|id| !self.prompt.contains(id)));
+            for &id in seen {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&id, &count) in &self.generated {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l -= p.frequency_penalty * count as f32 + p.presence_penalty;
+            }
+        }
+        Cow::Owned(out)
     }
 
     /// The next token from `logits`; tokens in `banned` are never chosen (e.g. EOS before
-    /// `min_tokens`).
+    /// `min_tokens`). The token is remembered for the penalties of later steps.
     pub fn sample(&mut self, logits: &[f32], banned: &[u32]) -> u32 {
+        let adjusted = self.adjusted(logits);
+        let token = self.choose(&adjusted, banned);
+        *self.generated.entry(token).or_default() += 1;
+        token
+    }
+
+    fn choose(&mut self, logits: &[f32], banned: &[u32]) -> u32 {
         let allowed = |i: usize| !banned.contains(&(i as u32)) && !logits[i].is_nan();
         if self.params.temperature <= 0.0 {
             return argmax(logits, allowed);
@@ -79,6 +174,15 @@ impl Sampler {
             .collect();
         if candidates.is_empty() {
             return argmax(logits, |_| true);
+        }
+        if self.params.min_p > 0.0 {
+            // p >= min_p * p_max  <=>  logit >= max_logit + ln(min_p) (after temperature).
+            let max = candidates
+                .iter()
+                .map(|c| c.1)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let floor = max + self.params.min_p.ln();
+            candidates.retain(|c| c.1 >= floor);
         }
         let top_k = self.params.top_k;
         if top_k > 0 && top_k < candidates.len() {

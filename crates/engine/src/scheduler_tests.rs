@@ -99,7 +99,8 @@ fn single_request_matches_the_reference_and_reports_usage() {
             usage: TokenUsage {
                 prompt_tokens: 37,
                 completion_tokens: 6,
-                cached_tokens: 0
+                cached_tokens: 0,
+                kv_imported_tokens: 0,
             },
             pinned: None,
         }
@@ -332,7 +333,7 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
     let SeqEvent::Finished { usage, .. } = end else {
         panic!("{end:?}")
     };
-    assert_eq!(usage.cached_tokens, 44);
+    assert_eq!((usage.cached_tokens, usage.kv_imported_tokens), (0, 44));
 
     // A malformed import fails the request, not the engine.
     let mut bad = request(p.clone(), 2);

@@ -24,10 +24,14 @@ pub(crate) struct Sequence {
     pub hashes: Vec<BlockHash>,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_tokens: Option<usize>,
+    /// Prompt tokens loaded from a peer's KV at first admission.
+    pub kv_imported_tokens: usize,
     /// Still holds a slot of the bounded waiting queue (never admitted yet).
     pub holds_queue_slot: bool,
     /// When the scheduler received the request.
     pub arrived: Instant,
+    /// When the last token was sampled (inter-token latency).
+    last_token_at: Option<Instant>,
     request: GenerationRequest,
     sampler: Sampler,
     events: mpsc::UnboundedSender<SeqEvent>,
@@ -43,9 +47,11 @@ impl Sequence {
             blocks: Vec::new(),
             hashes: Vec::new(),
             cached_tokens: None,
+            kv_imported_tokens: 0,
             holds_queue_slot: true,
             arrived: Instant::now(),
-            sampler: Sampler::new(request.sampling.clone()),
+            last_token_at: None,
+            sampler: Sampler::for_prompt(request.sampling.clone(), &request.prompt),
             request,
             events,
         }
@@ -92,6 +98,7 @@ impl Sequence {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.num_generated(),
             cached_tokens: self.cached_tokens.unwrap_or(0),
+            kv_imported_tokens: self.kv_imported_tokens,
         }
     }
 
@@ -142,6 +149,12 @@ impl Sequence {
         } else {
             None
         }
+    }
+
+    /// Marks a token sampled now; the time since the previous one, if any.
+    pub fn token_gap(&mut self) -> Option<std::time::Duration> {
+        let now = Instant::now();
+        self.last_token_at.replace(now).map(|prev| now - prev)
     }
 
     /// Sends an event of the sequence; false when nobody listens any more.

@@ -173,7 +173,7 @@ impl Worker {
             .max_model_len
             .unwrap_or(config.context_length)
             .min(capacity);
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::for_model(&served_model_name));
         let runner = ModelRunner::new(model.clone(), args.num_kv_blocks);
         let kv_layout = runner.kv_layout();
         let kv_block_bytes = runner.kv_block_bytes();

@@ -91,6 +91,21 @@ pub struct GenerationParams {
     /// vLLM extension: keep generating past EOS (benchmarks use it for fixed output length).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
+    /// Subtracted from the logit of each token already generated (-2..=2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
+    /// Subtracted once per earlier occurrence in the output (-2..=2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+    /// vLLM extension: penalises tokens of the prompt and output multiplicatively (> 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f64>,
+    /// vLLM extension: smallest probability relative to the most likely token (0..=1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f64>,
+    /// Token id (as a string) to a bias added to its logit, clamped to -100..=100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 /// Fields that steer streaming and KV handoff, common to chat and completion requests.
@@ -168,6 +183,17 @@ pub struct Usage {
     pub total_tokens: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_tokens_details: Option<PromptTokensDetails>,
+    /// pdserve's own counts (absent when there is nothing to report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pdserve: Option<PdserveUsage>,
+}
+
+/// `usage.pdserve`: counts OpenAI's usage has no field for.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PdserveUsage {
+    /// Prompt tokens whose KV this worker loaded from a peer (P/D) instead of computing
+    /// them; unlike `cached_tokens`, which counts prefix-cache hits only.
+    pub kv_imported_tokens: u64,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -184,7 +210,14 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+            pdserve: None,
         }
+    }
+
+    /// The same usage, reporting `kv_imported_tokens` in `usage.pdserve` when non-zero.
+    pub fn with_kv_imported(mut self, kv_imported_tokens: u64) -> Self {
+        self.pdserve = (kv_imported_tokens > 0).then_some(PdserveUsage { kv_imported_tokens });
+        self
     }
 }
 

@@ -18,7 +18,9 @@ use pdserve_protocol::{
 use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
 use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
-use super::validate::{check_model, generation_request, output_options, top_logprobs};
+use super::validate::{
+    check_model, check_unsupported, generation_request, output_options, top_logprobs,
+};
 use super::AppState;
 
 /// Handles one chat completion request. Errors become OpenAI-shaped responses through
@@ -36,6 +38,7 @@ pub async fn handle(
 /// Checks `req`, renders its messages with the chat template and tokenizes them.
 async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
     check_model(req.model.as_deref(), &app.limits)?;
+    check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
     let want_logprobs = req.logprobs.unwrap_or(false);
     let top = match req.top_logprobs {

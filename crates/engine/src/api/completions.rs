@@ -17,7 +17,9 @@ use serde_json::{Map, Value};
 use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
 use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
-use super::validate::{check_model, generation_request, output_options, top_logprobs};
+use super::validate::{
+    check_model, check_unsupported, generation_request, output_options, top_logprobs,
+};
 use super::AppState;
 
 /// Handles one completion request. Errors become OpenAI-shaped responses through
@@ -35,6 +37,7 @@ pub async fn handle(
 /// Checks `req` and tokenizes its prompt (a token-id prompt is taken as it is).
 async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared, ApiError> {
     check_model(req.model.as_deref(), &app.limits)?;
+    check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
     if req.echo == Some(true) {
         return Err(

@@ -30,6 +30,10 @@ pub struct ResolvedLogprob {
     pub top: Vec<(Vec<u8>, f32)>,
     /// Byte offset of this token's text in the output (completions `text_offset`).
     pub text_offset: usize,
+    /// The sampled token's id (SGLang's `output_token_logprobs` name it).
+    pub id: u32,
+    /// The alternatives' token ids, in `top`'s order.
+    pub top_ids: Vec<u32>,
 }
 
 /// One thing to tell the client.
@@ -69,6 +73,7 @@ pub struct Generation {
     prompt_tokens: usize,
     completion_tokens: usize,
     cached_tokens: usize,
+    kv_imported_tokens: usize,
     /// Set when a stop string ended the output before the scheduler did.
     pending_end: Option<Vec<Piece>>,
     done: bool,
@@ -101,6 +106,7 @@ impl Generation {
             prompt_tokens,
             completion_tokens: 0,
             cached_tokens: 0,
+            kv_imported_tokens: 0,
             pending_end: None,
             done: false,
             publish: None,
@@ -115,6 +121,11 @@ impl Generation {
     pub fn publishing(mut self, publish: Option<Publish>) -> Self {
         self.publish = publish;
         self
+    }
+
+    /// Tokens in the prompt.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
     }
 
     /// Makes the output depend on `companion`: its failure ends the output with its
@@ -159,6 +170,7 @@ impl Generation {
             self.completion_tokens as u64,
             self.cached_tokens as u64,
         )
+        .with_kv_imported(self.kv_imported_tokens as u64)
     }
 
     /// The next piece, or `None` after `End`/`Error`.
@@ -225,7 +237,13 @@ impl Generation {
                 )));
             };
             match event {
-                SeqEvent::Admitted { cached_tokens } => self.cached_tokens = cached_tokens,
+                SeqEvent::Admitted {
+                    cached_tokens,
+                    kv_imported_tokens,
+                } => {
+                    self.cached_tokens = cached_tokens;
+                    self.kv_imported_tokens = kv_imported_tokens;
+                }
                 SeqEvent::Token { id, logprobs } => {
                     self.completion_tokens += 1;
                     let offset = self.text.sent_len();
@@ -252,6 +270,7 @@ impl Generation {
                     pinned,
                 } => {
                     self.cached_tokens = usage.cached_tokens;
+                    self.kv_imported_tokens = usage.kv_imported_tokens;
                     let kv_transfer_params = self.publish(pinned);
                     let tail = self.text.finish(self.app.model.tokenizer());
                     let end = Piece::End {
@@ -302,6 +321,8 @@ fn resolve(tok: &impl TokenText, id: u32, lp: &TokenLogprobs, offset: usize) -> 
             .map(|&(t, l)| (tok.token_bytes(t), l))
             .collect(),
         text_offset: offset,
+        id,
+        top_ids: lp.top.iter().map(|&(t, _)| t).collect(),
     }
 }
 

@@ -4,6 +4,7 @@
 use pdserve_protocol::{
     ApiError, ChatMessage, GenerationParams, MessageContent, StreamOptions, TransportParams,
 };
+use serde_json::{Map, Value};
 
 use crate::request::GenerationRequest;
 use crate::sampling::SamplingParams;
@@ -78,6 +79,87 @@ pub fn check_text_only(messages: &[ChatMessage]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Request fields this worker does not implement, each with the values that mean "not
+/// used" (accepted, as a client library may send them by default). Any other value is
+/// refused rather than silently ignored. Fields not listed (`user`, `metadata`,
+/// `conversation_id`, `chat_template_kwargs`, ...) change nothing about the output and
+/// are accepted.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("tools", "tool calling"),
+    ("tool_choice", "tool calling"),
+    ("functions", "function calling"),
+    ("function_call", "function calling"),
+    (
+        "response_format",
+        "structured output (only {\"type\": \"text\"})",
+    ),
+    ("structured_outputs", "structured output"),
+    ("guided_json", "guided decoding"),
+    ("guided_regex", "guided decoding"),
+    ("guided_choice", "guided decoding"),
+    ("guided_grammar", "guided decoding"),
+    ("guided_whitespace_pattern", "guided decoding"),
+    ("best_of", "best_of above 1"),
+    ("use_beam_search", "beam search"),
+    ("length_penalty", "beam search"),
+    ("prompt_logprobs", "prompt logprobs"),
+    ("return_tokens_as_token_ids", "token-id logprobs"),
+    ("suffix", "suffix (insertion)"),
+    ("allowed_token_ids", "allowed_token_ids"),
+    ("bad_words", "bad_words"),
+    (
+        "stop_token_ids",
+        "stop_token_ids (EOS ends generation unless ignore_eos)",
+    ),
+    ("include_stop_str_in_output", "include_stop_str_in_output"),
+    ("prediction", "predicted outputs"),
+    ("audio", "audio output"),
+    ("modalities", "output modalities other than text"),
+];
+
+/// Whether `value` of `field` asks for nothing beyond what the worker does anyway.
+fn is_neutral(field: &str, value: &Value) -> bool {
+    let empty = |v: &Value| match v {
+        Value::Array(a) => a.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    };
+    value.is_null()
+        || match field {
+            "tool_choice" | "function_call" => value == "none",
+            "response_format" => value.get("type").and_then(Value::as_str) == Some("text"),
+            "best_of" => value.as_f64() == Some(1.0),
+            "length_penalty" => value.as_f64() == Some(1.0),
+            "use_beam_search" | "return_tokens_as_token_ids" | "include_stop_str_in_output" => {
+                value == false
+            }
+            "modalities" => value
+                .as_array()
+                .is_some_and(|m| m.iter().all(|v| v == "text")),
+            _ => empty(value),
+        }
+}
+
+/// 400 naming the first request field (of those the typed request leaves in `extra`)
+/// that asks for something this worker does not implement.
+pub fn check_unsupported(extra: &Map<String, Value>) -> Result<(), ApiError> {
+    for &(field, what) in UNSUPPORTED {
+        let Some(value) = extra.get(field) else {
+            continue;
+        };
+        if !is_neutral(field, value) {
+            return Err(invalid(
+                field,
+                format!(
+                    "{field} is not supported by this worker ({what} is not implemented); \
+                     remove the field or send it as null"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The stream flags, checked as vLLM does.
 pub fn output_options(
     transport: &TransportParams,
@@ -127,21 +209,32 @@ pub fn top_logprobs(param: &str, n: i64) -> Result<usize, ApiError> {
     Ok(n as usize)
 }
 
-/// The scheduler request for `prompt` with the sampling fields of `params`.
-/// `max_tokens` is the (already chosen) `max_tokens`/`max_completion_tokens` value.
-pub fn generation_request(
-    prompt: Vec<u32>,
-    params: &GenerationParams,
-    max_tokens: Option<i64>,
-    logprobs: Option<usize>,
-    limits: &ModelLimits,
-    prompt_param: &str,
-) -> Result<GenerationRequest, ApiError> {
-    if let Some(n) = params.n {
-        if n != 1 {
-            return Err(invalid("n", format!("only n=1 is supported, got {n}")));
-        }
+/// `value` (default `default`) checked to be a finite number in `range`.
+fn in_range(
+    param: &str,
+    value: Option<f64>,
+    default: f64,
+    range: std::ops::RangeInclusive<f64>,
+) -> Result<f32, ApiError> {
+    let v = value.unwrap_or(default);
+    if !v.is_finite() || !range.contains(&v) {
+        return Err(invalid(
+            param,
+            format!(
+                "{param} must be in [{}, {}], got {v}",
+                range.start(),
+                range.end()
+            ),
+        ));
     }
+    Ok(v as f32)
+}
+
+/// The sampling fields of `params`, checked with vLLM's ranges.
+pub fn sampling_params(
+    params: &GenerationParams,
+    limits: &ModelLimits,
+) -> Result<SamplingParams, ApiError> {
     let temperature = params.temperature.unwrap_or(1.0);
     if !temperature.is_finite() || temperature < 0.0 {
         return Err(invalid(
@@ -166,6 +259,81 @@ pub fn generation_request(
             ))
         }
     };
+    let presence_penalty = in_range("presence_penalty", params.presence_penalty, 0.0, -2.0..=2.0)?;
+    let frequency_penalty = in_range(
+        "frequency_penalty",
+        params.frequency_penalty,
+        0.0,
+        -2.0..=2.0,
+    )?;
+    let min_p = in_range("min_p", params.min_p, 0.0, 0.0..=1.0)?;
+    let repetition_penalty = params.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty.is_finite() && repetition_penalty > 0.0) {
+        return Err(invalid(
+            "repetition_penalty",
+            format!("repetition_penalty must be greater than zero, got {repetition_penalty}"),
+        ));
+    }
+    let mut logit_bias = Vec::new();
+    for (key, &bias) in params.logit_bias.iter().flatten() {
+        let id = match key.trim().parse::<u32>() {
+            Ok(id) if (id as usize) < limits.vocab_size => id,
+            Ok(id) => {
+                return Err(invalid(
+                    "logit_bias",
+                    format!(
+                        "token id {id} in logit_bias is out of range (vocabulary size {})",
+                        limits.vocab_size
+                    ),
+                ))
+            }
+            Err(_) => {
+                return Err(invalid(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids, got {key:?}"),
+                ))
+            }
+        };
+        if !bias.is_finite() {
+            return Err(invalid(
+                "logit_bias",
+                format!("logit_bias values must be numbers, got {bias} for token {id}"),
+            ));
+        }
+        // As OpenAI (and vLLM): values beyond +-100 act as +-100.
+        logit_bias.push((id, bias.clamp(-100.0, 100.0) as f32));
+    }
+    Ok(SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        // Negative seeds are accepted (as by vLLM) and used bit for bit.
+        seed: params.seed.map(|s| s as u64),
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        // A positive value too small for f32 stays positive.
+        repetition_penalty: (repetition_penalty as f32).max(f32::MIN_POSITIVE),
+        logit_bias,
+    })
+}
+
+/// The scheduler request for `prompt` with the sampling fields of `params`.
+/// `max_tokens` is the (already chosen) `max_tokens`/`max_completion_tokens` value.
+pub fn generation_request(
+    prompt: Vec<u32>,
+    params: &GenerationParams,
+    max_tokens: Option<i64>,
+    logprobs: Option<usize>,
+    limits: &ModelLimits,
+    prompt_param: &str,
+) -> Result<GenerationRequest, ApiError> {
+    if let Some(n) = params.n {
+        if n != 1 {
+            return Err(invalid("n", format!("only n=1 is supported, got {n}")));
+        }
+    }
+    let sampling = sampling_params(params, limits)?;
     if prompt.is_empty() {
         return Err(invalid(prompt_param, "the prompt is empty".into()));
     }
@@ -234,13 +402,7 @@ pub fn generation_request(
     };
     Ok(GenerationRequest {
         prompt,
-        sampling: SamplingParams {
-            temperature,
-            top_p,
-            top_k,
-            // Negative seeds are accepted (as by vLLM) and used bit for bit.
-            seed: params.seed.map(|s| s as u64),
-        },
+        sampling,
         max_new_tokens,
         stop_token_ids,
         min_new_tokens,
@@ -383,6 +545,162 @@ mod tests {
             param_of(top_logprobs("top_logprobs", 21).unwrap_err()),
             "top_logprobs"
         );
+    }
+
+    #[test]
+    fn penalties_min_p_and_logit_bias_are_checked_with_vllm_ranges() {
+        let p = GenerationParams::default;
+        let r = check(
+            GenerationParams {
+                presence_penalty: Some(-2.0),
+                frequency_penalty: Some(2.0),
+                repetition_penalty: Some(1.3),
+                min_p: Some(1.0),
+                logit_bias: Some(
+                    [("7".to_string(), -300.0), ("9".to_string(), 5.5)]
+                        .into_iter()
+                        .collect(),
+                ),
+                ..p()
+            },
+            None,
+            3,
+        )
+        .unwrap()
+        .sampling;
+        assert_eq!(
+            (
+                r.presence_penalty,
+                r.frequency_penalty,
+                r.repetition_penalty,
+                r.min_p
+            ),
+            (-2.0, 2.0, 1.3, 1.0)
+        );
+        assert_eq!(
+            r.logit_bias,
+            vec![(7, -100.0), (9, 5.5)],
+            "clamped to +-100"
+        );
+        let d = check(p(), None, 3).unwrap().sampling;
+        assert_eq!(d, SamplingParams::default(), "absent fields change nothing");
+        for (params, field) in [
+            (
+                GenerationParams {
+                    presence_penalty: Some(2.01),
+                    ..p()
+                },
+                "presence_penalty",
+            ),
+            (
+                GenerationParams {
+                    frequency_penalty: Some(-3.0),
+                    ..p()
+                },
+                "frequency_penalty",
+            ),
+            (
+                GenerationParams {
+                    frequency_penalty: Some(1e39),
+                    ..p()
+                },
+                "frequency_penalty",
+            ),
+            (
+                GenerationParams {
+                    repetition_penalty: Some(0.0),
+                    ..p()
+                },
+                "repetition_penalty",
+            ),
+            (
+                GenerationParams {
+                    min_p: Some(1.5),
+                    ..p()
+                },
+                "min_p",
+            ),
+            (
+                GenerationParams {
+                    min_p: Some(-0.1),
+                    ..p()
+                },
+                "min_p",
+            ),
+            (
+                GenerationParams {
+                    temperature: Some(f32::INFINITY),
+                    ..p()
+                },
+                "temperature",
+            ),
+            (
+                GenerationParams {
+                    top_p: Some(f32::INFINITY),
+                    ..p()
+                },
+                "top_p",
+            ),
+            (
+                GenerationParams {
+                    logit_bias: Some([("1000".to_string(), 1.0)].into_iter().collect()),
+                    ..p()
+                },
+                "logit_bias",
+            ),
+            (
+                GenerationParams {
+                    logit_bias: Some([("hello".to_string(), 1.0)].into_iter().collect()),
+                    ..p()
+                },
+                "logit_bias",
+            ),
+        ] {
+            assert_eq!(param_of(check(params, None, 3).unwrap_err()), field);
+        }
+    }
+
+    #[test]
+    fn unimplemented_fields_are_refused_by_name_unless_neutral() {
+        let extra = |v: Value| v.as_object().unwrap().clone();
+        for neutral in [
+            serde_json::json!({"tools": [], "tool_choice": "none", "functions": null}),
+            serde_json::json!({"response_format": {"type": "text"}, "best_of": 1}),
+            serde_json::json!({"user": "u", "metadata": {"a": 1}, "modalities": ["text"]}),
+            serde_json::json!({"conversation_id": "c", "use_beam_search": false}),
+        ] {
+            assert!(check_unsupported(&extra(neutral)).is_ok());
+        }
+        for (body, field) in [
+            (
+                serde_json::json!({"tools": [{"type": "function"}]}),
+                "tools",
+            ),
+            (serde_json::json!({"tool_choice": "auto"}), "tool_choice"),
+            (
+                serde_json::json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (serde_json::json!({"best_of": 2}), "best_of"),
+            (
+                serde_json::json!({"guided_json": {"type": "object"}}),
+                "guided_json",
+            ),
+            (
+                serde_json::json!({"guided_choice": ["a", "b"]}),
+                "guided_choice",
+            ),
+            (
+                serde_json::json!({"functions": [{"name": "f"}]}),
+                "functions",
+            ),
+            (serde_json::json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+            (serde_json::json!({"suffix": "end"}), "suffix"),
+        ] {
+            let e = check_unsupported(&extra(body)).unwrap_err();
+            assert!(e.body.error.message.contains("not supported"), "{e}");
+            assert_eq!(param_of(e), field);
+        }
     }
 
     #[test]
