@@ -153,6 +153,21 @@ pub struct WorkerArgs {
     /// giving up until its `/health` answers 200 again.
     #[arg(long, env = "PDSERVE_PREWARM_ATTEMPTS", default_value_t = 60)]
     pub prewarm_attempts: u32,
+
+    /// SGLang's bootstrap port (`--disaggregation-bootstrap-port` there), prefill workers
+    /// only: decode workers read the KV of a request carrying `bootstrap_room` from
+    /// here (a `pdserve-kv-transfer` listener whose reads name a room). 0 picks a free
+    /// port. Without it a prefill worker refuses `bootstrap_room` requests.
+    #[arg(long, env = "PDSERVE_BOOTSTRAP_PORT")]
+    pub bootstrap_port: Option<u16>,
+
+    /// Seconds either side of a bootstrap room waits for the other: a prefill worker
+    /// frees a room no decode worker claimed this long after the prefill arrived (and
+    /// answers 500), a room read waits this long (at most 25 s) for its prefill to
+    /// arrive, and a decode worker gives up its whole rendezvous (prefill included)
+    /// after this long (504).
+    #[arg(long, env = "PDSERVE_BOOTSTRAP_TIMEOUT_SECS", default_value_t = 30)]
+    pub bootstrap_timeout_secs: u64,
 }
 
 #[cfg(test)]

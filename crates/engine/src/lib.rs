@@ -9,6 +9,7 @@
 pub mod api;
 pub mod args;
 pub mod block_manager;
+pub mod bootstrap;
 pub mod health;
 pub mod kv;
 pub mod metrics;

@@ -66,6 +66,8 @@ pub struct Metrics {
     pub prompts_tokenized: Counter,
     /// Decode-as-orchestrator metrics (`--prefill`).
     pub orchestrator: crate::orchestrator::OrchestratorMetrics,
+    /// SGLang bootstrap rendezvous metrics (`--bootstrap-port`, `bootstrap_room`).
+    pub bootstrap: crate::bootstrap::BootstrapMetrics,
 }
 
 /// Metrics of the KV transfer service and of pulls from peers.
@@ -257,6 +259,7 @@ impl Metrics {
             kv: KvTransferMetrics::new(),
             prompts_tokenized: Counter::default(),
             orchestrator: Default::default(),
+            bootstrap: Default::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -356,6 +359,7 @@ impl Metrics {
         );
         m.kv.register(r);
         m.orchestrator.register(r);
+        m.bootstrap.register(r);
         m
     }
 
@@ -401,6 +405,7 @@ mod tests {
             "pdserve_kv_transfer_aborted_by_timeout_total 0",
             "pdserve_prompts_tokenized_total 0",
             "pdserve_orchestrator_warm_prefill_workers 0",
+            "pdserve_bootstrap_rooms_open 0",
             "# EOF",
         ] {
             assert!(text.contains(needle), "missing {needle}:\n{text}");

@@ -89,6 +89,7 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
             args.prewarm_interval_secs as usize,
         ),
         ("--prewarm-attempts", args.prewarm_attempts as usize),
+        ("--bootstrap-timeout-secs", args.bootstrap_timeout_secs as usize),
     ] {
         if value == 0 {
             return Err(WorkerError::InvalidArgs(format!(
@@ -98,6 +99,12 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
     }
     orchestrator_config(args)?;
     crate::kv::security::peers_from_args(args).map_err(WorkerError::InvalidArgs)?;
+    if args.bootstrap_port.is_some() && args.role != WorkerRole::Prefill {
+        return Err(WorkerError::InvalidArgs(format!(
+            "--bootstrap-port serves a prefill worker's rooms: it needs --role prefill, not {}",
+            args.role
+        )));
+    }
     Ok(())
 }
 
@@ -249,6 +256,21 @@ impl Worker {
         } else {
             None
         };
+        // SGLang's bootstrap rendezvous (`--bootstrap-port`, prefill workers only).
+        let mut bootstrap = crate::bootstrap::Bootstrap::new(
+            args.role,
+            path.display().to_string(),
+            capacity,
+            Duration::from_secs(args.bootstrap_timeout_secs),
+            metrics.clone(),
+        );
+        if let (Some(port), Some(service)) = (args.bootstrap_port, &kv_service) {
+            let listener = TcpListener::bind((args.host.as_str(), port)).await?;
+            // The same peer and secret checks as the KV transfer service's.
+            let config = kv_server_config.clone();
+            kv_tasks.push(bootstrap.listen(listener, service.clone(), config)?);
+            tracing::info!(addr = ?bootstrap.addr(), "bootstrap port listening (SGLang rooms)");
+        }
         let orchestrator = match orchestrator_config(&args)? {
             Some(config) => Some(Arc::new(
                 Orchestrator::new(config, metrics.clone()).map_err(WorkerError::InvalidArgs)?,
@@ -276,6 +298,7 @@ impl Worker {
             metrics,
             health: health.clone(),
             orchestrator: orchestrator.clone(),
+            bootstrap,
         });
         if let Some(orchestrator) = &orchestrator {
             kv_tasks.extend(orchestrator.spawn_prewarm(&state));

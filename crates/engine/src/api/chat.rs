@@ -82,6 +82,7 @@ async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prep
     Ok(Prepared {
         request,
         session: body_session_key(&req.extra),
+        bootstrap: crate::bootstrap::fields(&req.transport),
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
         reply: Reply::chat(format, &options, want_logprobs),

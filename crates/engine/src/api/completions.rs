@@ -72,6 +72,7 @@ async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared
     Ok(Prepared {
         request,
         session: body_session_key(&req.extra),
+        bootstrap: crate::bootstrap::fields(&req.transport),
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
         reply: Reply::completion(format, &options, logprobs.is_some()),

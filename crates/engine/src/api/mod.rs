@@ -4,9 +4,11 @@
 mod chat;
 mod completions;
 mod error;
+pub mod generate;
 pub mod generation;
 pub mod prepared;
 pub mod server;
+pub mod server_info;
 mod state;
 pub mod validate;
 

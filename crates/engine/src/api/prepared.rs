@@ -24,6 +24,9 @@ pub struct Prepared {
     pub stop: Vec<String>,
     /// The client's own `kv_transfer_params` (a proxy running the handoff itself).
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// SGLang's `bootstrap_host`/`bootstrap_port`/`bootstrap_room` (a gateway running
+    /// SGLang's handoff: the same body goes to the prefill and the decode worker).
+    pub bootstrap: Option<pdserve_protocol::BootstrapParams>,
     /// The client's `model` field.
     pub model: Option<String>,
     /// The session key the body carries (`conversation_id`, else `user`).
@@ -102,7 +105,9 @@ pub(super) async fn serve(
     headers: &HeaderMap,
 ) -> Response {
     match &app.orchestrator {
-        Some(orchestrator) if prepared.kv_transfer_params.is_none() => {
+        Some(orchestrator)
+            if prepared.kv_transfer_params.is_none() && prepared.bootstrap.is_none() =>
+        {
             orchestrator.serve(app, prepared, headers).await
         }
         _ => serve_locally(app, prepared)
@@ -112,13 +117,14 @@ pub(super) async fn serve(
 }
 
 async fn serve_locally(app: &Arc<AppState>, prepared: Prepared) -> Result<Response, ApiError> {
-    let generation = app
-        .submit_with_kv(
-            prepared.kv_transfer_params.as_ref(),
-            prepared.request,
-            prepared.stop,
-        )
-        .await?;
+    let generation = crate::bootstrap::submit(
+        app,
+        prepared.bootstrap.as_ref(),
+        prepared.kv_transfer_params.as_ref(),
+        prepared.request,
+        prepared.stop,
+    )
+    .await?;
     Ok(prepared.reply.respond(generation).await)
 }
 

@@ -33,6 +33,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/start_profile", post(start_profile))
         .route("/stop_profile", post(stop_profile))
+        // SGLang's native API and what its gateway probes (see `server_info`).
+        .route("/generate", post(super::generate::handle))
+        .route("/server_info", get(super::server_info::server_info))
+        .route("/get_server_info", get(super::server_info::server_info))
+        .route("/model_info", get(super::server_info::model_info))
+        .route("/get_model_info", get(super::server_info::model_info))
         .route(crate::kv::release::RELEASE_PATH, post(crate::kv::release::handle))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -31,6 +31,8 @@ pub struct AppState {
     pub health: Arc<WorkerHealth>,
     /// With `--prefill`: runs each request's prefill on a prefill worker first.
     pub orchestrator: Option<Arc<Orchestrator>>,
+    /// SGLang's protocol: role, bootstrap rooms, what `/server_info` reports.
+    pub bootstrap: crate::bootstrap::Bootstrap,
 }
 
 impl AppState {

@@ -240,6 +240,16 @@ impl KvService {
         Some(blocks)
     }
 
+    /// Frees what is published under `request_id` if no reader has taken it yet (a
+    /// bootstrap room its decode worker never claimed); false when nothing is there.
+    pub fn withdraw(&self, request_id: &str) -> bool {
+        let Some(entry) = self.lock().take(request_id) else {
+            return false;
+        };
+        self.release_in_background(entry.blocks);
+        true
+    }
+
     /// Frees every publication whose abort deadline passed; returns how many.
     pub async fn sweep(&self) -> usize {
         let expired = {

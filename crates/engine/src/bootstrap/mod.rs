@@ -1,0 +1,164 @@
+//! SGLang's bootstrap protocol on the embedded worker: a prefill worker started with
+//! `--bootstrap-port` and a decode worker that both get the same request body, joined by
+//! its `bootstrap_host` / `bootstrap_port` / `bootstrap_room` fields, either arriving
+//! first.
+//!
+//! Design (pull by room): the prefill worker runs the prefill, publishes the prompt's KV
+//! under the id `bootstrap-room-<room>` and keeps it for its decode worker; the decode
+//! worker reads the room from the prefill worker's bootstrap port, a second
+//! `pdserve-kv-transfer` listener ([`source::RoomSource`]) whose reads wait for their
+//! room. Rooms meet in [`rooms::RoomTable`]; both sides wait bounded
+//! (`--bootstrap-timeout-secs`) and nothing stays pinned when a side never shows up.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdserve_protocol::{ApiError, BootstrapParams, KvTransferParams, TransportParams, WorkerRole};
+
+use crate::api::generation::Generation;
+use crate::api::AppState;
+use crate::metrics::Metrics;
+use crate::request::GenerationRequest;
+
+mod decode;
+mod metrics;
+mod prefill;
+pub mod rooms;
+pub mod source;
+
+pub use metrics::BootstrapMetrics;
+
+/// The engine id room reads name: the decode worker knows only the bootstrap address.
+pub const BOOTSTRAP_ENGINE_ID: &str = "pdserve-bootstrap";
+
+/// Longest wait of a room read for its prefill to arrive, whatever the flag says: the
+/// reader waits at most 30 s for the answer frame (`kv::pull::IO_TIMEOUT`).
+const MAX_READ_WAIT: Duration = Duration::from_secs(25);
+
+/// The publication id of `room`.
+pub fn room_id(room: u64) -> String {
+    format!("bootstrap-room-{room}")
+}
+
+/// The room a publication id names, if it names one.
+pub fn parse_room_id(id: &str) -> Option<u64> {
+    id.strip_prefix("bootstrap-room-")?.parse().ok()
+}
+
+/// The bootstrap fields of a request, when it carries a `bootstrap_room`.
+pub fn fields(transport: &TransportParams) -> Option<BootstrapParams> {
+    Some(BootstrapParams {
+        bootstrap_room: transport.bootstrap_room?,
+        bootstrap_host: transport.bootstrap_host.clone().unwrap_or_default(),
+        bootstrap_port: transport.bootstrap_port,
+    })
+}
+
+/// What the worker knows about SGLang's protocol: its role (`disaggregation_mode`), its
+/// bootstrap rooms and port, and what `/server_info` reports.
+#[derive(Debug)]
+pub struct Bootstrap {
+    /// This worker's role.
+    pub role: WorkerRole,
+    /// The model file (`model_path` and `tokenizer_path` in `/server_info`).
+    pub model_path: String,
+    /// KV cache capacity in tokens (`max_total_num_tokens`).
+    pub max_total_tokens: usize,
+    /// How long either side of a room waits for the other.
+    pub timeout: Duration,
+    rooms: Option<Arc<RoomTable>>,
+    addr: Option<SocketAddr>,
+    metrics: Arc<Metrics>,
+}
+
+pub use rooms::RoomTable;
+
+impl Bootstrap {
+    /// The worker's bootstrap state without a bootstrap port (decode, aggregated, or a
+    /// prefill worker that takes no rooms).
+    pub fn new(
+        role: WorkerRole,
+        model_path: String,
+        max_total_tokens: usize,
+        timeout: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            role,
+            model_path,
+            max_total_tokens,
+            timeout,
+            rooms: None,
+            addr: None,
+            metrics,
+        }
+    }
+
+    /// Serves room reads of `service` on `listener` (the bootstrap port); returns the
+    /// serving task. `config` is the KV transfer service's own (peers, secret).
+    pub fn listen(
+        &mut self,
+        listener: tokio::net::TcpListener,
+        service: Arc<crate::kv::KvService>,
+        config: pdserve_kv_transfer::ServerConfig,
+    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        let rooms = Arc::new(RoomTable::new(self.metrics.clone()));
+        let wait = self.timeout.min(MAX_READ_WAIT);
+        let source = Arc::new(source::RoomSource::new(service, rooms.clone(), wait));
+        self.addr = Some(listener.local_addr()?);
+        self.rooms = Some(rooms);
+        Ok(tokio::spawn(pdserve_kv_transfer::server::serve(
+            listener,
+            source,
+            config,
+            std::future::pending(),
+        )))
+    }
+
+    /// The bootstrap port's address, when this worker listens on one.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.addr
+    }
+
+    /// Rooms open now (0 without a bootstrap port).
+    pub fn open_rooms(&self) -> usize {
+        self.rooms.as_ref().map_or(0, |r| r.open_rooms())
+    }
+
+    /// SGLang's `disaggregation_mode`: `prefill`, `decode` or `null`.
+    pub fn disaggregation_mode(&self) -> &'static str {
+        match self.role {
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+            _ => "null",
+        }
+    }
+}
+
+/// Submits `request` as its `bootstrap` fields and `kv_params` ask: on a prefill worker
+/// a room's prefill, on a decode worker a decode of a room's KV, otherwise as
+/// [`AppState::submit_with_kv`] does (an aggregated worker ignores the bootstrap fields,
+/// as SGLang's does).
+pub async fn submit(
+    app: &Arc<AppState>,
+    bootstrap: Option<&BootstrapParams>,
+    kv_params: Option<&KvTransferParams>,
+    request: GenerationRequest,
+    stop: Vec<String>,
+) -> Result<Generation, ApiError> {
+    let Some(fields) = bootstrap else {
+        return app.submit_with_kv(kv_params, request, stop).await;
+    };
+    if kv_params.is_some() {
+        return Err(ApiError::bad_request(
+            "bootstrap_room and kv_transfer_params exclude each other (one handoff per request)",
+        )
+        .with_param("bootstrap_room"));
+    }
+    match app.bootstrap.role {
+        WorkerRole::Prefill => prefill::submit(app, fields.bootstrap_room, request, stop).await,
+        WorkerRole::Decode => decode::submit(app, fields, request, stop).await,
+        _ => app.submit_with_kv(None, request, stop).await,
+    }
+}
