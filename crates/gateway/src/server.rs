@@ -1,6 +1,6 @@
 //! axum routes, tower layers and graceful shutdown.
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -8,7 +8,6 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -34,6 +33,10 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route(
+            handoff::bootstrap::GENERATE_ROUTE,
+            post(handoff::bootstrap::generate_native),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(readiness::readiness))
         .route("/readiness", get(readiness::readiness))
@@ -87,26 +90,20 @@ pub async fn serve(
         tasks.push(prewarm::spawn(state.clone()));
     }
     let _tasks = BackgroundTasks(tasks);
+    let options = state.config.serve;
     let app = router(state);
-    // Stream chunks are small writes: without TCP_NODELAY, Nagle's algorithm holds each
-    // one back until the client's delayed ACK (tens of milliseconds per token).
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("cannot set TCP_NODELAY: {e}");
+    let draining = Arc::new(tokio::sync::Notify::new());
+    // Header and body read timeouts, the connection cap and TCP_NODELAY (stream chunks
+    // are small writes) come from the shared accept loop.
+    let server = pdserve_http_server::serve(listener, app, options, {
+        let draining = draining.clone();
+        async move {
+            shutdown.await;
+            draining.notify_one();
         }
     });
-    let draining = Arc::new(tokio::sync::Notify::new());
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown({
-            let draining = draining.clone();
-            async move {
-                shutdown.await;
-                draining.notify_one();
-            }
-        })
-        .into_future();
     tokio::select! {
-        result = server => result?,
+        () = server => {},
         () = async {
             draining.notified().await;
             tokio::time::sleep(drain_limit).await;

@@ -10,6 +10,6 @@ pub mod role;
 pub mod sse;
 
 pub use error::{ApiError, ErrorBody, ErrorDetail};
-pub use kv::{BootstrapParams, KvTransferParams, RemoteBlockIds};
+pub use kv::{BootstrapParams, BootstrapShape, KvTransferParams, RemoteBlockIds};
 pub use openai::*;
 pub use role::{UnknownRole, WorkerRole};

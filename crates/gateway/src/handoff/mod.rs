@@ -2,6 +2,8 @@
 //! the encoder stage in front of them for requests with media items.
 
 pub mod aggregated;
+pub mod bootstrap;
+pub mod bootstrap_merge;
 pub mod conditional;
 pub mod encode;
 pub mod epd;
@@ -88,6 +90,9 @@ pub async fn generate(
                     .await;
             }
             state.metrics.record_disaggregation("disaggregated");
+            if state.config.protocol == crate::args::Protocol::Sglang {
+                return bootstrap::serve(state, ctx, request, conversation_id).await;
+            }
             sequential::serve(state, ctx, request, conversation_id).await
         }
         Mode::Aggregated => {

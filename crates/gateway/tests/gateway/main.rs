@@ -1,5 +1,6 @@
 //! Integration tests: the gateway and vLLM worker doubles on real 127.0.0.1 sockets.
 
+mod bootstrap;
 mod control_plane;
 mod double;
 mod encoder;
@@ -9,6 +10,7 @@ mod failures;
 mod handoff;
 mod multiturn;
 mod routing;
+mod sglang_double;
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,0 +1,738 @@
+//! SGLang's bootstrap handoff (`--protocol sglang`), with a fast path that never hangs.
+//!
+//! One body, with `bootstrap_host` (P's host), `bootstrap_port` (P's bootstrap port) and
+//! `bootstrap_room` (random, below 2^63; per item for batches and chat `n` > 1) injected,
+//! goes to a prefill worker P and a decode worker D at once; the workers meet by room
+//! and P sends the room's KV to D. D's bytes go to the client as they arrive, without
+//! waiting for P's HTTP answer, yet P's outcome stays attached to the request (SGLang's
+//! router PR that removed the wait dropped it, so failed prefills hung or "succeeded"):
+//!
+//! - P fails (non-2xx, transport, timeout) before D's first byte: D is dropped (its
+//!   connection closed) and the client gets P's error (4xx passed through, else 502/504),
+//!   retried on a fresh pair first where that is safe;
+//! - P fails after D's first byte: an OpenAI-shaped error event and `[DONE]` end the
+//!   stream (D's own `[DONE]` is held until P has answered);
+//! - D fails: P's task is aborted, which drops its connection;
+//! - the client goes away: dropping the body drops D's relay and aborts P's task;
+//! - a non-stream answer is returned once both have answered;
+//! - input logprobs (`return_logprob`, or `logprobs` with `echo`) wait for P and are
+//!   merged into D's answer ([`super::bootstrap_merge`]).
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use bytes::{Bytes, BytesMut};
+use futures::stream::BoxStream;
+use futures::{FutureExt, Stream, StreamExt};
+use http::{header, HeaderMap, HeaderValue, StatusCode};
+use pdserve_protocol::sse::{data_event, DONE};
+use pdserve_protocol::{ApiError, BootstrapShape, WorkerRole};
+use reqwest::{RequestBuilder, Url};
+use serde_json::{Map, Value};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::timeout_at;
+
+use super::bootstrap_merge::{wants_input_logprobs, PrefillLogprobs};
+use super::final_leg::expose_worker;
+use super::relay::{split_kv_params, Relay};
+use super::retry::{with_retries, Leg};
+use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
+use crate::args::Protocol;
+use crate::endpoint::Endpoint;
+use crate::error::Failure;
+use crate::metrics::Metrics;
+use crate::policy::{RequestOutcome, RouteRequest};
+use crate::registry::{Mode, Worker};
+use crate::state::AppState;
+use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind, X_DATA_PARALLEL_RANK};
+use crate::validation::{body_rejection, GenerateRequest};
+
+/// The routes served with SGLang's bootstrap handoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SglangRoute {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// SGLang's native `/generate`.
+    Generate,
+}
+
+impl SglangRoute {
+    fn shape(self) -> BootstrapShape {
+        match self {
+            Self::Chat => BootstrapShape::Chat,
+            Self::Completions => BootstrapShape::Completion,
+            Self::Generate => BootstrapShape::Generate,
+        }
+    }
+}
+
+/// The metrics label and path of SGLang's native route.
+pub const GENERATE_ROUTE: &str = "/generate";
+
+/// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D pools.
+pub async fn generate_native(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let ctx = RequestContext {
+        endpoint: Endpoint::Completions,
+        route: GENERATE_ROUTE,
+        headers: ForwardHeaders::from_client(&headers),
+        client_headers: headers,
+        started: Instant::now(),
+    };
+    let result = async {
+        if state.config.protocol != Protocol::Sglang {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "/generate is SGLang's native route; the gateway serves it with --protocol sglang",
+            )
+            .into());
+        }
+        let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
+        let body = match serde_json::from_slice::<Value>(&body) {
+            Ok(Value::Object(map)) => map,
+            _ => {
+                return Err(ApiError::bad_request("the body must be a JSON object").into());
+            }
+        };
+        let roster = state.registry.snapshot();
+        if roster.mode() != Mode::Disaggregated {
+            return Err(ApiError::service_unavailable(format!(
+                "/generate needs prefill and decode workers: {}",
+                roster.missing().join("; ")
+            ))
+            .into());
+        }
+        let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
+        serve_body(&state, &ctx, SglangRoute::Generate, body, &route).await
+    }
+    .await;
+    let response = result.unwrap_or_else(|failure: Failure| {
+        tracing::info!(
+            request_id = ctx.headers.request_id(),
+            status = failure.status().as_u16(),
+            "request failed: {failure:?}"
+        );
+        state
+            .metrics
+            .observe_end_to_end(ctx.route, ctx.started.elapsed());
+        failure.into_response()
+    });
+    state
+        .metrics
+        .record_request(ctx.route, response.status().as_u16());
+    response
+}
+
+/// Serves a validated chat or completion request with SGLang's bootstrap handoff.
+pub async fn serve(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    request: GenerateRequest,
+    conversation_id: Option<String>,
+) -> Result<Response, Failure> {
+    let route = match ctx.endpoint {
+        Endpoint::Chat => SglangRoute::Chat,
+        Endpoint::Completions => SglangRoute::Completions,
+    };
+    let body = match serde_json::from_slice::<Value>(&request.to_body()) {
+        Ok(Value::Object(map)) => map,
+        _ => return Err(ApiError::internal("the request did not serialize to an object").into()),
+    };
+    let routing = ctx.route_for(&request, conversation_id.as_deref());
+    serve_body(state, ctx, route, body, &routing).await
+}
+
+/// What every attempt of one request sends.
+struct Plan {
+    route: SglangRoute,
+    body: Map<String, Value>,
+    stream: bool,
+    input_logprobs: bool,
+}
+
+/// Runs attempts on fresh P/D pairs while nothing reached the client and the failure is
+/// not the request's fault.
+async fn serve_body(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    route: SglangRoute,
+    body: Map<String, Value>,
+    routing: &RouteRequest<'_>,
+) -> Result<Response, Failure> {
+    let plan = Plan {
+        route,
+        stream: body.get("stream").and_then(Value::as_bool) == Some(true),
+        input_logprobs: wants_input_logprobs(route, &body),
+        body,
+    };
+    // Decode workers that failed this request; prefill workers are tracked by the retry
+    // loop, which drives the pair choice.
+    let failed_decode = Mutex::new(Vec::new());
+    let (response, _prefill) = with_retries(
+        state,
+        ctx,
+        routing,
+        WorkerRole::Prefill,
+        Leg::Prefill,
+        |prefill| attempt(state, ctx, &plan, routing, prefill, &failed_decode),
+    )
+    .await?;
+    Ok(response)
+}
+
+/// One attempt on `prefill` and a decode worker chosen for it.
+async fn attempt(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    plan: &Plan,
+    routing: &RouteRequest<'_>,
+    prefill: Arc<Worker>,
+    failed_decode: &Mutex<Vec<Arc<Worker>>>,
+) -> Result<Response, LegError> {
+    let tried = failed_decode.lock().expect("not poisoned").clone();
+    let Some(decode) = state.pick(WorkerRole::Decode, &tried, routing) else {
+        return Err(final_error(ApiError::service_unavailable(
+            "no healthy decode worker is available",
+        )));
+    };
+    let mut body = plan.body.clone();
+    let host = prefill.spec.url.host_str().unwrap_or_default();
+    let rooms =
+        plan.route
+            .shape()
+            .inject(&mut body, host, prefill.spec.bootstrap_port, rand::random);
+    tracing::debug!(
+        request_id = ctx.headers.request_id(),
+        prefill = %prefill.base,
+        decode = %decode.base,
+        ?rooms,
+        "bootstrap handoff"
+    );
+    let decode_body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+    // P answers in one JSON body when its input logprobs are needed (an SSE answer would
+    // have to be reassembled); the rooms are the same.
+    let prefill_body = if plan.input_logprobs && plan.stream {
+        body.insert("stream".into(), Value::Bool(false));
+        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+    } else {
+        decode_body.clone()
+    };
+    let mut p_leg = PrefillLeg::spawn(state, ctx, plan.route, prefill.clone(), prefill_body);
+    let mut d_in_flight = state.start_request(decode.clone());
+    let decode_start = start_decode(state, ctx, plan, &decode, decode_body);
+    tokio::pin!(decode_start);
+    let started = loop {
+        tokio::select! {
+            biased;
+            started = &mut decode_start => break started,
+            failure = p_leg.failure(), if p_leg.is_pending() => {
+                if let Some(e) = failure {
+                    // Returning drops D's exchange, which closes its connection.
+                    return Err(e);
+                }
+            }
+        }
+    };
+    let started = match started {
+        Ok(started) => started,
+        Err(e) => {
+            // D's failure may only echo P's (no KV ever came): report the cause.
+            if let Some(Some(p_error)) = p_leg.failure().now_or_never() {
+                return Err(p_error);
+            }
+            if e.is_worker_fault() {
+                d_in_flight.set_outcome(RequestOutcome::Failure);
+            }
+            state.report(&decode, &e);
+            failed_decode
+                .lock()
+                .expect("not poisoned")
+                .push(decode.clone());
+            // Dropping `p_leg` aborts P's task and so its connection.
+            return Err(reported(e));
+        }
+    };
+    if state.config.sglang_wait_prefill_head && p_leg.is_pending() {
+        if let Some(e) = p_leg.wait_head().await {
+            return Err(e);
+        }
+    }
+    let merge = if plan.input_logprobs {
+        if let Some(e) = p_leg.failure().await {
+            return Err(e);
+        }
+        p_leg.body().map(|b| PrefillLogprobs::from_answer(b))
+    } else {
+        None
+    };
+    let mut response = match started {
+        DecodeStart::Body(body) => {
+            // Nothing reached the client yet: P's failure is still a proper status.
+            if let Some(e) = p_leg.failure().await {
+                return Err(e);
+            }
+            let (body, _) = split_kv_params(body);
+            let body = match merge {
+                Some(merge) => merge.merge_body(body),
+                None => body,
+            };
+            d_in_flight.set_outcome(RequestOutcome::Success);
+            state
+                .metrics
+                .observe_end_to_end(ctx.route, ctx.started.elapsed());
+            let mut response = Response::new(Body::from(body));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+        }
+        DecodeStart::Stream {
+            first,
+            upstream,
+            content_type,
+        } => {
+            let relay = Relay {
+                first,
+                upstream,
+                idle_timeout: state.config.stream_idle_timeout,
+                conversation: None,
+                metrics: state.metrics.clone(),
+                route: ctx.route,
+                started: ctx.started,
+                worker: decode.base.clone(),
+                request_id: ctx.headers.request_id().to_string(),
+                in_flight: d_in_flight,
+            };
+            let attached = Attached {
+                relay: Some(relay.into_stream().boxed()),
+                prefill: p_leg.is_pending().then_some(p_leg),
+                merge,
+                held: None,
+                at_boundary: true,
+                metrics: state.metrics.clone(),
+            };
+            let mut response = Response::new(Body::from_stream(attached.into_stream()));
+            let headers = response.headers_mut();
+            headers.insert(header::CONTENT_TYPE, content_type);
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            response
+        }
+    };
+    if state.config.expose_routing {
+        expose_worker(&mut response, X_PDSERVE_PREFILL, &prefill);
+        expose_worker(&mut response, X_PDSERVE_DECODE, &decode);
+    }
+    Ok(response)
+}
+
+/// A failure no other pair can fix (nothing is retried after it).
+fn final_error(error: ApiError) -> LegError {
+    LegError {
+        failure: error.into(),
+        kind: LegErrorKind::ClientError,
+        status: None,
+        escalated: false,
+    }
+}
+
+/// A failure whose worker was already reported to passive health: the retry loop, which
+/// reports the prefill worker's failures, must neither count it again nor blame P for D.
+fn reported(mut e: LegError) -> LegError {
+    if matches!(e.kind, LegErrorKind::Connect | LegErrorKind::Transport) {
+        e.kind = LegErrorKind::Status;
+    }
+    e
+}
+
+/// The request for one leg of `route` to `worker`.
+fn leg_request(
+    state: &AppState,
+    ctx: &RequestContext,
+    route: SglangRoute,
+    worker: &Worker,
+    body: Bytes,
+) -> Result<RequestBuilder, String> {
+    let endpoint = match route {
+        SglangRoute::Chat => Endpoint::Chat,
+        SglangRoute::Completions => Endpoint::Completions,
+        SglangRoute::Generate => {
+            let url = Url::parse(&format!("{}{GENERATE_ROUTE}", worker.base))
+                .map_err(|e| format!("has no /generate URL: {e}"))?;
+            let request = state.upstream.post_json(&url, body, &ctx.headers);
+            return Ok(match worker.next_dp_rank() {
+                Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
+                None => request,
+            });
+        }
+    };
+    Ok(state
+        .upstream
+        .post_leg(worker, endpoint, body, &ctx.headers))
+}
+
+/// How D's answer began.
+enum DecodeStart {
+    /// A non-stream answer, complete.
+    Body(Bytes),
+    /// A stream's first bytes and the rest.
+    Stream {
+        first: Bytes,
+        upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+        content_type: HeaderValue,
+    },
+}
+
+/// Sends D's leg and waits for its first byte (a non-stream answer: all of it).
+async fn start_decode(
+    state: &AppState,
+    ctx: &RequestContext,
+    plan: &Plan,
+    decode: &Worker,
+    body: Bytes,
+) -> Result<DecodeStart, LegError> {
+    let exchange = Exchange::new(decode, "decode worker", state.config.decode_timeout);
+    let request = leg_request(state, ctx, plan.route, decode, body)
+        .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
+    let sent = Instant::now();
+    let response = exchange.send(request).await?;
+    if !plan.stream {
+        // The whole generation: bounded as a stream's silence is.
+        let body = Exchange::new(decode, "decode worker", state.config.stream_idle_timeout)
+            .read(response)
+            .await?;
+        state.metrics.observe_decode_ttfb(sent.elapsed());
+        if !serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_object() || v.is_array()) {
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                "answered 200 with a body that is not JSON",
+            ));
+        }
+        return Ok(DecodeStart::Body(body));
+    }
+    let content_type = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+    let mut upstream = response.bytes_stream().boxed();
+    let first = match timeout_at(exchange.deadline(), upstream.next()).await {
+        Err(_) => return Err(exchange.timed_out()),
+        Ok(Some(Ok(first))) => first,
+        Ok(Some(Err(e))) => return Err(exchange.transport(&e)),
+        Ok(None) => {
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                "closed the stream before sending anything",
+            ))
+        }
+    };
+    state.metrics.observe_decode_ttfb(sent.elapsed());
+    Ok(DecodeStart::Stream {
+        first,
+        upstream,
+        content_type,
+    })
+}
+
+/// P's leg, running as a task of its own so that it progresses while D's bytes are
+/// relayed; dropping it aborts the task, which closes P's connection.
+struct PrefillLeg {
+    task: Option<JoinHandle<Result<Bytes, LegError>>>,
+    head: Option<oneshot::Receiver<()>>,
+    /// P's 2xx body, once it answered.
+    body: Option<Bytes>,
+    worker: Arc<Worker>,
+}
+
+impl Drop for PrefillLeg {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            tracing::debug!(worker = %self.worker.base, "aborting the prefill leg");
+            task.abort();
+        }
+    }
+}
+
+impl PrefillLeg {
+    fn spawn(
+        state: &Arc<AppState>,
+        ctx: &RequestContext,
+        route: SglangRoute,
+        worker: Arc<Worker>,
+        body: Bytes,
+    ) -> Self {
+        let (head_tx, head_rx) = oneshot::channel();
+        let state = state.clone();
+        let ctx = ctx.clone();
+        let leg_worker = worker.clone();
+        let task = tokio::spawn(async move {
+            let worker = leg_worker;
+            let mut in_flight = state.start_request(worker.clone());
+            let exchange = Exchange::new(&worker, "prefill worker", state.config.prefill_timeout);
+            let sent = Instant::now();
+            let result: Result<Bytes, LegError> = async {
+                let request = leg_request(&state, &ctx, route, &worker, body)
+                    .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
+                let response = exchange.send(request).await?;
+                let _ = head_tx.send(());
+                let body = exchange.read(response).await?;
+                check_prefill_answer(&body)
+                    .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
+                state.metrics.observe_prefill(sent.elapsed());
+                Ok(body)
+            }
+            .await;
+            in_flight.set_outcome(match &result {
+                Ok(_) => RequestOutcome::Success,
+                Err(e) if e.is_worker_fault() => RequestOutcome::Failure,
+                Err(_) => RequestOutcome::Other,
+            });
+            if let Err(e) = &result {
+                state.report(&worker, e);
+            }
+            result.map_err(reported)
+        });
+        Self {
+            task: Some(task),
+            head: Some(head_rx),
+            body: None,
+            worker,
+        }
+    }
+
+    /// Whether P has not answered yet.
+    fn is_pending(&self) -> bool {
+        self.task.is_some()
+    }
+
+    /// P's 2xx body, once it succeeded.
+    fn body(&self) -> Option<&Bytes> {
+        self.body.as_ref()
+    }
+
+    /// Waits for P's outcome; returns its failure (once), or `None` once it succeeded.
+    async fn failure(&mut self) -> Option<LegError> {
+        let task = self.task.as_mut()?;
+        let joined = task.await;
+        self.task = None;
+        match joined {
+            Ok(Ok(body)) => {
+                self.body = Some(body);
+                None
+            }
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(final_error(ApiError::bad_gateway(format!(
+                "prefill leg to {} ended: {e}",
+                self.worker.base
+            )))),
+        }
+    }
+
+    /// Waits until P's response head arrived (`--sglang-wait-prefill-head`) or P failed.
+    async fn wait_head(&mut self) -> Option<LegError> {
+        if let Some(head) = self.head.take() {
+            if head.await.is_ok() {
+                return None;
+            }
+        }
+        self.failure().await
+    }
+}
+
+/// A prefill worker's 2xx body must be a JSON answer or an event stream without an error
+/// event; anything else means its KV cannot be trusted.
+fn check_prefill_answer(body: &[u8]) -> Result<(), String> {
+    let has_error = |v: &Value| v.get("error").is_some_and(|e| !e.is_null());
+    if let Ok(value) = serde_json::from_slice::<Value>(body) {
+        return match value {
+            Value::Object(_) | Value::Array(_) if !has_error(&value) => Ok(()),
+            _ => Err(format!(
+                "answered 200 with an error or a non-object: {}",
+                crate::error::truncate(&String::from_utf8_lossy(body), 512)
+            )),
+        };
+    }
+    let mut events = 0;
+    for line in body.split(|&b| b == b'\n') {
+        let Some(data) = line.strip_prefix(b"data:") else {
+            continue;
+        };
+        let data = data.trim_ascii();
+        if data == b"[DONE]" {
+            continue;
+        }
+        match serde_json::from_slice::<Value>(data) {
+            Ok(v) if !has_error(&v) => events += 1,
+            Ok(v) => return Err(format!("streamed an error event: {v}")),
+            Err(_) => break,
+        }
+    }
+    if events == 0 {
+        let text = String::from_utf8_lossy(body);
+        return Err(format!(
+            "answered 200 with a body that is neither JSON nor an event stream: {}",
+            crate::error::truncate(text.trim(), 512)
+        ));
+    }
+    Ok(())
+}
+
+/// D's relayed stream with P's outcome attached.
+struct Attached {
+    relay: Option<BoxStream<'static, Result<Bytes, Infallible>>>,
+    /// P, while it has not answered.
+    prefill: Option<PrefillLeg>,
+    merge: Option<PrefillLogprobs>,
+    /// D's `[DONE]` (and anything after it), held until P answered.
+    held: Option<Bytes>,
+    /// Whether everything sent so far ends at an event boundary.
+    at_boundary: bool,
+    metrics: Arc<Metrics>,
+}
+
+/// What happened next while streaming.
+enum Step {
+    Prefill(Option<LegError>),
+    Relay(Option<Result<Bytes, Infallible>>),
+}
+
+impl Attached {
+    fn into_stream(self) -> Pin<Box<dyn Stream<Item = Result<Bytes, Infallible>> + Send>> {
+        Box::pin(futures::stream::unfold(self, |mut this| async move {
+            let chunk = this.next_chunk().await?;
+            Some((Ok(chunk), this))
+        }))
+    }
+
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        loop {
+            if let Some(held) = self.held.take() {
+                let failure = match self.prefill.as_mut() {
+                    Some(p) => p.failure().await,
+                    None => None,
+                };
+                self.prefill = None;
+                return Some(match failure {
+                    None => held,
+                    Some(e) => self.prefill_failed(e),
+                });
+            }
+            let pending = self.prefill.is_some();
+            let step = {
+                let relay = self.relay.as_mut()?;
+                let prefill = &mut self.prefill;
+                tokio::select! {
+                    biased;
+                    failure = async { prefill.as_mut().expect("pending").failure().await },
+                        if pending => Step::Prefill(failure),
+                    item = relay.next() => Step::Relay(item),
+                }
+            };
+            let chunk = match step {
+                Step::Prefill(None) => {
+                    self.prefill = None;
+                    continue;
+                }
+                Step::Prefill(Some(e)) => return Some(self.prefill_failed(e)),
+                Step::Relay(None) => {
+                    self.relay = None;
+                    return None;
+                }
+                Step::Relay(Some(Ok(chunk))) => chunk,
+            };
+            let chunk = match &self.merge {
+                Some(merge) => merge.merge_events(chunk),
+                None => chunk,
+            };
+            if self.prefill.is_some() {
+                if let Some(at) = done_line(&chunk) {
+                    if memchr::memmem::find(&chunk[..at], b"data: {\"error\"").is_some() {
+                        // D failed: its error ends the stream, and P is no longer needed.
+                        self.prefill = None;
+                    } else {
+                        self.held = Some(chunk.slice(at..));
+                        if at == 0 {
+                            continue;
+                        }
+                        let before = chunk.slice(..at);
+                        self.at_boundary = ends_event(&before);
+                        return Some(before);
+                    }
+                }
+            }
+            self.at_boundary = ends_event(&chunk);
+            return Some(chunk);
+        }
+    }
+
+    /// Ends the stream after P failed: D is dropped (its connection closed), and an error
+    /// event and `[DONE]` follow what was sent.
+    fn prefill_failed(&mut self, e: LegError) -> Bytes {
+        self.relay = None;
+        self.held = None;
+        let message = format!(
+            "prefill worker failed after the decode worker started streaming: {}",
+            e.failure_message()
+        );
+        tracing::warn!("{message}");
+        let error = if e.kind == LegErrorKind::Timeout {
+            ApiError::gateway_timeout(message)
+        } else {
+            ApiError::bad_gateway(message)
+        };
+        self.metrics.inc_stream_errors();
+        let mut out = BytesMut::new();
+        if !self.at_boundary {
+            out.extend_from_slice(b"\n");
+        }
+        out.extend_from_slice(&data_event(&error.to_json()));
+        out.extend_from_slice(DONE);
+        out.freeze()
+    }
+}
+
+/// Where a `data: [DONE]` line starts in `chunk`.
+fn done_line(chunk: &[u8]) -> Option<usize> {
+    memchr::memmem::find_iter(chunk, b"data: [DONE]").find(|&at| at == 0 || chunk[at - 1] == b'\n')
+}
+
+fn ends_event(chunk: &[u8]) -> bool {
+    chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_answers_are_checked() {
+        assert!(check_prefill_answer(br#"{"text":"x","meta_info":{}}"#).is_ok());
+        assert!(check_prefill_answer(br#"[{"text":"x"}]"#).is_ok());
+        assert!(check_prefill_answer(b"data: {\"a\":1}\n\ndata: [DONE]\n\n").is_ok());
+        assert!(check_prefill_answer(b"<html>502 proxy error").is_err());
+        assert!(check_prefill_answer(b"").is_err());
+        assert!(check_prefill_answer(br#"{"error":{"message":"x"}}"#).is_err());
+        assert!(check_prefill_answer(b"data: {\"error\":{\"message\":\"x\"}}\n\n").is_err());
+    }
+
+    #[test]
+    fn done_is_found_only_at_a_line_start() {
+        assert_eq!(done_line(b"data: {}\n\ndata: [DONE]\n\n"), Some(10));
+        assert_eq!(done_line(b"data: [DONE]\n\n"), Some(0));
+        assert_eq!(done_line(b"data: {\"t\":\"data: [DONE]\"}\n\n"), None);
+    }
+}

@@ -1,0 +1,300 @@
+//! Input logprobs in SGLang's bootstrap handoff: only the prefill worker computed the
+//! prompt, so its input logprobs are merged into the decode worker's answer.
+//!
+//! - SGLang's native format (`/generate` with `return_logprob`): P's
+//!   `meta_info.input_token_logprobs` go in front of D's, as SGLang's router does (per
+//!   item of a batch, in body and stream events alike).
+//! - OpenAI completions (`logprobs` with `echo`): a decode worker echoes the prompt
+//!   tokens without their logprobs (it never ran them); each `null` in D's
+//!   `choices[i].logprobs.token_logprobs` (and `top_logprobs`) is filled from P's entry
+//!   at the same position when both name the same token.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::Value;
+
+use super::bootstrap::SglangRoute;
+
+/// Whether the request asks for input (prompt) logprobs, so P's answer must be awaited
+/// and merged: `return_logprob` on `/generate`, `logprobs` with `echo` on completions.
+pub fn wants_input_logprobs(route: SglangRoute, body: &serde_json::Map<String, Value>) -> bool {
+    let truthy = |key: &str| match body.get(key) {
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Array(items)) => items.iter().any(|v| v.as_bool() == Some(true)),
+        _ => false,
+    };
+    match route {
+        SglangRoute::Generate => truthy("return_logprob"),
+        SglangRoute::Completions => {
+            truthy("echo") && body.get("logprobs").is_some_and(|v| !v.is_null())
+        }
+        SglangRoute::Chat => false,
+    }
+}
+
+/// The prefill worker's input logprobs, ready to merge into the decode worker's answer.
+#[derive(Debug, Clone)]
+pub struct PrefillLogprobs {
+    /// P's answer: an object, or (native batch) a list of objects.
+    answer: Value,
+}
+
+impl PrefillLogprobs {
+    /// P's answer body (JSON; for a stream answer, its last event that carries logprobs).
+    pub fn from_answer(body: &[u8]) -> Self {
+        let answer = serde_json::from_slice(body).unwrap_or_else(|_| last_event(body));
+        Self { answer }
+    }
+
+    /// Merges into D's whole JSON body; an unparsable body is returned unchanged.
+    pub fn merge_body(&self, body: Bytes) -> Bytes {
+        let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
+            return body;
+        };
+        self.merge_value(&mut value, None);
+        serde_json::to_vec(&value).map_or(body, Bytes::from)
+    }
+
+    /// Merges into every `data:` event of a chunk of whole SSE lines.
+    pub fn merge_events(&self, lines: Bytes) -> Bytes {
+        if memchr::memmem::find(&lines, b"logprob").is_none() {
+            return lines;
+        }
+        let mut out = BytesMut::with_capacity(lines.len() + 256);
+        let mut pieces = lines.split(|&b| b == b'\n').peekable();
+        while let Some(line) = pieces.next() {
+            let payload = line.strip_prefix(b"data: ").or(line.strip_prefix(b"data:"));
+            let merged = payload
+                .filter(|p| p.first() == Some(&b'{'))
+                .and_then(|p| serde_json::from_slice::<Value>(p.trim_ascii_end()).ok())
+                .map(|mut v| {
+                    // A stream event carries one item; SGLang names it by `index`.
+                    let index = v.get("index").and_then(Value::as_u64);
+                    self.merge_value(&mut v, index.map(|i| i as usize));
+                    v
+                });
+            match merged.and_then(|v| serde_json::to_vec(&v).ok()) {
+                Some(json) => {
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(&json);
+                    if line.ends_with(b"\r") {
+                        out.extend_from_slice(b"\r");
+                    }
+                }
+                None => out.extend_from_slice(line),
+            }
+            if pieces.peek().is_some() {
+                out.extend_from_slice(b"\n");
+            }
+        }
+        out.freeze()
+    }
+
+    /// Merges into one decoded value: a native item, a native batch, or an OpenAI body.
+    fn merge_value(&self, decode: &mut Value, item: Option<usize>) {
+        match decode {
+            Value::Array(items) => {
+                for (i, d) in items.iter_mut().enumerate() {
+                    if let Some(p) = self.native_item(Some(i)) {
+                        merge_native(p, d);
+                    }
+                }
+            }
+            Value::Object(o) if o.contains_key("meta_info") => {
+                if let Some(p) = self.native_item(item) {
+                    merge_native(p, decode);
+                }
+            }
+            Value::Object(o) if o.contains_key("choices") => self.merge_openai(decode),
+            _ => {}
+        }
+    }
+
+    /// P's native item `i` (a batch answer is a list; a single answer serves item 0).
+    fn native_item(&self, i: Option<usize>) -> Option<&Value> {
+        match (&self.answer, i) {
+            (Value::Array(items), i) => items.get(i.unwrap_or(0)),
+            (single, None | Some(0)) => Some(single),
+            _ => None,
+        }
+    }
+
+    fn merge_openai(&self, decode: &mut Value) {
+        let Some(choices) = decode.get_mut("choices").and_then(Value::as_array_mut) else {
+            return;
+        };
+        for choice in choices {
+            let index = choice.get("index").cloned().unwrap_or(Value::from(0));
+            let prefill = self
+                .answer
+                .get("choices")
+                .and_then(Value::as_array)
+                .and_then(|cs| cs.iter().find(|c| c.get("index") == Some(&index)))
+                .and_then(|c| c.get("logprobs"));
+            if let (Some(p), Some(d)) = (prefill, choice.get_mut("logprobs")) {
+                fill_openai(p, d);
+            }
+        }
+    }
+}
+
+/// SGLang's rule: P's `input_token_logprobs` (and `input_top_logprobs`) before D's.
+fn merge_native(prefill: &Value, decode: &mut Value) {
+    let Some(d_meta) = decode.get_mut("meta_info").and_then(Value::as_object_mut) else {
+        return;
+    };
+    for key in ["input_token_logprobs", "input_top_logprobs"] {
+        let p = prefill
+            .get("meta_info")
+            .and_then(|m| m.get(key))
+            .and_then(Value::as_array);
+        if let (Some(p), Some(Value::Array(d))) = (p, d_meta.get_mut(key)) {
+            let mut merged = p.clone();
+            merged.append(d);
+            *d = merged;
+        }
+    }
+}
+
+/// Fills D's missing prompt logprobs from P's, position by position, where the tokens
+/// agree.
+fn fill_openai(prefill: &Value, decode: &mut Value) {
+    let p_tokens = prefill.get("tokens").and_then(Value::as_array);
+    let d_tokens = decode.get("tokens").and_then(Value::as_array).cloned();
+    let (Some(p_tokens), Some(d_tokens)) = (p_tokens, d_tokens) else {
+        return;
+    };
+    for key in ["token_logprobs", "top_logprobs"] {
+        let Some(p_values) = prefill.get(key).and_then(Value::as_array) else {
+            continue;
+        };
+        let Some(d_values) = decode.get_mut(key).and_then(Value::as_array_mut) else {
+            continue;
+        };
+        for (j, d_value) in d_values.iter_mut().enumerate() {
+            let same_token = p_tokens.get(j).is_some() && p_tokens.get(j) == d_tokens.get(j);
+            if d_value.is_null() && same_token {
+                if let Some(p_value) = p_values.get(j) {
+                    *d_value = p_value.clone();
+                }
+            }
+        }
+    }
+}
+
+/// The last JSON `data:` event of an SSE body (a prefill worker that streamed).
+fn last_event(body: &[u8]) -> Value {
+    body.split(|&b| b == b'\n')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .filter_map(|p| serde_json::from_slice::<Value>(p.trim_ascii()).ok())
+        .filter(|v| v.is_object())
+        .last()
+        .unwrap_or(Value::Null)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn lp(id: u64) -> Value {
+        json!([-0.5, id, null])
+    }
+
+    #[test]
+    fn native_body_batch_and_events_get_prefill_logprobs_first() {
+        let p = PrefillLogprobs::from_answer(
+            json!({"text": "x", "meta_info": {"input_token_logprobs": [lp(1), lp(2)]}})
+                .to_string()
+                .as_bytes(),
+        );
+        let d = json!({"text": "yz", "meta_info": {"input_token_logprobs": [lp(3)]}});
+        let merged: Value =
+            serde_json::from_slice(&p.merge_body(Bytes::from(d.to_string()))).unwrap();
+        assert_eq!(
+            merged["meta_info"]["input_token_logprobs"],
+            json!([lp(1), lp(2), lp(3)])
+        );
+        let event = format!("data: {d}\n\ndata: [DONE]\n\n");
+        let out = p.merge_events(Bytes::from(event));
+        let text = String::from_utf8(out.to_vec()).unwrap();
+        assert!(text.ends_with("\n\ndata: [DONE]\n\n"), "{text}");
+        let first: Value = serde_json::from_str(&text[6..text.find("\n\n").unwrap()]).unwrap();
+        assert_eq!(
+            first["meta_info"]["input_token_logprobs"]
+                .as_array()
+                .unwrap()
+                .len(),
+            3
+        );
+
+        let p = PrefillLogprobs::from_answer(
+            json!([{"meta_info": {"input_token_logprobs": [lp(1)]}},
+                   {"meta_info": {"input_token_logprobs": [lp(5)]}}])
+            .to_string()
+            .as_bytes(),
+        );
+        let d = json!([{"meta_info": {"input_token_logprobs": []}},
+                       {"meta_info": {"input_token_logprobs": [lp(6)]}}]);
+        let merged: Value =
+            serde_json::from_slice(&p.merge_body(Bytes::from(d.to_string()))).unwrap();
+        assert_eq!(
+            merged[0]["meta_info"]["input_token_logprobs"],
+            json!([lp(1)])
+        );
+        assert_eq!(
+            merged[1]["meta_info"]["input_token_logprobs"],
+            json!([lp(5), lp(6)])
+        );
+    }
+
+    #[test]
+    fn openai_echo_prompt_logprobs_are_filled_from_prefill() {
+        let p = PrefillLogprobs::from_answer(
+            json!({"choices": [{"index": 0, "text": "a b c", "logprobs": {
+                "tokens": ["a", " b", " c"], "token_logprobs": [null, -1.0, -2.0],
+                "top_logprobs": [null, {" b": -1.0}, {" c": -2.0}], "text_offset": [0, 1, 3]}}]})
+            .to_string()
+            .as_bytes(),
+        );
+        let d = json!({"choices": [{"index": 0, "text": "a b d", "logprobs": {
+            "tokens": ["a", " b", " d"], "token_logprobs": [null, null, -0.1],
+            "top_logprobs": [null, null, {" d": -0.1}], "text_offset": [0, 1, 3]}}]});
+        let merged: Value =
+            serde_json::from_slice(&p.merge_body(Bytes::from(d.to_string()))).unwrap();
+        let logprobs = &merged["choices"][0]["logprobs"];
+        assert_eq!(logprobs["token_logprobs"], json!([null, -1.0, -0.1]));
+        assert_eq!(logprobs["top_logprobs"][1], json!({" b": -1.0}));
+        assert_eq!(logprobs["top_logprobs"][2], json!({" d": -0.1}));
+    }
+
+    #[test]
+    fn only_input_logprob_requests_wait_for_prefill() {
+        let object = |v: Value| v.as_object().unwrap().clone();
+        let yes = [
+            (SglangRoute::Generate, json!({"return_logprob": true})),
+            (
+                SglangRoute::Generate,
+                json!({"return_logprob": [false, true]}),
+            ),
+            (
+                SglangRoute::Completions,
+                json!({"echo": true, "logprobs": 0}),
+            ),
+        ];
+        for (route, body) in yes {
+            assert!(wants_input_logprobs(route, &object(body.clone())), "{body}");
+        }
+        let no = [
+            (SglangRoute::Generate, json!({})),
+            (SglangRoute::Completions, json!({"logprobs": 2})),
+            (SglangRoute::Completions, json!({"echo": true})),
+            (SglangRoute::Chat, json!({"logprobs": true})),
+        ];
+        for (route, body) in no {
+            assert!(
+                !wants_input_logprobs(route, &object(body.clone())),
+                "{body}"
+            );
+        }
+    }
+}
