@@ -240,6 +240,32 @@ pub struct GatewayArgs {
     /// default; exists to measure what the fast path saves.
     #[arg(long, env = "PDSERVE_SGLANG_WAIT_PREFILL_HEAD")]
     pub sglang_wait_prefill_head: bool,
+
+    // --- Hardening (issue 14): read timeouts, connection cap, API keys. ---
+    /// Seconds a client has to send a complete request head; a connection that sends half
+    /// a head, or no next request on keep-alive, is closed after this long.
+    #[arg(long, env = "PDSERVE_HEADER_READ_TIMEOUT_SECS", default_value = "30", value_parser = parse_secs)]
+    pub header_read_timeout_secs: Duration,
+
+    /// Seconds from a request's head to the end of its body; a client still sending then
+    /// gets 408 and its connection is closed.
+    #[arg(long, env = "PDSERVE_BODY_READ_TIMEOUT_SECS", default_value = "30", value_parser = parse_secs)]
+    pub body_read_timeout_secs: Duration,
+
+    /// Most open client connections; further connections are not accepted (they wait in
+    /// the listen backlog) until one closes. 0: no cap.
+    #[arg(long, env = "PDSERVE_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
+
+    /// Clients of the OpenAI routes (/v1/*) must send `Authorization: Bearer <key>`
+    /// (else 401); /health, /readiness, /liveness and /metrics stay open.
+    #[arg(long, env = "PDSERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// The key the gateway sends to workers (`Authorization: Bearer <key>`) in place of
+    /// the client's header. Unset: the client's `Authorization` is forwarded as is.
+    #[arg(long, env = "PDSERVE_WORKER_API_KEY", hide_env_values = true)]
+    pub worker_api_key: Option<String>,
 }
 
 /// How the gateway hands a request from prefill to decode.
@@ -353,6 +379,12 @@ pub struct GatewayConfig {
     pub prefill_bootstrap_ports: Vec<Option<u16>>,
     /// sglang: wait for the prefill response head before streaming decode.
     pub sglang_wait_prefill_head: bool,
+    /// Read timeouts and the connection cap of the client-facing server.
+    pub serve: pdserve_http_server::ServeOptions,
+    /// The key clients of the OpenAI routes must present; `None`: open.
+    pub api_key: Option<String>,
+    /// The key sent to workers instead of the client's `Authorization`.
+    pub worker_api_key: Option<String>,
 }
 
 impl GatewayConfig {
@@ -391,6 +423,9 @@ impl GatewayConfig {
             protocol: Protocol::Vllm,
             prefill_bootstrap_ports: Vec::new(),
             sglang_wait_prefill_head: false,
+            serve: pdserve_http_server::ServeOptions::default(),
+            api_key: None,
+            worker_api_key: None,
         }
     }
 
@@ -496,6 +531,11 @@ impl GatewayArgs {
             queue_cost: self.cache_queue_cost,
         };
         policy_config.validate().map_err(GatewayError::Config)?;
+        if self.header_read_timeout_secs.is_zero() || self.body_read_timeout_secs.is_zero() {
+            return Err(GatewayError::Config(
+                "--header-read-timeout-secs and --body-read-timeout-secs must be positive".into(),
+            ));
+        }
         if self.probe_timeout.is_zero() {
             return Err(GatewayError::Config(
                 "--probe-timeout must be positive".into(),
@@ -547,6 +587,13 @@ impl GatewayArgs {
             protocol,
             prefill_bootstrap_ports: prefill_values.iter().map(|(_, port)| *port).collect(),
             sglang_wait_prefill_head: self.sglang_wait_prefill_head,
+            serve: pdserve_http_server::ServeOptions {
+                header_read_timeout: self.header_read_timeout_secs,
+                body_read_timeout: self.body_read_timeout_secs,
+                max_connections: self.max_connections,
+            },
+            api_key: self.api_key.clone().filter(|k| !k.is_empty()),
+            worker_api_key: self.worker_api_key.clone().filter(|k| !k.is_empty()),
         })
     }
 }
