@@ -4,6 +4,11 @@
 //! transfer). Released blocks whose content is known (a full block registered with
 //! [`BlockManager::commit`]) stay findable by their chained [`BlockHash`] and sit in an
 //! LRU; they are reclaimed, oldest first, only when no plain free block is left.
+//!
+//! Blocks may also be *kept* under a handle ([`BlockManager::keep`]): a hold that, unlike
+//! a pin, does not stop the pool from reclaiming them. A decode worker keeps a finished
+//! conversation's blocks this way for a next turn that may never come; a reader then
+//! [`claims`](BlockManager::claim) them, which pins them if none was reclaimed meanwhile.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -55,6 +60,11 @@ struct CachedContent {
 struct BlockState {
     ref_count: u32,
     pins: u32,
+    /// Keeps on the block (see [`BlockManager::keep`]); it stays reclaimable.
+    keeps: u32,
+    /// Bumped whenever the block is handed out: a keep taken under an older generation
+    /// refers to content that is gone.
+    generation: u64,
     cached: Option<CachedContent>,
 }
 
@@ -84,6 +94,10 @@ pub struct BlockManager {
     evictable: LruCache<BlockId, ()>,
     by_hash: HashMap<BlockHash, BlockId>,
     num_pinned: usize,
+    /// Kept blocks by handle, each with the generation it was kept at.
+    kept: HashMap<u64, Vec<(BlockId, u64)>>,
+    /// Kept blocks reclaimed for new allocations so far.
+    kept_reclaimed: u64,
 }
 
 impl BlockManager {
@@ -96,6 +110,8 @@ impl BlockManager {
             evictable: LruCache::unbounded(),
             by_hash: HashMap::new(),
             num_pinned: 0,
+            kept: HashMap::new(),
+            kept_reclaimed: 0,
         }
     }
 
@@ -147,10 +163,17 @@ impl BlockManager {
                 None => {
                     let (id, ()) = self.evictable.pop_lru()?;
                     self.uncache(id);
+                    let block = &mut self.blocks[id as usize];
+                    if block.keeps > 0 {
+                        block.keeps = 0;
+                        self.kept_reclaimed += 1;
+                    }
                     id
                 }
             };
-            self.blocks[id as usize].ref_count = 1;
+            let block = &mut self.blocks[id as usize];
+            block.ref_count = 1;
+            block.generation = block.generation.wrapping_add(1);
             out.push(id);
         }
         Some(out)
@@ -166,7 +189,7 @@ impl BlockManager {
             let block = &mut self.blocks[id as usize];
             block.ref_count -= 1;
             if block.ref_count == 0 {
-                if block.cached.is_some() {
+                if block.cached.is_some() || block.keeps > 0 {
                     self.evictable.put(id, ());
                 } else {
                     self.free.push(id);
@@ -184,7 +207,7 @@ impl BlockManager {
                 .blocks
                 .get(id as usize)
                 .ok_or(BlockError::UnknownBlock(id))?;
-            if block.ref_count == 0 && block.cached.is_none() {
+            if block.ref_count == 0 && block.cached.is_none() && block.keeps == 0 {
                 return Err(BlockError::NotInUse(id));
             }
         }
@@ -230,6 +253,78 @@ impl BlockManager {
             }
         }
         self.release(ids)
+    }
+
+    /// Keeps blocks in use under `handle` (replacing what it kept before): once nothing
+    /// references them they sit in the reclaimable LRU instead of the free list, so they
+    /// survive until the pool needs the space.
+    pub fn keep(&mut self, handle: u64, ids: &[BlockId]) -> Result<(), BlockError> {
+        for &id in ids {
+            self.check_in_use(id)?;
+        }
+        self.forget(handle);
+        let mut kept = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let block = &mut self.blocks[id as usize];
+            block.keeps += 1;
+            kept.push((id, block.generation));
+        }
+        self.kept.insert(handle, kept);
+        Ok(())
+    }
+
+    /// Pins the blocks kept under `handle` and ends the keep, or `None` (the keep ended
+    /// too) when the handle is unknown or any of its blocks was reclaimed meanwhile.
+    pub fn claim(&mut self, handle: u64) -> Option<Vec<BlockId>> {
+        let kept = self.kept.remove(&handle)?;
+        let intact = kept
+            .iter()
+            .all(|&(id, generation)| self.blocks[id as usize].generation == generation);
+        if intact {
+            let ids: Vec<BlockId> = kept.iter().map(|&(id, _)| id).collect();
+            // Cannot fail: every block is referenced or kept.
+            self.pin(&ids).expect("kept blocks can be pinned");
+            self.drop_keeps(&kept);
+            return Some(ids);
+        }
+        self.drop_keeps(&kept);
+        None
+    }
+
+    /// Ends the keep under `handle`; false when there was none.
+    pub fn forget(&mut self, handle: u64) -> bool {
+        match self.kept.remove(&handle) {
+            Some(kept) => {
+                self.drop_keeps(&kept);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Kept blocks reclaimed for new allocations so far.
+    pub fn kept_reclaimed(&self) -> u64 {
+        self.kept_reclaimed
+    }
+
+    /// Handles with blocks kept.
+    pub fn num_keeps(&self) -> usize {
+        self.kept.len()
+    }
+
+    fn drop_keeps(&mut self, kept: &[(BlockId, u64)]) {
+        for &(id, generation) in kept {
+            let block = &mut self.blocks[id as usize];
+            // A reclaimed block's keeps were cleared when it was handed out again.
+            if block.generation != generation || block.keeps == 0 {
+                continue;
+            }
+            block.keeps -= 1;
+            if block.keeps == 0 && block.ref_count == 0 && block.cached.is_none() {
+                self.evictable.pop(&id);
+                self.free.push(id);
+            }
+        }
     }
 
     /// The longest cached prefix of `tokens`, referenced once more. At least one token is
@@ -439,5 +534,47 @@ mod tests {
         assert_eq!((bm.num_used(), bm.num_pinned()), (0, 0));
         assert_eq!(bm.unpin(&a), Err(BlockError::NotPinned(a[0])));
         assert_eq!(bm.pin(&a), Err(BlockError::NotInUse(a[0])));
+    }
+
+    #[test]
+    fn kept_blocks_survive_until_the_pool_needs_them() {
+        let mut bm = BlockManager::new(4);
+        let p = prompt(20, 4); // one full block (cached) and a partial one (not)
+        let (_, seq) = run_sequence(&mut bm, &p);
+        bm.pin(&seq).unwrap(); // as a finishing pin_on_finish sequence
+        bm.release(&seq).unwrap();
+        bm.keep(7, &seq).unwrap();
+        bm.unpin(&seq).unwrap();
+        assert_eq!((bm.num_pinned(), bm.num_used(), bm.num_free()), (0, 0, 4));
+        // Plain free blocks go first: the kept ones are intact and can be claimed.
+        let other = bm.allocate(2).unwrap();
+        assert_eq!(bm.claim(7), Some(seq.clone()));
+        assert_eq!(bm.num_pinned(), 2);
+        assert_eq!(bm.claim(7), None, "claimed once");
+        bm.unpin(&seq).unwrap();
+        bm.release(&other).unwrap();
+        assert_eq!(bm.num_free(), 4);
+
+        // Kept again, then the pool runs out: they are reclaimed and the claim is refused.
+        let (_, seq) = run_sequence(&mut bm, &p);
+        bm.keep(8, &seq).unwrap();
+        bm.release(&seq).unwrap();
+        let all = bm.allocate(4).unwrap();
+        assert_eq!(bm.kept_reclaimed(), 2);
+        assert_eq!(bm.claim(8), None);
+        assert_eq!(bm.num_keeps(), 0);
+        bm.release(&all).unwrap();
+
+        // A forgotten keep puts its uncached block back on the free list at once.
+        let (_, seq) = run_sequence(&mut bm, &p);
+        bm.keep(9, &seq).unwrap();
+        bm.release(&seq).unwrap();
+        assert!(bm.forget(9) && !bm.forget(9));
+        assert_eq!(
+            bm.evictable.len(),
+            1,
+            "only the cached full block stays in the LRU"
+        );
+        assert_eq!((bm.num_used(), bm.num_free()), (0, 4));
     }
 }

@@ -73,6 +73,10 @@ enum Command {
     Submit(Box<GenerationRequest>, mpsc::UnboundedSender<SeqEvent>),
     ReadBlocks(Vec<BlockId>, Reply<Vec<Vec<u8>>>),
     Unpin(Vec<BlockId>, Reply<()>),
+    /// Turns pins into a keep under a handle (see `BlockManager::keep`).
+    Keep(u64, Vec<BlockId>),
+    ClaimKept(u64, Reply<Option<Vec<BlockId>>>),
+    ForgetKept(u64),
     Shutdown,
 }
 
@@ -93,6 +97,9 @@ impl std::fmt::Debug for Command {
             Self::Submit(..) => f.write_str("Submit"),
             Self::ReadBlocks(ids, _) => write!(f, "ReadBlocks({} blocks)", ids.len()),
             Self::Unpin(ids, _) => write!(f, "Unpin({} blocks)", ids.len()),
+            Self::Keep(handle, ids) => write!(f, "Keep({handle}, {} blocks)", ids.len()),
+            Self::ClaimKept(handle, _) => write!(f, "ClaimKept({handle})"),
+            Self::ForgetKept(handle) => write!(f, "ForgetKept({handle})"),
             Self::Shutdown => f.write_str("Shutdown"),
         }
     }
@@ -130,6 +137,26 @@ impl EngineHandle {
     /// Drops the pins a `pin_on_finish` sequence left on `ids`.
     pub async fn unpin(&self, ids: Vec<BlockId>) -> Result<(), KvError> {
         self.call(|reply| Command::Unpin(ids, reply)).await
+    }
+
+    /// Turns the pins a `pin_on_finish` sequence left on `ids` into a keep under
+    /// `handle`: the blocks stay readable until the pool needs them. Queued in order
+    /// with every other command, so a later claim sees it.
+    pub fn keep_evictable(&self, handle: u64, ids: Vec<BlockId>) -> Result<(), KvError> {
+        self.commands
+            .send(Command::Keep(handle, ids))
+            .map_err(|_| KvError::Stopped)
+    }
+
+    /// Pins the blocks kept under `handle` for a read, or `None` when the pool has
+    /// reclaimed any of them (or nothing is kept under it).
+    pub async fn claim_kept(&self, handle: u64) -> Result<Option<Vec<BlockId>>, KvError> {
+        self.call(|reply| Command::ClaimKept(handle, reply)).await
+    }
+
+    /// Ends the keep under `handle` (its blocks become plain free or cached blocks).
+    pub fn forget_kept(&self, handle: u64) {
+        let _ = self.commands.send(Command::ForgetKept(handle));
     }
 
     async fn call<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, KvError> {
@@ -274,6 +301,22 @@ impl<M: StepModel> Scheduler<M> {
                 let result = self.blocks.unpin(&ids).map_err(KvError::from);
                 self.update_gauges();
                 let _ = reply.send(result);
+            }
+            Command::Keep(handle, ids) => {
+                // Unpinned even if the keep fails: a claim then answers "gone".
+                let kept = self.blocks.keep(handle, &ids);
+                if let Err(e) = kept.and(self.blocks.unpin(&ids)) {
+                    tracing::error!("keeping a conversation's KV blocks failed: {e}");
+                }
+                self.update_gauges();
+            }
+            Command::ClaimKept(handle, reply) => {
+                let _ = reply.send(Ok(self.blocks.claim(handle)));
+                self.update_gauges();
+            }
+            Command::ForgetKept(handle) => {
+                self.blocks.forget(handle);
+                self.update_gauges();
             }
             Command::Shutdown => self.stopping = true,
         }
@@ -625,6 +668,12 @@ impl<M: StepModel> Scheduler<M> {
         m.kv_blocks_free.set(self.blocks.num_free() as i64);
         m.kv_blocks_cached.set(self.blocks.num_cached() as i64);
         m.kv_blocks_pinned.set(self.blocks.num_pinned() as i64);
+        // Counted by the block manager as it reclaims; mirrored here.
+        let reclaimed = self.blocks.kept_reclaimed();
+        let counted = m.kv.handback_reclaimed_blocks.get();
+        if reclaimed > counted {
+            m.kv.handback_reclaimed_blocks.inc_by(reclaimed - counted);
+        }
     }
 }
 

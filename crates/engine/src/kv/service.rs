@@ -4,11 +4,16 @@
 //! freed when a peer has read them, when an accepted read breaks off, when the abort
 //! timeout passes unread, or (conversations only) when they crowd the KV pool.
 //!
+//! A conversation hand-back is not pinned: its blocks are *kept* (see
+//! `BlockManager::keep`), so the pool reclaims them when it needs the space; a read that
+//! comes later is answered `gone` and the reader computes the prompt itself.
+//!
 //! A prefill may also be published under an id its reader chose (`publish_request_id`):
 //! the reader then starts its read before the prefill has finished and the read waits
 //! for the publication (see [`awaited`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -62,6 +67,8 @@ struct Published {
     kind: PublishKind,
     /// Published under an id the reader chose, so the reader cannot know the block ids.
     named_by_reader: bool,
+    /// The keep handle of a conversation hand-back (its blocks are kept, not pinned).
+    kept: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -95,6 +102,8 @@ pub struct KvService {
     state: Mutex<State>,
     /// Woken whenever a publication appears or an expected one is abandoned.
     changed: Notify,
+    /// Source of keep handles for conversation hand-backs.
+    next_keep: AtomicU64,
 }
 
 impl KvService {
@@ -106,6 +115,7 @@ impl KvService {
             metrics,
             state: Mutex::new(State::default()),
             changed: Notify::new(),
+            next_keep: AtomicU64::new(1),
         }
     }
 
@@ -163,7 +173,7 @@ impl KvService {
                         break;
                     };
                     if let Some(entry) = st.take(&oldest) {
-                        evicted.push(entry.blocks);
+                        evicted.push(entry);
                     }
                 }
                 st.conversation_blocks += num_blocks;
@@ -179,22 +189,34 @@ impl KvService {
                 }
             }
             let deadline = Instant::now() + self.config.abort_timeout;
+            let kept = (kind == PublishKind::Conversation)
+                .then(|| self.next_keep.fetch_add(1, Ordering::Relaxed));
+            if let Some(handle) = kept {
+                // Under the lock, so a read of this entry queues its claim after the keep.
+                if let Err(e) = self.engine.keep_evictable(handle, pinned.blocks.clone()) {
+                    tracing::warn!("cannot keep a conversation's KV: {e}");
+                    return None;
+                }
+            }
             let published = Published {
                 blocks: pinned.blocks.clone(),
                 tokens: pinned.tokens,
                 kind,
                 named_by_reader,
+                kept,
             };
             st.pins.insert(request_id.clone(), published, deadline);
         }
         if named_by_reader {
             self.changed.notify_waiters();
         }
-        self.metrics.kv.pinned_blocks.inc_by(num_blocks as i64);
+        if kind == PublishKind::Prefill {
+            self.metrics.kv.pinned_blocks.inc_by(num_blocks as i64);
+        }
         self.metrics.kv.published.inc();
-        for blocks in evicted {
+        for entry in evicted {
             self.metrics.kv.evicted.inc();
-            self.release_in_background(blocks);
+            self.drop_in_background(entry);
         }
         let mut extra = serde_json::Map::new();
         extra.insert("tp_size".into(), Value::from(1));
@@ -236,18 +258,8 @@ impl KvService {
             blocks,
             "published KV blocks released on request"
         );
-        release(&self.engine, &self.metrics, entry.blocks).await;
+        self.free(entry).await;
         Some(blocks)
-    }
-
-    /// Frees what is published under `request_id` if no reader has taken it yet (a
-    /// bootstrap room its decode worker never claimed); false when nothing is there.
-    pub fn withdraw(&self, request_id: &str) -> bool {
-        let Some(entry) = self.lock().take(request_id) else {
-            return false;
-        };
-        self.release_in_background(entry.blocks);
-        true
     }
 
     /// Frees every publication whose abort deadline passed; returns how many.
@@ -270,7 +282,7 @@ impl KvService {
                 "published KV blocks were not read within the abort timeout; freed"
             );
             self.metrics.kv.aborted_by_timeout.inc();
-            release(&self.engine, &self.metrics, entry.blocks).await;
+            self.free(entry).await;
         }
         count
     }
@@ -287,10 +299,62 @@ impl KvService {
         }
     }
 
+    /// Frees a publication taken out of the table: unpins a prefill's blocks, ends a
+    /// hand-back's keep.
+    async fn free(&self, entry: Published) {
+        match entry.kept {
+            Some(handle) => self.engine.forget_kept(handle),
+            None => release(&self.engine, &self.metrics, entry.blocks).await,
+        }
+    }
+
+    /// [`KvService::free`] without waiting (from synchronous code).
+    fn drop_in_background(&self, entry: Published) {
+        match entry.kept {
+            Some(handle) => self.engine.forget_kept(handle),
+            None => self.release_in_background(entry.blocks),
+        }
+    }
+
     fn release_in_background(&self, blocks: Vec<BlockId>) {
         let engine = self.engine.clone();
         let metrics = self.metrics.clone();
         tokio::spawn(async move { release(&engine, &metrics, blocks).await });
+    }
+}
+
+impl KvService {
+    /// Pins a conversation hand-back's kept blocks for the read under `request_id`, or
+    /// answers `gone` when the pool reclaimed any of them.
+    async fn claim_handback(
+        &self,
+        request_id: &str,
+        handle: u64,
+        num_blocks: usize,
+    ) -> Result<(), (ErrorCode, String)> {
+        match self.engine.claim_kept(handle).await {
+            Ok(Some(_)) => {
+                self.metrics.kv.pinned_blocks.inc_by(num_blocks as i64);
+                Ok(())
+            }
+            Ok(None) => {
+                self.lock().reading.remove(request_id);
+                tracing::info!(
+                    request_id,
+                    "a conversation hand-back was read after its blocks were reclaimed"
+                );
+                Err((
+                    ErrorCode::Gone,
+                    format!(
+                        "the KV of {request_id:?} was reclaimed for other requests; compute the prompt"
+                    ),
+                ))
+            }
+            Err(e) => {
+                self.lock().reading.remove(request_id);
+                Err((ErrorCode::Internal, format!("cannot claim the blocks: {e}")))
+            }
+        }
     }
 }
 
@@ -380,6 +444,10 @@ impl BlockSource for KvService {
                 .insert(request.request_id.clone(), entry.blocks.clone());
             entry
         };
+        if let Some(handle) = entry.kept {
+            self.claim_handback(&request.request_id, handle, entry.blocks.len())
+                .await?;
+        }
         let matched = common_prefix(&request.token_ids, &entry.tokens);
         let wanted = entry.blocks[..matched.div_ceil(BLOCK_SIZE)].to_vec();
         if wanted.len() > request.block_ids.len() {

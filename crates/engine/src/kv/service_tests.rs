@@ -164,9 +164,29 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
         "hand-backs are not waited for"
     );
     let second = finished_pinned(&engine, (2..=41).collect()).await;
-    service.publish(second, PublishKind::Conversation).unwrap();
-    settle(&metrics, 3).await;
+    let second = service.publish(second, PublishKind::Conversation).unwrap();
+    // Hand-backs are kept, not pinned.
+    settle(&metrics, 0).await;
     assert_eq!(metrics.kv.evicted.get(), 1);
+    let err = pull(&addr, &read_of(&first, &prompt), 64, &pull_config)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::UnknownRequest,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let turn: Vec<u32> = (2..=41).collect();
+    let pulled = pull(&addr, &read_of(&second, &turn), 64, &pull_config)
+        .await
+        .unwrap();
+    assert_eq!((pulled.matched_tokens, pulled.blocks.len()), (40, 3));
+    settle(&metrics, 0).await;
     let too_big = finished_pinned(&engine, (3..=90).collect()).await;
     assert!(service
         .publish(too_big, PublishKind::Conversation)
@@ -301,6 +321,77 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
     pull(&addr, &read_of(&own, &prompt), 64, &PullConfig::default())
         .await
         .unwrap();
+    settle(&metrics, 0).await;
+
+    server.abort();
+    engine.shutdown();
+    thread.join().unwrap();
+}
+
+
+/// A hand-back's blocks are reclaimed when the pool needs them; a later read is answered
+/// `gone` (the reader computes instead) and the reclaim is counted.
+#[tokio::test]
+async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
+    let metrics = Arc::new(Metrics::new());
+    let config = SchedulerConfig {
+        max_num_seqs: 4,
+        max_waiting: 8,
+        max_num_batched_tokens: 256,
+        max_model_len: 256,
+    };
+    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let service = Arc::new(KvService::new(
+        KvServiceConfig {
+            engine_id: "engine-d".into(),
+            layout: "fake".into(),
+            block_bytes: 64,
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().unwrap().port(),
+            abort_timeout: Duration::from_secs(60),
+            conversation_budget: 8,
+        },
+        engine.clone(),
+        metrics.clone(),
+    ));
+    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
+        listener,
+        service.clone(),
+        ServerConfig::default(),
+        std::future::pending(),
+    ));
+    let prompt: Vec<u32> = (1..=40).collect();
+    let pinned = finished_pinned(&engine, prompt.clone()).await;
+    let params = service.publish(pinned, PublishKind::Conversation).unwrap();
+    settle(&metrics, 0).await;
+
+    // A request that needs the whole pool (16 blocks) reclaims the kept ones.
+    let big: Vec<u32> = (1000..1000 + 250).collect();
+    let mut events = engine.submit(GenerationRequest::new(big, 1)).unwrap();
+    loop {
+        match tokio::time::timeout(DEADLINE, events.recv()).await.unwrap() {
+            Some(SeqEvent::Finished { .. }) => break,
+            Some(SeqEvent::Failed(e)) => panic!("{e}"),
+            None => panic!("no answer"),
+            Some(_) => {}
+        }
+    }
+    assert_eq!(metrics.kv.handback_reclaimed_blocks.get(), 3);
+    let err = pull(&addr, &read_of(&params, &prompt), 64, &PullConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransferError::Remote {
+                code: ErrorCode::Gone,
+                ..
+            }
+        ),
+        "{err}"
+    );
     settle(&metrics, 0).await;
 
     server.abort();
