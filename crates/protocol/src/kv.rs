@@ -168,7 +168,7 @@ mod tests {
 
         let mut chat = object(json!({"messages": [], "n": 3}));
         let rooms = BootstrapShape::Chat.inject(&mut chat, "127.0.0.1", None, &mut room);
-        assert_eq!(chat["bootstrap_host"], json!(["127.0.0.1"; 3]));
+        assert_eq!(chat["bootstrap_host"], json!(vec!["127.0.0.1"; 3]));
         assert_eq!(chat["bootstrap_port"], json!([null, null, null]));
         assert_eq!(chat["bootstrap_room"], json!(rooms));
         assert!(rooms.iter().all(|&r| r < BOOTSTRAP_ROOM_LIMIT));

@@ -184,10 +184,10 @@ fn fill_openai(prefill: &Value, decode: &mut Value) {
 /// The last JSON `data:` event of an SSE body (a prefill worker that streamed).
 fn last_event(body: &[u8]) -> Value {
     body.split(|&b| b == b'\n')
+        .rev()
         .filter_map(|line| line.strip_prefix(b"data:"))
         .filter_map(|p| serde_json::from_slice::<Value>(p.trim_ascii()).ok())
-        .filter(|v| v.is_object())
-        .last()
+        .find(|v| v.is_object())
         .unwrap_or(Value::Null)
 }
 
