@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use pdserve_engine::orchestrator::HandoffMode;
+use pdserve_gateway::args::Protocol;
 use pdserve_protocol::WorkerRole;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -87,6 +88,11 @@ pub struct UpArgs {
     /// reads the KV after the prefill answered; `concurrent` starts the read with it).
     #[arg(long, env = "PDSERVE_HANDOFF", value_enum, default_value_t = HandoffMode::Sequential)]
     handoff: HandoffMode,
+    /// The gateway's P/D protocol (`pdserve gateway --protocol`). `sglang` starts each
+    /// prefill worker with a `--bootstrap-port` of its own and gives it to the gateway
+    /// (`--prefill URL BOOTSTRAP_PORT`), which then sends each request to P and D at once.
+    #[arg(long, env = "PDSERVE_PROTOCOL", value_enum, default_value_t = Protocol::Vllm)]
+    protocol: Protocol,
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -168,12 +174,10 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
         .cores
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-    let kv_secret = kv_secret()?;
     let stack = Stack {
         exe: &exe,
         model: &model,
         args,
-        kv_secret: &kv_secret,
     };
     let (entry, summary) = match args.topology {
         Topology::Gateway => stack.start_with_gateway(members, cores).await?,
@@ -198,25 +202,6 @@ struct Stack<'a> {
     exe: &'a std::path::Path,
     model: &'a std::path::Path,
     args: &'a UpArgs,
-    /// The KV transfer secret every member gets (`PDSERVE_KV_SECRET`).
-    kv_secret: &'a str,
-}
-
-/// `PDSERVE_KV_SECRET` when the user set one, else 32 random bytes (hex): the stack's
-/// workers then read and serve KV only among themselves.
-fn kv_secret() -> anyhow::Result<String> {
-    use std::io::Read;
-    if let Some(secret) = std::env::var("PDSERVE_KV_SECRET")
-        .ok()
-        .filter(|s| !s.is_empty())
-    {
-        return Ok(secret);
-    }
-    let mut bytes = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .context("cannot read /dev/urandom for the KV transfer secret")?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 impl Stack<'_> {
@@ -230,7 +215,6 @@ impl Stack<'_> {
     ) -> anyhow::Result<Command> {
         let mut worker = Command::new(self.exe);
         worker
-            .env("PDSERVE_KV_SECRET", self.kv_secret)
             .arg("worker")
             .args(["--role", role.as_str(), "--host", host])
             .args(["--port", &port.to_string()])
@@ -266,22 +250,36 @@ impl Stack<'_> {
         };
         let mut gateway = Command::new(self.exe);
         gateway
-            .env("PDSERVE_KV_SECRET", self.kv_secret)
             .arg("gateway")
             .args(["--host", &args.host, "--port", &args.port.to_string()])
             .args(["--shutdown-timeout", &args.shutdown_timeout.to_string()])
             .args(["--policy", &args.policy])
             .args(&args.gateway_args);
+        let sglang = args.protocol == Protocol::Sglang;
+        if sglang && args.aggregated {
+            bail!("--protocol sglang is a P/D handoff: it does not apply to --aggregated");
+        }
+        if !args.aggregated {
+            gateway.args(["--protocol", protocol_name(args.protocol)]);
+        }
         let mut worker_urls = Vec::new();
         let mut summary = Vec::new();
         for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
             let port = free_port()?;
             let url = format!("http://127.0.0.1:{port}");
-            let worker = self.worker(*role, "127.0.0.1", port, &cpus)?;
+            let mut worker = self.worker(*role, "127.0.0.1", port, &cpus)?;
             let name = format!("{role} worker {}", worker_urls.len());
-            members.push(spawn(&name, false, worker, &cpus)?);
             gateway.args([gateway_flag(*role), &url]);
-            summary.push(format!("{role} worker at {url} on cores {cpus:?}"));
+            let mut line = format!("{role} worker at {url} on cores {cpus:?}");
+            if sglang && *role == WorkerRole::Prefill {
+                // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.
+                let bootstrap = free_port()?.to_string();
+                worker.args(["--bootstrap-port", &bootstrap]);
+                gateway.arg(&bootstrap);
+                line.push_str(&format!(", bootstrap port {bootstrap}"));
+            }
+            members.push(spawn(&name, false, worker, &cpus)?);
+            summary.push(line);
             worker_urls.push(url);
         }
         let limit = Duration::from_secs(args.ready_timeout_secs);
@@ -302,6 +300,9 @@ impl Stack<'_> {
         cores: usize,
     ) -> anyhow::Result<(String, Vec<String>)> {
         let args = self.args;
+        if args.protocol == Protocol::Sglang {
+            bail!("--protocol sglang is the gateway's handoff: use --topology gateway");
+        }
         if args.aggregated || args.decode != 1 || !args.gateway_args.is_empty() {
             bail!(
                 "--topology orchestrator runs --prefill N prefill workers and one decode \
@@ -342,6 +343,13 @@ impl Stack<'_> {
             handoff_name(args.handoff)
         ));
         Ok((entry, summary))
+    }
+}
+
+fn protocol_name(protocol: Protocol) -> &'static str {
+    match protocol {
+        Protocol::Vllm => "vllm",
+        Protocol::Sglang => "sglang",
     }
 }
 

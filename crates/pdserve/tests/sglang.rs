@@ -1,0 +1,245 @@
+//! SGLang's bootstrap handoff end to end, in one process over real sockets on 127.0.0.1:
+//! an aggregated worker as the oracle, a prefill worker with a bootstrap port, a decode
+//! worker, and the gateway with `--protocol sglang` in front of the pair. Greedy output
+//! through gateway + P + D must equal the aggregated output (chat and completions,
+//! streamed or not, and a native `/generate` batch, one room per item); afterwards the
+//! workers hold no pinned blocks and no open rooms.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use pdserve_engine::{Worker, WorkerArgs};
+use pdserve_gateway::args::Protocol;
+use reqwest::Url;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+#[path = "support/openai.rs"]
+#[allow(dead_code)]
+mod openai;
+
+use openai::{chat, completion, sse_to_value, text_of};
+
+/// Bounds the whole suite, model loads included (2 slow CI cores).
+const SUITE_DEADLINE: Duration = Duration::from_secs(900);
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: WorkerArgs,
+}
+
+async fn start_worker(role: &str, model: &Path, extra: &[&str]) -> (Worker, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let model = model.display().to_string();
+    let mut argv = vec![
+        "worker",
+        "--role",
+        role,
+        "--model",
+        &model,
+        "--served-model-name",
+        "smollm2",
+        "--threads",
+        "1",
+        "--num-kv-blocks",
+        "256",
+        "--bootstrap-timeout-secs",
+        "10",
+    ];
+    argv.extend_from_slice(extra);
+    let args = Cli::try_parse_from(argv).unwrap().args;
+    let worker = Worker::start(listener, args).await.unwrap();
+    let url = format!("http://{}", worker.local_addr());
+    (worker, url)
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+struct Stack {
+    http: reqwest::Client,
+    agg: String,
+    gateway: String,
+}
+
+impl Stack {
+    async fn ok(&self, base: &str, path: &str, body: &Value) -> String {
+        let response = self
+            .http
+            .post(format!("{base}{path}"))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        assert_eq!(status, 200, "{base}{path}: {text}");
+        text
+    }
+
+    async fn metric(&self, base: &str, name: &str) -> f64 {
+        let text = self
+            .http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name} at {base}"))
+    }
+}
+
+const LONG: &str = "The history of the printing press begins in the fifteenth century, when \
+                    Johannes Gutenberg combined movable metal type with oil-based ink and a \
+                    screw press. Explain in one sentence why this mattered";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_handoff_matches_aggregated_and_leaks_nothing() {
+    tokio::time::timeout(SUITE_DEADLINE, suite())
+        .await
+        .expect("the SGLang suite ran past its deadline");
+}
+
+async fn suite() {
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let bootstrap_port = free_port();
+    let port = bootstrap_port.to_string();
+    let (agg_worker, agg) = start_worker("both", &model, &[]).await;
+    let (prefill_worker, prefill) =
+        start_worker("prefill", &model, &["--bootstrap-port", &port]).await;
+    let (decode_worker, decode) = start_worker("decode", &model, &[]).await;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = format!("http://{}", listener.local_addr().unwrap());
+    let mut config = pdserve_gateway::GatewayConfig::new(
+        vec![Url::parse(&prefill).unwrap()],
+        vec![Url::parse(&decode).unwrap()],
+        Vec::new(),
+    );
+    config.protocol = Protocol::Sglang;
+    config.prefill_bootstrap_ports = vec![Some(bootstrap_port)];
+    let (stop_gateway, stopped) = tokio::sync::oneshot::channel::<()>();
+    let gateway_task = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let stack = Stack {
+        http: reqwest::Client::new(),
+        agg,
+        gateway,
+    };
+
+    openai_routes(&stack).await;
+    native_batch(&stack).await;
+    let transferred = stack
+        .metric(
+            &prefill,
+            r#"pdserve_bootstrap_rooms_total{outcome="transferred"}"#,
+        )
+        .await;
+    assert!(transferred >= 10.0, "only {transferred} rooms transferred");
+    no_leaks(&stack, &[&prefill, &decode]).await;
+
+    let _ = stop_gateway.send(());
+    gateway_task.await.unwrap().unwrap();
+    for worker in [agg_worker, prefill_worker, decode_worker] {
+        worker.shutdown().await.unwrap();
+    }
+}
+
+/// Chat and completions, streamed and not: the same text as the aggregated worker.
+async fn openai_routes(stack: &Stack) {
+    let cases = [
+        ("/v1/chat/completions", chat("Hi", false)),
+        ("/v1/chat/completions", chat(LONG, false)),
+        ("/v1/completions", completion("Once upon a time", false)),
+        ("/v1/completions", completion(LONG, false)),
+    ];
+    for (path, body) in cases {
+        let expected =
+            text_of(&serde_json::from_str(&stack.ok(&stack.agg, path, &body).await).unwrap());
+        assert!(!expected.is_empty(), "{path} {body}");
+        for stream in [false, true] {
+            let mut body = body.clone();
+            body["stream"] = json!(stream);
+            let text = stack.ok(&stack.gateway, path, &body).await;
+            let got = if stream {
+                assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+                sse_to_value(&text)
+            } else {
+                serde_json::from_str(&text).unwrap()
+            };
+            assert_eq!(text_of(&got), expected, "{path} stream={stream}");
+        }
+    }
+}
+
+/// SGLang's native `/generate` with a batch of prompts (one room per item), streamed
+/// and not: each item's text equals the aggregated worker's.
+async fn native_batch(stack: &Stack) {
+    let body = json!({
+        "text": ["Once upon a time", LONG],
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0},
+    });
+    let expected: Value =
+        serde_json::from_str(&stack.ok(&stack.agg, "/generate", &body).await).unwrap();
+    let texts = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .unwrap_or_else(|| panic!("not a batch answer: {v}"))
+            .iter()
+            .map(|item| item["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let expected = texts(&expected);
+    assert_eq!(expected.len(), 2);
+    let got: Value =
+        serde_json::from_str(&stack.ok(&stack.gateway, "/generate", &body).await).unwrap();
+    assert_eq!(texts(&got), expected);
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let text = stack.ok(&stack.gateway, "/generate", &body).await;
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    // SGLang streams each item's text so far, naming the item by `index`.
+    let mut last = vec![String::new(); 2];
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            break;
+        }
+        let event: Value = serde_json::from_str(data).unwrap();
+        assert!(event.get("error").is_none(), "{event}");
+        let i = event["index"].as_u64().unwrap_or(0) as usize;
+        last[i] = event["text"].as_str().unwrap().to_string();
+    }
+    assert_eq!(last, expected);
+}
+
+/// No pinned blocks, no published exports, no running requests, no open rooms.
+async fn no_leaks(stack: &Stack, workers: &[&str]) {
+    let started = Instant::now();
+    for base in workers {
+        loop {
+            let pinned = stack.metric(base, "pdserve_kv_blocks_pinned").await;
+            let published = stack
+                .metric(base, "pdserve_kv_transfer_pinned_blocks")
+                .await;
+            let rooms = stack.metric(base, "pdserve_bootstrap_rooms_open").await;
+            let running = stack.metric(base, "pdserve_num_requests_running").await;
+            if pinned == 0.0 && published == 0.0 && rooms == 0.0 && running == 0.0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "{base}: {pinned} pinned, {published} published, {rooms} rooms, {running} running"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
