@@ -174,10 +174,12 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
         .cores
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
+    let kv_secret = kv_secret()?;
     let stack = Stack {
         exe: &exe,
         model: &model,
         args,
+        kv_secret: &kv_secret,
     };
     let (entry, summary) = match args.topology {
         Topology::Gateway => stack.start_with_gateway(members, cores).await?,
@@ -202,6 +204,25 @@ struct Stack<'a> {
     exe: &'a std::path::Path,
     model: &'a std::path::Path,
     args: &'a UpArgs,
+    /// The KV transfer secret every member gets (`PDSERVE_KV_SECRET`).
+    kv_secret: &'a str,
+}
+
+/// `PDSERVE_KV_SECRET` when the user set one, else 32 random bytes (hex): the stack's
+/// workers then read and serve KV only among themselves.
+fn kv_secret() -> anyhow::Result<String> {
+    use std::io::Read;
+    if let Some(secret) = std::env::var("PDSERVE_KV_SECRET")
+        .ok()
+        .filter(|s| !s.is_empty())
+    {
+        return Ok(secret);
+    }
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("cannot read /dev/urandom for the KV transfer secret")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 impl Stack<'_> {
@@ -215,6 +236,7 @@ impl Stack<'_> {
     ) -> anyhow::Result<Command> {
         let mut worker = Command::new(self.exe);
         worker
+            .env("PDSERVE_KV_SECRET", self.kv_secret)
             .arg("worker")
             .args(["--role", role.as_str(), "--host", host])
             .args(["--port", &port.to_string()])
@@ -250,6 +272,7 @@ impl Stack<'_> {
         };
         let mut gateway = Command::new(self.exe);
         gateway
+            .env("PDSERVE_KV_SECRET", self.kv_secret)
             .arg("gateway")
             .args(["--host", &args.host, "--port", &args.port.to_string()])
             .args(["--shutdown-timeout", &args.shutdown_timeout.to_string()])
