@@ -118,6 +118,18 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_WEDGED_AFTER_SECS", default_value_t = 30)]
     pub wedged_after_secs: u64,
 
+    /// Clients of the OpenAI routes (`/v1/*` and `/generate`) must send
+    /// `Authorization: Bearer <key>` (else 401, as vLLM's `--api-key`); `/health`,
+    /// `/metrics` and the server-info routes stay open. The environment variable is the
+    /// one the gateway sends to workers (its `--worker-api-key`).
+    #[arg(long, env = "PDSERVE_WORKER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Largest accepted request body in bytes; larger bodies get 413 (the gateway's flag
+    /// and default).
+    #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = crate::api::http_layers::DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+
     /// Decode as orchestrator: a prefill worker (`http://host:port`; repeat the flag or
     /// comma-separate for several) that computes each request's prompt KV. Makes this
     /// decode worker the entry point (no gateway): its chat and completions routes

@@ -310,7 +310,11 @@ impl Worker {
         }
         let addr = listener.local_addr()?;
         let (stop_http, stopped) = oneshot::channel::<()>();
-        let app = router(state);
+        let http_options = crate::api::http_layers::HttpOptions {
+            api_key: args.api_key.clone(),
+            max_body_bytes: args.max_body_bytes,
+        };
+        let app = crate::api::http_layers::apply(router(state), &http_options);
         let server = tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(async {

@@ -6,6 +6,7 @@ mod completions;
 mod error;
 pub mod generate;
 pub mod generation;
+pub mod http_layers;
 pub mod prepared;
 pub mod server;
 pub mod server_info;

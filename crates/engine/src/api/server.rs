@@ -20,8 +20,9 @@ use super::{chat, completions, AppState};
 use crate::health::Unhealthy;
 use crate::profile::ProfileError;
 
-/// Largest request body accepted (long prompts fit easily).
-pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+/// Default largest request body accepted (`--max-body-bytes`; the limit is applied with
+/// the other layers in `http_layers`).
+pub const MAX_BODY_BYTES: usize = super::http_layers::DEFAULT_MAX_BODY_BYTES;
 
 /// The worker's routes.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -39,9 +40,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_server_info", get(super::server_info::server_info))
         .route("/model_info", get(super::server_info::model_info))
         .route("/get_model_info", get(super::server_info::model_info))
-        .route(crate::kv::release::RELEASE_PATH, post(crate::kv::release::handle))
         .fallback(not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
