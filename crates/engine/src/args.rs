@@ -180,6 +180,22 @@ pub struct WorkerArgs {
     /// after this long (504).
     #[arg(long, env = "PDSERVE_BOOTSTRAP_TIMEOUT_SECS", default_value_t = 30)]
     pub bootstrap_timeout_secs: u64,
+
+    // --- Connection hardening (issue 14), the gateway's flags of the same names. ---
+    /// Seconds a client has to send a complete request head; a connection that sends half
+    /// a head, or no next request on keep-alive, is closed after this long.
+    #[arg(long, env = "PDSERVE_HEADER_READ_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_read_timeout_secs: u64,
+
+    /// Seconds from a request's head to the end of its body; past it the body read fails
+    /// (400) and the connection is closed.
+    #[arg(long, env = "PDSERVE_BODY_READ_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_read_timeout_secs: u64,
+
+    /// Most open connections; further connections are not accepted (they wait in the
+    /// listen backlog) until one closes. 0: no cap.
+    #[arg(long, env = "PDSERVE_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
 }
 
 #[cfg(test)]

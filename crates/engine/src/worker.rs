@@ -315,12 +315,18 @@ impl Worker {
             max_body_bytes: args.max_body_bytes,
         };
         let app = crate::api::http_layers::apply(router(state), &http_options);
+        let options = pdserve_http_server::ServeOptions {
+            header_read_timeout: Duration::from_secs(args.header_read_timeout_secs),
+            body_read_timeout: Duration::from_secs(args.body_read_timeout_secs),
+            max_connections: args.max_connections,
+        };
+        // The shared accept loop: read timeouts and a connection cap, same drain.
         let server = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await
+            pdserve_http_server::serve(listener, app, options, async {
+                let _ = stopped.await;
+            })
+            .await;
+            Ok(())
         });
         tracing::info!(
             %addr,

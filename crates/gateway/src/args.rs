@@ -266,6 +266,11 @@ pub struct GatewayArgs {
     /// the client's header. Unset: the client's `Authorization` is forwarded as is.
     #[arg(long, env = "PDSERVE_WORKER_API_KEY", hide_env_values = true)]
     pub worker_api_key: Option<String>,
+
+    /// The workers' KV transfer secret (their PDSERVE_KV_SECRET), sent when the gateway
+    /// asks a prefill worker to release a KV handle decode will not read.
+    #[arg(long, env = "PDSERVE_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
 }
 
 /// How the gateway hands a request from prefill to decode.
@@ -385,6 +390,8 @@ pub struct GatewayConfig {
     pub api_key: Option<String>,
     /// The key sent to workers instead of the client's `Authorization`.
     pub worker_api_key: Option<String>,
+    /// The workers' KV transfer secret, for release calls.
+    pub kv_secret: Option<String>,
 }
 
 impl GatewayConfig {
@@ -426,6 +433,7 @@ impl GatewayConfig {
             serve: pdserve_http_server::ServeOptions::default(),
             api_key: None,
             worker_api_key: None,
+            kv_secret: None,
         }
     }
 
@@ -531,6 +539,19 @@ impl GatewayArgs {
             queue_cost: self.cache_queue_cost,
         };
         policy_config.validate().map_err(GatewayError::Config)?;
+        for (flag, key) in [
+            ("--api-key", &self.api_key),
+            ("--worker-api-key", &self.worker_api_key),
+            ("--kv-secret", &self.kv_secret),
+        ] {
+            if let Some(key) = key {
+                if http::HeaderValue::from_str(&format!("Bearer {key}")).is_err() {
+                    return Err(GatewayError::Config(format!(
+                        "{flag} must be printable ASCII (it travels in an HTTP header)"
+                    )));
+                }
+            }
+        }
         if self.header_read_timeout_secs.is_zero() || self.body_read_timeout_secs.is_zero() {
             return Err(GatewayError::Config(
                 "--header-read-timeout-secs and --body-read-timeout-secs must be positive".into(),
@@ -594,6 +615,7 @@ impl GatewayArgs {
             },
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
             worker_api_key: self.worker_api_key.clone().filter(|k| !k.is_empty()),
+            kv_secret: self.kv_secret.clone().filter(|k| !k.is_empty()),
         })
     }
 }

@@ -8,13 +8,16 @@
 //! are encoded on encode workers first and reach prefill/decode as metadata references
 //! (vLLM's E+P+D and E+PD).
 
+pub mod access;
 pub mod admin;
 pub mod args;
+pub mod auth;
 pub mod conversation;
 pub mod endpoint;
 pub mod error;
 pub mod handoff;
 pub mod metrics;
+pub mod model_len;
 pub mod policy;
 pub mod prewarm;
 pub mod profile;

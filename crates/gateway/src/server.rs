@@ -53,8 +53,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        // --api-key on the OpenAI routes (inside the access log: 401s are logged too).
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::auth::require_api_key,
+        ))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http())
+        // One access-log line per request, with the id set by the layer outside it.
+        .layer(axum::middleware::from_fn(crate::access::log))
         // Outermost: every request (and so both legs and the response) has an id.
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
@@ -90,6 +97,10 @@ pub async fn serve(
         tasks.push(prewarm::spawn(state.clone()));
     }
     let _tasks = BackgroundTasks(tasks);
+    // The static workers' context lengths, fetched now rather than on the first request.
+    for member in state.registry.snapshot().members() {
+        state.model_lens.get(&state, &member.worker);
+    }
     let options = state.config.serve;
     let app = router(state);
     let draining = Arc::new(tokio::sync::Notify::new());

@@ -28,6 +28,8 @@ pub struct AppState {
     pub conversations: Arc<ConversationCache>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The workers' context lengths, for the length check before prefill.
+    pub model_lens: crate::model_len::ModelLens,
 }
 
 impl AppState {
@@ -62,6 +64,7 @@ impl AppState {
             registry,
             policies,
             metrics,
+            model_lens: Default::default(),
             config,
         })
     }

@@ -52,6 +52,8 @@ impl ForwardHeaders {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     client: reqwest::Client,
+    /// `Bearer <--worker-api-key>`, sent instead of the client's `Authorization`.
+    worker_authorization: Option<HeaderValue>,
 }
 
 impl Upstream {
@@ -66,7 +68,15 @@ impl Upstream {
             .http1_only()
             .no_proxy()
             .build()?;
-        Ok(Self { client })
+        let worker_authorization = config.worker_api_key.as_deref().and_then(|key| {
+            let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
+            value.set_sensitive(true);
+            Some(value)
+        });
+        Ok(Self {
+            client,
+            worker_authorization,
+        })
     }
 
     /// The underlying client (health probes and pre-warm requests share its pool).
@@ -117,7 +127,12 @@ impl Upstream {
 
     fn with_headers(&self, builder: RequestBuilder, headers: &ForwardHeaders) -> RequestBuilder {
         let builder = builder.header(X_REQUEST_ID, headers.request_id.clone());
-        match &headers.authorization {
+        // The workers' own key when configured; else the client's header as it came.
+        match self
+            .worker_authorization
+            .as_ref()
+            .or(headers.authorization.as_ref())
+        {
             Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),
             None => builder,
         }

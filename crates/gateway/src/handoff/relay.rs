@@ -187,6 +187,48 @@ pub fn split_kv_params(body: Bytes) -> (Bytes, Option<KvTransferParams>) {
     }
 }
 
+/// A JSON body with `usage.prompt_tokens_details.cached_tokens` set to `cached`, when it
+/// has a `usage` object (`None`: leave the body as it is).
+pub fn with_cached_tokens(json: &[u8], cached: u64) -> Option<Vec<u8>> {
+    if !contains(json, b"\"usage\"") {
+        return None;
+    }
+    let mut value: Value = serde_json::from_slice(json).ok()?;
+    let usage = value.get_mut("usage")?.as_object_mut()?;
+    let details = usage.entry("prompt_tokens_details").or_insert(Value::Null);
+    if !details.is_object() {
+        *details = Value::Object(serde_json::Map::new());
+    }
+    details["cached_tokens"] = Value::from(cached);
+    serde_json::to_vec(&value).ok()
+}
+
+/// Relayed SSE bytes (whole lines) with `cached` set in every event that reports usage;
+/// other chunks pass without a copy.
+pub fn stream_with_cached_tokens(chunk: Bytes, cached: u64) -> Bytes {
+    if !contains(&chunk, b"\"prompt_tokens\"") {
+        return chunk;
+    }
+    let mut out = BytesMut::with_capacity(chunk.len() + 32);
+    let mut pieces = chunk.split(|&b| b == b'\n').peekable();
+    while let Some(line) = pieces.next() {
+        match data_of(line).and_then(|data| with_cached_tokens(data, cached)) {
+            Some(json) => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&json);
+                if line.ends_with(b"\r") {
+                    out.extend_from_slice(b"\r");
+                }
+            }
+            None => out.extend_from_slice(line),
+        }
+        if pieces.peek().is_some() {
+            out.extend_from_slice(b"\n");
+        }
+    }
+    out.freeze()
+}
+
 /// Where a relayed stream stores the decode side's KV handle.
 #[derive(Debug)]
 pub struct ConversationSink {
@@ -530,6 +572,33 @@ mod tests {
         assert_eq!(kv.unwrap().remote_port, Some(7));
         let untouched = Bytes::from_static(br#"{"id":"y"}"#);
         assert_eq!(split_kv_params(untouched.clone()), (untouched, None));
+    }
+
+    #[test]
+    fn cached_tokens_are_set_in_usage_only() {
+        let body = with_cached_tokens(
+            br#"{"id":"x","usage":{"prompt_tokens":9,"completion_tokens":2,"total_tokens":11,"prompt_tokens_details":null}}"#,
+            4,
+        )
+        .unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 4);
+        assert_eq!(body["usage"]["prompt_tokens"], 9);
+        assert!(with_cached_tokens(br#"{"id":"x"}"#, 4).is_none());
+        let plain = Bytes::from_static(b"data: {\"choices\":[]}\n\n");
+        assert_eq!(stream_with_cached_tokens(plain.clone(), 4), plain);
+        let out = stream_with_cached_tokens(
+            Bytes::from_static(
+                b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":1}}}\n\ndata: [DONE]\n\n",
+            ),
+            4,
+        );
+        assert_eq!(
+            out,
+            Bytes::from_static(
+                b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\ndata: [DONE]\n\n"
+            )
+        );
     }
 
     #[test]

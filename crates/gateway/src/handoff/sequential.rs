@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use axum::response::Response;
 use bytes::Bytes;
+use futures::StreamExt;
 use pdserve_protocol::{KvTransferParams, WorkerRole};
 use serde_json::Value;
 
@@ -23,7 +24,7 @@ use crate::error::Failure;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::upstream::{Exchange, LegError, LegErrorKind};
+use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind};
 use crate::validation::GenerateRequest;
 
 /// Runs the prefill leg, then the decode leg.
@@ -47,10 +48,27 @@ pub async fn serve(
         },
         None => KvTransferParams::prefill_request(),
     };
+    // A request that cannot fit the model's context is refused before the prefill leg,
+    // which asks for one token and would pass, pinning blocks decode then never reads.
+    if let Some(max_model_len) = context_limit(state) {
+        crate::model_len::check(&mut request, max_model_len)?;
+    }
     let body = prefill_body(&request, prefill_params);
-    let (handle, prefill_worker) = {
+    let (answer, prefill_worker) = {
         let route = ctx.route_for(&request, conversation_id.as_deref());
         prefill(state, ctx, &route, body).await?
+    };
+    let PrefillAnswer {
+        kv: handle,
+        cached_tokens,
+    } = answer;
+    // Until decode has answered, P's blocks are released if decode fails or the client
+    // leaves (else they stay pinned until the worker's abort timeout).
+    let release = ReleaseOnDrop {
+        state: state.clone(),
+        worker: prefill_worker.clone(),
+        params: handle.clone(),
+        headers: ctx.headers.clone(),
     };
     if handle.is_none() {
         tracing::warn!(
@@ -67,12 +85,126 @@ pub async fn serve(
         dp_rank: None,
         reencode_on_500: false,
     };
+    let stream = leg.stream;
     let route = ctx.route_for(&request, conversation_id.as_deref());
     let mut response = forward(state, ctx, &route, leg).await?;
+    // Decode answered: it has read the blocks.
+    release.disarm();
+    if let Some(cached) = cached_tokens {
+        response = with_prefill_cached_tokens(response, stream, cached).await;
+    }
     if state.config.expose_routing {
         expose_worker(&mut response, X_PDSERVE_PREFILL, &prefill_worker);
     }
     Ok(response)
+}
+
+/// The smallest context length known among the live decode and prefill workers (their
+/// `/v1/models` is fetched on first sight; until then no check).
+fn context_limit(state: &Arc<AppState>) -> Option<u64> {
+    let roster = state.registry.snapshot();
+    [WorkerRole::Decode, WorkerRole::Prefill]
+        .into_iter()
+        .flat_map(|role| roster.live(role).iter())
+        .filter_map(|worker| state.model_lens.get(state, worker))
+        .min()
+}
+
+/// The client's usage reports the prefill leg's `cached_tokens` (prefix-cache hits where
+/// the prompt was computed), as vllm-router does: the decode side's count is not about
+/// this prompt's computation. Non-stream: the body; stream: the usage event.
+async fn with_prefill_cached_tokens(response: Response, stream: bool, cached: u64) -> Response {
+    let (parts, body) = response.into_parts();
+    if stream {
+        let events = body
+            .into_data_stream()
+            .map(move |chunk| chunk.map(|c| super::relay::stream_with_cached_tokens(c, cached)));
+        return Response::from_parts(parts, axum::body::Body::from_stream(events));
+    }
+    // The non-stream body is already in memory (read whole by the final leg).
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(bytes) => bytes,
+        Err(_) => return Response::from_parts(parts, axum::body::Body::empty()),
+    };
+    let bytes = match super::relay::with_cached_tokens(&bytes, cached) {
+        Some(rewritten) => Bytes::from(rewritten),
+        None => bytes,
+    };
+    Response::from_parts(parts, axum::body::Body::from(bytes))
+}
+
+/// Releases the prefill worker's KV handle when dropped armed (decode failed, or the
+/// client went away before decode answered).
+struct ReleaseOnDrop {
+    state: Arc<AppState>,
+    worker: Arc<Worker>,
+    params: Option<KvTransferParams>,
+    headers: ForwardHeaders,
+}
+
+impl ReleaseOnDrop {
+    fn disarm(mut self) {
+        self.params = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some(params) = self.params.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(release(
+            self.state.clone(),
+            self.worker.clone(),
+            params,
+            self.headers.clone(),
+        ));
+    }
+}
+
+/// The header that carries the KV transfer secret to the release route.
+pub const KV_SECRET_HEADER: &str = "x-pdserve-kv-secret";
+
+/// `POST /v1/kv/release {"kv_transfer_params": ...}` to the prefill worker, once: a
+/// vLLM worker answers 404 and keeps the blocks until its abort timeout.
+async fn release(
+    state: Arc<AppState>,
+    worker: Arc<Worker>,
+    params: KvTransferParams,
+    headers: ForwardHeaders,
+) {
+    let Ok(url) = worker.models_url().join("kv/release") else {
+        return;
+    };
+    let body = serde_json::json!({ "kv_transfer_params": params });
+    let mut request = state
+        .upstream
+        .post_json(&url, Bytes::from(body.to_string()), &headers);
+    if let Some(secret) = &state.config.kv_secret {
+        request = request.header(KV_SECRET_HEADER, secret.as_str());
+    }
+    let outcome = tokio::time::timeout(state.config.connect_timeout * 2, request.send()).await;
+    let request_id = headers.request_id();
+    match outcome {
+        Ok(Ok(r)) if r.status().is_success() => {
+            tracing::debug!(request_id, worker = %worker.base, "released the prefill KV handle after decode failed");
+        }
+        Ok(Ok(r)) if r.status() == http::StatusCode::NOT_FOUND => {
+            tracing::debug!(request_id, worker = %worker.base, "the prefill worker has no release route (vLLM): its blocks wait for its abort timeout");
+        }
+        Ok(Ok(r)) => {
+            tracing::warn!(request_id, worker = %worker.base, status = r.status().as_u16(), "releasing the prefill KV handle failed");
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(request_id, worker = %worker.base, "releasing the prefill KV handle failed: {e}");
+        }
+        Err(_) => {
+            tracing::warn!(request_id, worker = %worker.base, "releasing the prefill KV handle timed out");
+        }
+    }
 }
 
 /// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
@@ -96,7 +228,7 @@ async fn prefill(
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     body: Bytes,
-) -> Result<(Option<KvTransferParams>, Arc<Worker>), Failure> {
+) -> Result<(PrefillAnswer, Arc<Worker>), Failure> {
     with_retries(
         state,
         ctx,
@@ -123,7 +255,17 @@ pub async fn prefill_pinned(
 ) -> Result<Option<KvTransferParams>, LegError> {
     prefill_once(state, ctx, worker, body, rank)
         .await
+        .map(|answer| answer.kv)
         .inspect_err(|e| state.report(worker, e))
+}
+
+/// What the gateway takes from a prefill worker's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillAnswer {
+    /// The handle the decode leg reads the blocks with.
+    pub kv: Option<KvTransferParams>,
+    /// `usage.prompt_tokens_details.cached_tokens`: P's prefix-cache hits.
+    pub cached_tokens: Option<u64>,
 }
 
 async fn prefill_once(
@@ -132,7 +274,7 @@ async fn prefill_once(
     worker: &Arc<Worker>,
     body: Bytes,
     rank: Option<u32>,
-) -> Result<Option<KvTransferParams>, LegError> {
+) -> Result<PrefillAnswer, LegError> {
     let mut in_flight = state.start_request(worker.clone());
     let sent = Instant::now();
     let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
@@ -153,19 +295,26 @@ async fn prefill_once(
     result
 }
 
-/// The `kv_transfer_params` of a prefill worker's 200 answer.
-fn parse_prefill_answer(body: &[u8]) -> Result<Option<KvTransferParams>, String> {
+/// The `kv_transfer_params` and cached-token count of a prefill worker's 200 answer.
+fn parse_prefill_answer(body: &[u8]) -> Result<PrefillAnswer, String> {
     let mut answer: Value = serde_json::from_slice(body)
         .map_err(|e| format!("answered 200 with a body that is not JSON: {e}"))?;
     let Some(object) = answer.as_object_mut() else {
         return Err("answered 200 with a body that is not a JSON object".into());
     };
-    match object.remove("kv_transfer_params") {
-        None | Some(Value::Null) => Ok(None),
-        Some(params) => serde_json::from_value(params)
-            .map(Some)
-            .map_err(|e| format!("answered malformed kv_transfer_params: {e}")),
-    }
+    let cached_tokens = object
+        .get("usage")
+        .and_then(|u| u.get("prompt_tokens_details"))
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64);
+    let kv = match object.remove("kv_transfer_params") {
+        None | Some(Value::Null) => None,
+        Some(params) => Some(
+            serde_json::from_value(params)
+                .map_err(|e| format!("answered malformed kv_transfer_params: {e}"))?,
+        ),
+    };
+    Ok(PrefillAnswer { kv, cached_tokens })
 }
 
 #[cfg(test)]

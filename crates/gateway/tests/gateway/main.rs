@@ -8,6 +8,7 @@ mod epd;
 mod epd_failures;
 mod failures;
 mod handoff;
+mod hardening;
 mod multiturn;
 mod routing;
 mod sglang_double;
