@@ -243,3 +243,100 @@ async fn no_leaks(stack: &Stack, workers: &[&str]) {
         }
     }
 }
+
+/// `pdserve up --protocol sglang`: the prefill worker gets a bootstrap port, the gateway
+/// knows it, and requests (OpenAI and native) are served through the bootstrap handoff.
+#[test]
+fn up_runs_the_stack_in_sglang_mode() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let port = free_port();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(["up", "--protocol", "sglang", "--cores", "2"])
+        .args(["--port", &port.to_string()])
+        .arg("--model")
+        .arg(&model)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = up.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut bootstrap_lines = Vec::new();
+    loop {
+        let line = match rx.recv_timeout(Duration::from_secs(180)) {
+            Ok(line) => line,
+            Err(e) => {
+                let _ = up.kill();
+                panic!("pdserve up did not come up: {e}");
+            }
+        };
+        if line.contains("bootstrap port") {
+            bootstrap_lines.push(line.clone());
+        }
+        if line.starts_with("Ctrl-C stops everything") {
+            break;
+        }
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let (instances, chat, generate) = rt.block_on(async {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let get = |path: &str| http.get(format!("{base}{path}")).send();
+        let instances: Value = get("/instances").await.unwrap().json().await.unwrap();
+        let post = |path: &str, body: Value| http.post(format!("{base}{path}")).json(&body).send();
+        let chat = post("/v1/chat/completions", chat("Say hello.", true))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let generate: Value = post(
+            "/generate",
+            json!({"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
+        )
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+        (instances, chat, generate)
+    });
+    // SAFETY: signalling our own child process.
+    unsafe {
+        libc::kill(up.id() as libc::pid_t, libc::SIGINT);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = up.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "up did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(bootstrap_lines.len(), 1, "{bootstrap_lines:?}");
+    let prefill = instances["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["role"] == "prefill")
+        .unwrap_or_else(|| panic!("no prefill worker in {instances}"))
+        .clone();
+    let bootstrap = prefill["bootstrap_port"]
+        .as_u64()
+        .expect("a bootstrap port");
+    assert!(bootstrap_lines[0].ends_with(&format!("bootstrap port {bootstrap}")));
+    assert!(!text_of(&sse_to_value(&chat)).is_empty(), "{chat}");
+    assert!(!generate["text"].as_str().unwrap().is_empty(), "{generate}");
+    assert!(status.success(), "{status}");
+}
