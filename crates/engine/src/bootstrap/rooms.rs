@@ -252,30 +252,32 @@ impl PrefillRoom {
             tokio::pin!(changed);
             changed.as_mut().enable();
             let left = wait.saturating_sub(self.opened.elapsed());
-            let verdict = self.table.update(room, |r| match &r.decode {
-                DecodeState::Done(ClaimEnd::Transferred) => Some(Ok(())),
+            // Looked at without `update`: that wakes every waiter, this one included.
+            let decode = self.table.lock().get(&room).map(|r| r.decode.clone());
+            match decode.unwrap_or_default() {
+                DecodeState::Done(ClaimEnd::Transferred) => return Ok(()),
                 DecodeState::Done(ClaimEnd::Unfilled(reason) | ClaimEnd::Failed(reason)) => {
-                    Some(Err(RoomError::TransferFailed {
-                        room,
-                        reason: reason.clone(),
-                    }))
+                    return Err(RoomError::TransferFailed { room, reason })
                 }
                 DecodeState::Absent | DecodeState::Closed if left.is_zero() => {
-                    r.decode = DecodeState::Closed;
-                    Some(Err(RoomError::Unclaimed {
-                        room,
-                        secs: wait.as_secs(),
-                    }))
+                    let closed = self.table.update(room, |r| {
+                        let unclaimed =
+                            matches!(r.decode, DecodeState::Absent | DecodeState::Closed);
+                        if unclaimed {
+                            r.decode = DecodeState::Closed;
+                        }
+                        unclaimed
+                    });
+                    if closed {
+                        self.withdraw();
+                        return Err(RoomError::Unclaimed {
+                            room,
+                            secs: wait.as_secs(),
+                        });
+                    }
+                    continue;
                 }
-                _ => None,
-            });
-            match verdict {
-                Some(Err(e @ RoomError::Unclaimed { .. })) => {
-                    self.withdraw();
-                    return Err(e);
-                }
-                Some(result) => return result,
-                None => {}
+                _ => {}
             }
             let nap = if left.is_zero() {
                 RECHECK
