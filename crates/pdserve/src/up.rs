@@ -93,6 +93,11 @@ pub struct UpArgs {
     /// (`--prefill URL BOOTSTRAP_PORT`), which then sends each request to P and D at once.
     #[arg(long, env = "PDSERVE_PROTOCOL", value_enum, default_value_t = Protocol::Vllm)]
     protocol: Protocol,
+    /// One API key for the whole stack: clients of the entry point's OpenAI routes must
+    /// send `Authorization: Bearer <key>`; the gateway sends it to the workers, which
+    /// require it too (their --api-key). Prefer the environment variable.
+    #[arg(long, env = "PDSERVE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -247,6 +252,10 @@ impl Stack<'_> {
                 "--shutdown-timeout",
                 &self.args.shutdown_timeout.to_string(),
             ]);
+        if let Some(key) = &self.args.api_key {
+            // The worker's --api-key (its environment variable, not shown in `ps`).
+            worker.env("PDSERVE_WORKER_API_KEY", key);
+        }
         if role != WorkerRole::PrefillDecode {
             worker.args(["--kv-port", &free_port()?.to_string()]).args([
                 "--kv-abort-timeout",
@@ -278,6 +287,13 @@ impl Stack<'_> {
             .args(["--shutdown-timeout", &args.shutdown_timeout.to_string()])
             .args(["--policy", &args.policy])
             .args(&args.gateway_args);
+        // The gateway asks prefill workers to release KV decode will not read: same secret.
+        gateway.env("PDSERVE_KV_SECRET", self.kv_secret);
+        if let Some(key) = &args.api_key {
+            gateway
+                .env("PDSERVE_API_KEY", key)
+                .env("PDSERVE_WORKER_API_KEY", key);
+        }
         let sglang = args.protocol == Protocol::Sglang;
         if sglang && args.aggregated {
             bail!("--protocol sglang is a P/D handoff: it does not apply to --aggregated");
