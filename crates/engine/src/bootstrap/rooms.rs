@@ -354,6 +354,27 @@ mod tests {
         assert_eq!(t.metrics.bootstrap.rooms_open.get(), 0);
     }
 
+    #[test]
+    fn a_waiting_prefill_yields_instead_of_spinning() {
+        // Looking at the room once woke this very waiter, so the wait never returned
+        // Pending and starved the task serving the prefill's answer.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap();
+            let pending = rt.block_on(async {
+                let t = table();
+                let p = t.open(5, None).unwrap();
+                let wait = p.transferred(Duration::from_secs(60));
+                futures::FutureExt::now_or_never(wait).is_none()
+            });
+            let _ = tx.send(pending);
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
+    }
+
     #[tokio::test]
     async fn an_unclaimed_room_closes_after_the_wait_and_refuses_late_reads() {
         let t = table();
