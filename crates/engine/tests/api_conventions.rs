@@ -245,7 +245,7 @@ async fn vllm_metrics_request_ids_access_log_and_abandoned_requests() {
         let log = log_text();
         let lines: Vec<&str> = log
             .lines()
-            .filter(|l| l.contains("request served") && l.contains("req-conventions-1"))
+            .filter(|l| l.contains("pdserve::access") && l.contains("req-conventions-1"))
             .collect();
         assert_eq!(lines.len(), 1, "{log}");
         for needle in ["INFO", "method=POST", "path=/v1/completions", "status=200", "latency_ms="] {

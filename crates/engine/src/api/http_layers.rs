@@ -1,7 +1,8 @@
 //! What every worker request passes through, as tower layers rather than code in the
 //! handlers: a request id (the caller's `X-Request-Id`, else a fresh UUID, echoed in the
-//! response), one access-log line per request at info level, the `--api-key` check on
-//! the OpenAI routes and the `--max-body-bytes` limit.
+//! response), one access-log line per request at info level (target `pdserve::access`,
+//! as the gateway's), the `--api-key` check on the OpenAI routes and the
+//! `--max-body-bytes` limit.
 
 use std::time::Duration;
 
@@ -87,11 +88,13 @@ pub fn apply<S: Clone + Send + Sync + 'static>(
                 })
                 .on_request(())
                 .on_response(|res: &Response, latency: Duration, _span: &Span| {
-                    // The access-log line (the span adds id, method and path).
+                    // The access-log line, as the gateway's (the span adds the id, method
+                    // and path); latency to the response head (a stream may run on).
                     tracing::info!(
+                        target: "pdserve::access",
                         status = res.status().as_u16(),
                         latency_ms = latency.as_secs_f64() * 1e3,
-                        "request served"
+                        "request"
                     );
                 })
                 .on_failure(()),
