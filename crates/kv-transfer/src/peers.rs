@@ -35,10 +35,15 @@ impl PeerAllowList {
     pub fn add(&mut self, entry: &str) -> Result<(), InvalidPeer> {
         let entry = entry.trim();
         let bare = entry.trim_start_matches('[').trim_end_matches(']');
-        if let Ok(net) = bare.parse::<IpNet>() {
-            self.nets.push(net.trunc());
-        } else if let Ok(ip) = bare.parse::<IpAddr>() {
-            self.nets.push(IpNet::from(ip.to_canonical()));
+        let net = match (bare.parse::<IpNet>(), bare.parse::<IpAddr>()) {
+            (Ok(net), _) => Some(net.trunc()),
+            (_, Ok(ip)) => Some(IpNet::from(ip.to_canonical())),
+            _ => None,
+        };
+        if let Some(net) = net {
+            if !self.nets.contains(&net) {
+                self.nets.push(net);
+            }
         } else if is_host_name(entry) {
             let host = entry.to_ascii_lowercase();
             if !self.hosts.contains(&host) {
@@ -113,35 +118,45 @@ mod tests {
 
     #[tokio::test]
     async fn addresses_ranges_and_names_are_matched_exactly() {
-        let mut list = PeerAllowList::loopback();
-        list.add("Prefill-0.svc").unwrap();
-        list.add("fd00::/8").unwrap();
-        for host in [
-            "127.0.0.1",
-            "127.9.9.9",
-            "::1",
-            "[::1]",
-            "localhost",
-            "prefill-0.svc",
-        ] {
+        let list = PeerAllowList::loopback();
+        for host in ["127.0.0.1", "::1", "[::1]", "localhost", "LocalHost"] {
             assert!(list.allows_host(host), "{host}");
         }
-        for host in ["128.0.0.1", "::2", "prefill-1.svc", "svc", "0.0.0.0", ""] {
-            assert!(!list.allows_host(host), "{host}");
-        }
-        assert!(list.allows_host("fd12::1"));
         assert!(list.allows_addr("127.0.0.1".parse().unwrap()).await);
         assert!(list.allows_addr("::ffff:127.0.0.1".parse().unwrap()).await);
-        let only_v6 = {
-            let mut l = PeerAllowList::default();
-            l.add("::1").unwrap();
-            l
-        };
-        assert!(!only_v6.allows_host("127.0.0.1"));
+
+        // Neither the v4 loopback nor a name is in a list of `::1` alone.
+        let mut only_v6 = PeerAllowList::default();
+        only_v6.add("::1").unwrap();
+        for host in ["127.0.0.1", "localhost", "0.0.0.0", ""] {
+            assert!(!only_v6.allows_host(host), "{host}");
+        }
         assert!(!only_v6.allows_addr("127.0.0.1".parse().unwrap()).await);
-        for bad in ["a b", "1.2.3.4/40", "-x", "http://h:1", "h:1"] {
+        assert_eq!(only_v6.to_string(), "::1/128");
+
+        // A range and a name given explicitly.
+        let mut explicit = PeerAllowList::default();
+        explicit.add("127.0.0.1/32").unwrap();
+        explicit.add("LOCALHOST").unwrap();
+        assert!(explicit.allows_host("127.0.0.1") && explicit.allows_host("localhost"));
+        assert!(!explicit.allows_host("::1"));
+        // A name allows the addresses it resolves to (localhost: loopback).
+        let mut by_name = PeerAllowList::default();
+        by_name.add("localhost").unwrap();
+        assert!(
+            !by_name.allows_host("127.0.0.1"),
+            "nothing resolved for dialling"
+        );
+        assert!(by_name.allows_addr("127.0.0.1".parse().unwrap()).await);
+
+        for bad in [
+            "a b",
+            "127.0.0.1/40",
+            "-x",
+            "http://127.0.0.1:1",
+            "localhost:1",
+        ] {
             assert!(PeerAllowList::default().add(bad).is_err(), "{bad}");
         }
-        assert_eq!(only_v6.to_string(), "::1/128");
     }
 }

@@ -328,7 +328,6 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
     thread.join().unwrap();
 }
 
-
 /// A hand-back's blocks are reclaimed when the pool needs them; a later read is answered
 /// `gone` (the reader computes instead) and the reclaim is counted.
 #[tokio::test]
@@ -378,10 +377,20 @@ async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
             Some(_) => {}
         }
     }
-    assert_eq!(metrics.kv.handback_reclaimed_blocks.get(), 3);
-    let err = pull(&addr, &read_of(&params, &prompt), 64, &PullConfig::default())
-        .await
-        .unwrap_err();
+    // Mirrored into the metric once the step that reclaimed them ends.
+    let start = Instant::now();
+    while metrics.kv.handback_reclaimed_blocks.get() != 3 {
+        assert!(start.elapsed() < DEADLINE, "reclaims never counted");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let err = pull(
+        &addr,
+        &read_of(&params, &prompt),
+        64,
+        &PullConfig::default(),
+    )
+    .await
+    .unwrap_err();
     assert!(
         matches!(
             err,
