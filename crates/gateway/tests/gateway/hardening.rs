@@ -39,6 +39,8 @@ struct Rec {
 
 struct Shared {
     prefill: bool,
+    /// No release route (vLLM): `POST /v1/kv/release` gets 404.
+    no_release_route: std::sync::atomic::AtomicBool,
     mode: Mutex<Mode>,
     seen: Mutex<Vec<Rec>>,
     cancelled: AtomicUsize,
@@ -61,6 +63,7 @@ impl Stub {
     async fn start(prefill: bool) -> Self {
         let shared = Arc::new(Shared {
             prefill,
+            no_release_route: Default::default(),
             mode: Mutex::new(Mode::Normal),
             seen: Mutex::new(Vec::new()),
             cancelled: AtomicUsize::new(0),
@@ -124,6 +127,13 @@ async fn handle(
             return axum::Json(json!({"object": "list", "data": [
                 {"id": "m", "object": "model", "owned_by": "vllm", "max_model_len": 64}]}))
             .into_response()
+        }
+        "/v1/kv/release" if shared.no_release_route.load(Ordering::SeqCst) => {
+            return (
+                StatusCode::NOT_FOUND,
+                axum::Json(json!({"detail": "Not Found"})),
+            )
+                .into_response()
         }
         "/v1/kv/release" => return axum::Json(json!({"released": true})).into_response(),
         "/v1/chat/completions" | "/v1/completions" => {}
@@ -286,6 +296,82 @@ async fn decode_refusal_after_prefill_releases_the_prefill_handle() {
         assert_eq!(p.seen("/v1/kv/release").len(), 1);
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_worker_without_the_release_route_is_asked_once() {
+    bounded(async {
+        let (p, d) = (Stub::start(true).await, Stub::start(false).await);
+        p.shared.no_release_route.store(true, Ordering::SeqCst);
+        d.set(Mode::Reject);
+        let gw = Gateway::start(config(&p, &d)).await;
+        let (status, _) = post(&gw, &chat(json!({"max_tokens": 3})).to_string(), &[]).await;
+        assert_eq!(status, 400);
+        p.wait_for("/v1/kv/release", 1).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(p.seen("/v1/kv/release").len(), 1, "a 404 is not retried");
+    })
+    .await;
+}
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+// One thread: the thread-local subscriber sees the gateway's tasks too.
+#[tokio::test(flavor = "current_thread")]
+async fn every_request_gets_one_access_log_line_with_its_id() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    bounded(async {
+        let (p, d) = (Stub::start(true).await, Stub::start(false).await);
+        let gw = Gateway::start(config(&p, &d)).await;
+        let (status, _) = post(
+            &gw,
+            &chat(json!({"max_tokens": 2})).to_string(),
+            &[("x-request-id", "acc-1")],
+        )
+        .await;
+        assert_eq!(status, 200);
+        let health = client().get(gw.at("/health")).send().await.unwrap();
+        assert_eq!(health.status(), 200);
+    })
+    .await;
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let access: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("pdserve::access"))
+        .collect();
+    let chat_lines: Vec<&&str> = access.iter().filter(|l| l.contains("acc-1")).collect();
+    assert_eq!(chat_lines.len(), 1, "{log}");
+    let line = chat_lines[0];
+    assert!(line.contains(" INFO "), "{line}");
+    for part in ["POST", "/v1/chat/completions", "status=200", "latency_ms="] {
+        assert!(line.contains(part), "{part} missing: {line}");
+    }
+    assert!(
+        access
+            .iter()
+            .any(|l| l.contains("/health") && l.contains("GET")),
+        "{log}"
+    );
 }
 
 #[tokio::test]
