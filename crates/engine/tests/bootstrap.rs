@@ -206,6 +206,8 @@ async fn decode_output_equals_aggregated_whichever_side_arrives_first() {
             // The prefill answers one token, once its KV was read.
             assert_eq!(pr.0, 200, "room {room}: {}", pr.1);
             assert_eq!(pr.1["usage"]["completion_tokens"], 1, "room {room}");
+            // SGLang's answers carry no vLLM handle (the KV was found by room).
+            assert!(pr.1["kv_transfer_params"].is_null(), "{}", pr.1);
         }
 
         // Chat, streamed, and SGLang's /generate.

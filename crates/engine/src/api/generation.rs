@@ -79,6 +79,9 @@ pub struct Generation {
     done: bool,
     /// How to publish the blocks the finished sequence leaves pinned.
     publish: Option<Publish>,
+    /// The end piece carries no `kv_transfer_params` (an SGLang bootstrap prefill: its
+    /// reader found the KV by room, and SGLang's answers have no such field).
+    hide_kv_params: bool,
     /// Raced against every event; awaited before the end.
     companion: Option<Companion>,
     /// A piece taken by [`Generation::prime`], returned first.
@@ -110,6 +113,7 @@ impl Generation {
             pending_end: None,
             done: false,
             publish: None,
+            hide_kv_params: false,
             companion: None,
             primed: None,
         }
@@ -120,6 +124,12 @@ impl Generation {
     /// `kv_transfer_params`.
     pub fn publishing(mut self, publish: Option<Publish>) -> Self {
         self.publish = publish;
+        self
+    }
+
+    /// Leaves `kv_transfer_params` out of the end piece (the KV is still published).
+    pub fn hiding_kv_params(mut self) -> Self {
+        self.hide_kv_params = true;
         self
     }
 
@@ -155,7 +165,8 @@ impl Generation {
                 let id = plan.name.as_ref().map(|n| n.id().to_string());
                 // `plan` (and with it the announcement of a reader-chosen id) is dropped
                 // only after the publication is in the table.
-                service.publish_as(pinned, plan.kind, id)
+                let params = service.publish_as(pinned, plan.kind, id);
+                params.filter(|_| !self.hide_kv_params)
             }
             _ => {
                 release_unpublished(&self.app.engine, pinned.blocks);

@@ -49,5 +49,7 @@ pub(super) async fn submit(
             ApiError::internal(e.to_string())
         })
     };
-    Ok(generation.with_companion(Box::pin(transferred)))
+    Ok(generation
+        .hiding_kv_params()
+        .with_companion(Box::pin(transferred)))
 }
