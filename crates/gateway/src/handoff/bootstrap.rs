@@ -101,12 +101,14 @@ pub async fn generate_native(
             .into());
         }
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
-        let body = match serde_json::from_slice::<Value>(&body) {
+        let mut body = match serde_json::from_slice::<Value>(&body) {
             Ok(Value::Object(map)) => map,
             _ => {
                 return Err(ApiError::bad_request("the body must be a JSON object").into());
             }
         };
+        // Only the gateway writes KV handles (the bootstrap fields are overwritten).
+        body.remove("kv_transfer_params");
         let roster = state.registry.snapshot();
         if roster.mode() != Mode::Disaggregated {
             return Err(ApiError::service_unavailable(format!(

@@ -72,9 +72,15 @@ impl RequestContext {
 pub async fn generate(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    request: GenerateRequest,
+    mut request: GenerateRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
+    // Only the gateway writes SGLang's bootstrap fields: a client's would make a decode
+    // worker connect to any host and port it names.
+    let transport = request.transport_mut();
+    transport.bootstrap_host = None;
+    transport.bootstrap_port = None;
+    transport.bootstrap_room = None;
     if matches!(&request, GenerateRequest::Chat(chat) if media::has_media(chat)) {
         return epd::serve(state, ctx, request, conversation_id).await;
     }

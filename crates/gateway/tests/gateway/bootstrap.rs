@@ -358,3 +358,39 @@ async fn generate_is_sglang_only() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn client_bootstrap_fields_never_reach_workers() {
+    bounded(async {
+        let smuggled = |mut body: Value| {
+            body["bootstrap_host"] = json!("127.0.0.1");
+            body["bootstrap_port"] = json!(1);
+            body["bootstrap_room"] = json!(5);
+            body["kv_transfer_params"] = json!({"remote_host": "127.0.0.1"});
+            body
+        };
+        // vLLM mode: dropped from both legs.
+        let p = crate::double::Double::start(crate::double::Role::Prefill, "p").await;
+        let d = crate::double::Double::start(crate::double::Role::Decode, "d").await;
+        let gateway = Gateway::start(crate::pd_config(&[&p], &[&d])).await;
+        let response = post(&gateway, "/v1/chat/completions", &smuggled(chat(false))).await;
+        assert_eq!(response.status(), 200);
+        for body in [p.only_request().body, d.only_request().body] {
+            for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+                assert!(body.get(key).is_none(), "{key} forwarded: {body}");
+            }
+        }
+        // sglang mode: replaced by the gateway's own, on every route.
+        for path in ["/v1/chat/completions", "/generate"] {
+            let (_link, p, _d, gateway) = stack(Prefill::Normal, Decode::Normal).await;
+            let body = smuggled(json!({"messages": [{"role": "user", "content": "hi"}],
+                                       "text": "hi"}));
+            assert_eq!(post(&gateway, path, &body).await.status(), 200, "{path}");
+            let got = p.only_body();
+            assert_eq!(got["bootstrap_port"], 8998);
+            assert_ne!(got["bootstrap_room"], 5);
+            assert!(got.get("kv_transfer_params").is_none(), "{got}");
+        }
+    })
+    .await;
+}
