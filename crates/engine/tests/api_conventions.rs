@@ -341,3 +341,42 @@ async fn api_key_guards_the_api_routes_and_the_body_limit_is_configurable() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imported_kv_is_reported_apart_from_prefix_cache_hits() {
+    serial(async {
+        let prefill = TestWorker::start(&["--role", "prefill"]).await;
+        let decode = TestWorker::start(&["--role", "decode"]).await;
+        let prompt = "A long time ago, in a quiet village by the sea, there lived an old \
+                      fisherman who";
+        let leg = completion(
+            prompt,
+            json!({"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+        );
+        let (status, p) = prefill.post("/v1/completions", &leg).await;
+        assert_eq!(status, 200, "{p}");
+        assert_eq!(p["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        let prompt_tokens = p["usage"]["prompt_tokens"].as_u64().unwrap();
+        let body = completion(
+            prompt,
+            json!({"max_tokens": 4, "kv_transfer_params": p["kv_transfer_params"].clone()}),
+        );
+        let (status, d) = decode.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{d}");
+        // A cold prompt: nothing came from the decode worker's prefix cache; all but the
+        // last prompt token were loaded from the prefill worker.
+        let usage = &d["usage"];
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"], 0,
+            "{usage}"
+        );
+        assert_eq!(
+            usage["pdserve"]["kv_imported_tokens"].as_u64(),
+            Some(prompt_tokens - 1),
+            "{usage}"
+        );
+        decode.stop().await;
+        prefill.stop().await;
+    })
+    .await;
+}
