@@ -240,6 +240,16 @@ impl KvService {
         })
     }
 
+    /// Frees what is published under `request_id` if no reader has taken it yet (a
+    /// bootstrap room its decode worker never claimed); false when nothing is there.
+    pub fn withdraw(&self, request_id: &str) -> bool {
+        let Some(entry) = self.lock().take(request_id) else {
+            return false;
+        };
+        self.drop_in_background(entry);
+        true
+    }
+
     /// This engine's id (`remote_engine_id`).
     pub fn engine_id(&self) -> &str {
         &self.config.engine_id
