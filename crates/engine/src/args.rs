@@ -187,8 +187,8 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_HEADER_READ_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub header_read_timeout_secs: u64,
 
-    /// Seconds from a request's head to the end of its body; past it the body read fails
-    /// (400) and the connection is closed.
+    /// Seconds from a request's head to the end of its body; past it the client gets 408
+    /// and the connection is closed.
     #[arg(long, env = "PDSERVE_BODY_READ_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub body_read_timeout_secs: u64,
 

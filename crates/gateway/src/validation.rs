@@ -141,16 +141,9 @@ fn json_error(e: serde_json::Error) -> ApiError {
     }
 }
 
-/// Maps axum's body-reading rejection to our errors: over the limit → 413, not complete
-/// within `--body-read-timeout-secs` → 408, else 400.
+/// Maps axum's body-reading rejection to our errors: over the limit → 413, else 400 (a
+/// body past `--body-read-timeout-secs` becomes 408 in `pdserve-http-server`).
 pub fn body_rejection(rejection: BytesRejection, limit: usize) -> ApiError {
-    if pdserve_http_server::is_body_read_timeout(&rejection) {
-        return ApiError::new(
-            http::StatusCode::REQUEST_TIMEOUT,
-            "request_timeout",
-            format!("Could not read the request body: {rejection}"),
-        );
-    }
     match rejection {
         BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) => {
             ApiError::payload_too_large(limit)

@@ -3,6 +3,8 @@
 use std::error::Error;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -37,20 +39,44 @@ pub fn is_body_read_timeout(error: &(dyn Error + 'static)) -> bool {
     false
 }
 
-/// `inner`, failing with [`BodyReadTimeout`] once its deadline passes.
+/// The 408 a client gets when its body did not arrive in time (OpenAI-shaped, like the
+/// rest of the API's errors).
+pub(crate) fn timeout_response(limit: Duration) -> http::Response<axum::body::Body> {
+    let body = format!(
+        r#"{{"error":{{"message":"{}","type":"invalid_request_error","param":null,"code":"request_timeout"}}}}"#,
+        BodyReadTimeout(limit)
+    );
+    let mut response = http::Response::new(axum::body::Body::from(body));
+    *response.status_mut() = http::StatusCode::REQUEST_TIMEOUT;
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+    response
+}
+
+/// `inner`, failing with [`BodyReadTimeout`] once its deadline passes (and saying so in
+/// `expired`).
 pub(crate) struct Deadline<B> {
     inner: B,
     limit: Duration,
     timer: Pin<Box<Sleep>>,
+    expired: Arc<AtomicBool>,
 }
 
 impl<B> Deadline<B> {
     /// `inner`, due within `limit` from now.
-    pub(crate) fn new(inner: B, limit: Duration) -> Self {
+    pub(crate) fn new(inner: B, limit: Duration, expired: Arc<AtomicBool>) -> Self {
         Self {
             inner,
             limit,
             timer: Box::pin(tokio::time::sleep(limit)),
+            expired,
         }
     }
 }
@@ -72,6 +98,7 @@ where
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
         if this.timer.as_mut().poll(cx).is_ready() {
+            this.expired.store(true, Ordering::Relaxed);
             return Poll::Ready(Some(Err(Box::new(BodyReadTimeout(this.limit)))));
         }
         Poll::Pending

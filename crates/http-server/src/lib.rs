@@ -8,8 +8,10 @@
 
 mod body;
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +36,8 @@ pub struct ServeOptions {
     /// sends no next request for this long).
     pub header_read_timeout: Duration,
     /// Longest time from a request's head to the end of its body; past it the handler's
-    /// body read fails with [`BodyReadTimeout`] and the connection is closed.
+    /// body read fails with [`BodyReadTimeout`], the client gets 408 whatever the handler
+    /// answered, and the connection is closed.
     pub body_read_timeout: Duration,
     /// Most open connections; further ones wait, not accepted, in the listen backlog
     /// until one closes. 0: no cap.
@@ -98,8 +101,19 @@ pub async fn serve(
         let app = app.clone();
         let body_limit = options.body_read_timeout;
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
-            let request = prepare(request, peer, body_limit);
-            app.clone().oneshot(request)
+            let expired = Arc::new(AtomicBool::new(false));
+            let request = prepare(request, peer, body_limit, &expired);
+            let response = app.clone().oneshot(request);
+            async move {
+                let response = response.await?;
+                // However the handler turned the failed body read into a response, the
+                // client gets 408 and the connection closes (hyper closes a connection
+                // whose request body was not read to the end).
+                if expired.load(Ordering::Relaxed) {
+                    return Ok(body::timeout_response(body_limit));
+                }
+                Ok::<_, Infallible>(response)
+            }
         });
         let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {
@@ -118,6 +132,7 @@ fn prepare(
     request: http::Request<Incoming>,
     peer: SocketAddr,
     body_limit: Duration,
+    expired: &Arc<AtomicBool>,
 ) -> http::Request<Body> {
     let (mut parts, incoming) = request.into_parts();
     parts.extensions.insert(ConnectInfo(peer));
@@ -125,7 +140,7 @@ fn prepare(
     let body = if incoming.is_end_stream() {
         Body::new(incoming)
     } else {
-        Body::new(body::Deadline::new(incoming, body_limit))
+        Body::new(body::Deadline::new(incoming, body_limit, expired.clone()))
     };
     http::Request::from_parts(parts, body)
 }
