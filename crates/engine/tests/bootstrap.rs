@@ -242,15 +242,35 @@ async fn decode_output_equals_aggregated_whichever_side_arrives_first() {
         assert_eq!(dv["text"], want["text"]);
         assert_eq!(pv["meta_info"]["completion_tokens"], 1);
 
+        // A /generate batch: one room per input, as SGLang's router sends it.
+        let batch = json!({
+            "text": ["Once upon a time", "The sky is"],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "bootstrap_host": ["127.0.0.1", "127.0.0.1"],
+            "bootstrap_port": [port, port],
+            "bootstrap_room": [6, 7],
+        });
+        let (_, want) = agg
+            .post(
+                "/generate",
+                &json!({"text": batch["text"], "sampling_params": batch["sampling_params"]}),
+            )
+            .await;
+        let ((ds, dv), (ps, pv)) =
+            tokio::join!(d.post("/generate", &batch), p.post("/generate", &batch));
+        assert_eq!((ds, ps), (200, 200), "{dv} {pv}");
+        assert_eq!(dv[0]["text"], want[0]["text"]);
+        assert_eq!(dv[1]["text"], want[1]["text"]);
+
         assert_eq!(
             p.metric("pdserve_bootstrap_rooms_total{outcome=\"transferred\"}")
                 .await,
-            5.0
+            7.0
         );
         assert_eq!(
             d.metric("pdserve_bootstrap_rendezvous_total{outcome=\"ok\"}")
                 .await,
-            5.0
+            7.0
         );
         for w in [&p, &d, &agg] {
             w.assert_clean().await;
