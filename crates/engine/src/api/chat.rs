@@ -18,9 +18,8 @@ use pdserve_protocol::{
 use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
 use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
-use super::validate::{
-    check_model, check_unsupported, generation_request, output_options, top_logprobs,
-};
+use super::unsupported::check_unsupported;
+use super::validate::{check_model, generation_request, output_options, top_logprobs};
 use super::AppState;
 
 /// Handles one chat completion request. Errors become OpenAI-shaped responses through

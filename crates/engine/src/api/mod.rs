@@ -10,7 +10,9 @@ pub mod http_layers;
 pub mod prepared;
 pub mod server;
 pub mod server_info;
+pub mod sampling_fields;
 mod state;
+pub mod unsupported;
 pub mod validate;
 
 pub use server::{router, MAX_BODY_BYTES};
