@@ -117,6 +117,7 @@ pub async fn generate_native(
             ))
             .into());
         }
+        state.metrics.record_disaggregation("disaggregated");
         let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
         serve_body(&state, &ctx, SglangRoute::Generate, body, &route).await
     }

@@ -74,12 +74,31 @@ async fn both_legs_get_one_body_with_sglang_bootstrap_fields() {
             ),
             ("/generate", json!({"text": "a"}), None),
         ];
+        let metrics = |gateway: &Gateway| {
+            let url = gateway.at("/metrics");
+            async move {
+                client()
+                    .get(url)
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap()
+            }
+        };
         for (path, body, batch) in cases {
             let (_link, p, d, gateway) = stack(Prefill::Normal, Decode::Normal).await;
             let response = post(&gateway, path, &body).await;
             assert_eq!(response.status(), 200, "{path} {body}");
             let answer: Value = response.json().await.unwrap();
             assert!(answer.to_string().contains("tok0"), "{answer}");
+            let metrics = metrics(&gateway).await;
+            assert!(
+                metrics
+                    .contains(r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 1"#),
+                "{metrics}"
+            );
             let (p_body, d_body) = (p.only_body(), d.only_body());
             assert_eq!(p_body, d_body, "P and D get the same body");
             assert_eq!(p.requests()[0].0, path);
