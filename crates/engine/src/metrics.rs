@@ -357,6 +357,17 @@ impl Metrics {
             "Prompts this worker tokenized (token-id prompts are not counted)",
             m.prompts_tokenized.clone(),
         );
+        m.vllm_registry = m.vllm.registry(
+            model_name,
+            vllm::Shared {
+                running: m.running.clone(),
+                waiting: m.waiting.clone(),
+                prompt_tokens: m.prompt_tokens.clone(),
+                generation_tokens: m.generation_tokens.clone(),
+                prefix_cache_queries: m.prefix_cache_queries.clone(),
+                prefix_cache_hits: m.prefix_cache_hits.clone(),
+            },
+        );
         m.kv.register(r);
         m.orchestrator.register(r);
         m.bootstrap.register(r);
