@@ -131,6 +131,7 @@ pub fn request_body(
                 generation,
                 transport,
                 extra,
+                verbatim_numbers: Vec::new(),
             })
         }
         (_, input) => {
@@ -146,6 +147,7 @@ pub fn request_body(
                 generation,
                 transport,
                 extra,
+                verbatim_numbers: Vec::new(),
             })
         }
     };

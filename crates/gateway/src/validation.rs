@@ -5,6 +5,9 @@ use bytes::Bytes;
 use pdserve_protocol::{
     ApiError, ChatCompletionRequest, CompletionRequest, GenerationParams, TransportParams,
 };
+use std::collections::HashMap;
+
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::endpoint::Endpoint;
@@ -42,17 +45,31 @@ impl GenerateRequest {
     pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<(Self, Option<String>), ApiError> {
         let mut fields: Map<String, Value> = serde_json::from_slice(body).map_err(json_error)?;
         // Numbers the gateway does not own skip the protocol types (whose f32 fields would
-        // turn `1e39` into infinity and then `null`, i.e. the worker's default): they are
-        // forwarded as serde_json read them (i64, u64 or a finite f64, written back as the
-        // same value) and the worker judges them, as it would without the gateway.
-        let passed: Vec<(String, Value)> = {
-            let keys: Vec<String> = fields
-                .iter()
-                .filter(|(key, value)| value.is_number() && !OWNED_NUMBERS.contains(&key.as_str()))
-                .map(|(key, _)| key.clone())
-                .collect();
-            keys.into_iter()
-                .filter_map(|key| fields.remove(&key).map(|value| (key, value)))
+        // turn `1e39` into infinity and then `null`, i.e. the worker's default) and are
+        // forwarded as the client wrote them, byte for byte: the worker judges them, as it
+        // would without the gateway.
+        let passed: Vec<String> = fields
+            .iter()
+            .filter(|(key, value)| {
+                value.is_number()
+                    && key.as_str() != CONVERSATION_ID
+                    && !OWNED_NUMBERS.contains(&key.as_str())
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        let verbatim = if passed.is_empty() {
+            Vec::new()
+        } else {
+            // A second, lexing-only pass gives each top-level value's source text.
+            let raw: HashMap<String, &RawValue> =
+                serde_json::from_slice(body).map_err(json_error)?;
+            passed
+                .into_iter()
+                .filter_map(|key| {
+                    fields.remove(&key);
+                    let text = raw.get(&key)?.get().to_string();
+                    Some((key, text))
+                })
                 .collect()
         };
         let mut request = match endpoint {
@@ -62,7 +79,7 @@ impl GenerateRequest {
             }
         }
         .map_err(json_error)?;
-        request.extra_mut().extend(passed);
+        *request.verbatim_numbers_mut() = verbatim;
         // Only the gateway writes KV handles: a client's would make a worker open a
         // connection to any address the client names. The same holds for the encoder
         // cache's handles (peer hosts and ports of published embeddings).
@@ -114,6 +131,14 @@ impl GenerateRequest {
         }
     }
 
+    /// Top-level numbers forwarded as the client wrote them (name, JSON text).
+    pub fn verbatim_numbers_mut(&mut self) -> &mut Vec<(String, String)> {
+        match self {
+            Self::Chat(r) => &mut r.verbatim_numbers,
+            Self::Completion(r) => &mut r.verbatim_numbers,
+        }
+    }
+
     /// Whether the client asked for a server-sent event stream.
     pub fn is_stream(&self) -> bool {
         self.transport().stream.unwrap_or(false)
@@ -121,12 +146,27 @@ impl GenerateRequest {
 
     /// The request as a JSON body for a worker.
     pub fn to_body(&self) -> Bytes {
-        let bytes = match self {
-            Self::Chat(r) => serde_json::to_vec(r),
-            Self::Completion(r) => serde_json::to_vec(r),
+        let (bytes, verbatim) = match self {
+            Self::Chat(r) => (serde_json::to_vec(r), &r.verbatim_numbers),
+            Self::Completion(r) => (serde_json::to_vec(r), &r.verbatim_numbers),
         };
         // These types serialize infallibly (string keys, no custom serializers).
-        Bytes::from(bytes.unwrap_or_default())
+        let mut bytes = bytes.unwrap_or_default();
+        if !verbatim.is_empty() && bytes.last() == Some(&b'}') {
+            // Splice the client's own number texts back in before the closing brace.
+            bytes.pop();
+            for (key, text) in verbatim {
+                if bytes.len() > 1 {
+                    bytes.push(b',');
+                }
+                // A string key always serializes.
+                let _ = serde_json::to_writer(&mut bytes, key);
+                bytes.push(b':');
+                bytes.extend_from_slice(text.as_bytes());
+            }
+            bytes.push(b'}');
+        }
+        Bytes::from(bytes)
     }
 }
 
@@ -174,18 +214,18 @@ mod tests {
     fn numbers_it_does_not_own_pass_unchanged() {
         let (mut req, _) = GenerateRequest::parse(
             Endpoint::Completions,
-            br#"{"prompt":"a","temperature":1e39,"top_p":1e39,"seed":12345678901234567,"presence_penalty":0.30000000000000004,"top_k":5,"min_p":0.05,"max_tokens":7}"#,
+            br#"{"prompt":"a","temperature":1e39,"top_p":1E+39,"seed":123456789012345678901234567890,"presence_penalty":0.300000000000000000000000001,"top_k":5,"min_p":5e-2,"max_tokens":7}"#,
         )
         .unwrap();
         let body = String::from_utf8(req.to_body().to_vec()).unwrap();
         for kept in [
-            // Same value; serde_json (like Python's json) writes the exponent as `e+39`.
-            r#""temperature":1e+39"#,
-            r#""top_p":1e+39"#,
-            r#""seed":12345678901234567"#,
-            r#""presence_penalty":0.30000000000000004"#,
+            // Byte for byte, as the client wrote them (no f64 or integer round trip).
+            r#""temperature":1e39"#,
+            r#""top_p":1E+39"#,
+            r#""seed":123456789012345678901234567890"#,
+            r#""presence_penalty":0.300000000000000000000000001"#,
             r#""top_k":5"#,
-            r#""min_p":0.05"#,
+            r#""min_p":5e-2"#,
         ] {
             assert!(body.contains(kept), "{kept} missing from {body}");
         }

@@ -143,6 +143,10 @@ pub struct ChatCompletionRequest {
     /// Fields this type does not model, passed through unchanged.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+    /// Top-level numbers kept as the client wrote them (name, JSON text), for a proxy
+    /// that must forward them byte for byte; not part of (de)serialisation.
+    #[serde(skip)]
+    pub verbatim_numbers: Vec<(String, String)>,
 }
 
 /// A completion `prompt`: text, several texts, token ids, or several token-id lists.
@@ -173,6 +177,10 @@ pub struct CompletionRequest {
     /// Fields this type does not model, passed through unchanged.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+    /// Top-level numbers kept as the client wrote them (name, JSON text), for a proxy
+    /// that must forward them byte for byte; not part of (de)serialisation.
+    #[serde(skip)]
+    pub verbatim_numbers: Vec<(String, String)>,
 }
 
 /// Token counts of a response.

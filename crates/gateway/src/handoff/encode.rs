@@ -218,6 +218,11 @@ fn sub_request(
     for key in PASSTHROUGH {
         if let Some(value) = request.extra.get(key) {
             body.insert(key.into(), value.clone());
+        } else if let Some((_, text)) = request.verbatim_numbers.iter().find(|(k, _)| k == key) {
+            // A top-level number (`priority`) is held as the client's text.
+            if let Ok(value) = serde_json::from_str::<Value>(text) {
+                body.insert(key.into(), value);
+            }
         }
     }
     if let Some(zmq) = consumer_zmq {

@@ -241,6 +241,7 @@ pub fn rewrite(
         generation: request.generation.clone(),
         transport: request.transport.clone(),
         extra: request.extra.clone(),
+        verbatim_numbers: request.verbatim_numbers.clone(),
     };
     let transfers = transfer_items(transfers.into_iter());
     if !transfers.is_empty() {

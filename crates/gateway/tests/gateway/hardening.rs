@@ -212,15 +212,16 @@ async fn numbers_reach_the_workers_as_sent_and_overflow_is_refused() {
     bounded(async {
         let (p, d) = (Stub::start(true).await, Stub::start(false).await);
         let gw = Gateway::start(config(&p, &d)).await;
-        let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"top_p":0.95,"seed":12345678901234567,"presence_penalty":0.30000000000000004}"#;
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"top_p":0.95,"seed":123456789012345678901234567890,"presence_penalty":0.300000000000000000000000001,"min_p":5E-2}"#;
         let (status, text) = post(&gw, body, &[]).await;
         assert_eq!(status, 200, "{text}");
         for leg in [p.seen("/v1/chat/completions"), d.seen("/v1/chat/completions")] {
             let sent = String::from_utf8(leg[0].body.to_vec()).unwrap();
             for kept in [
                 r#""top_p":0.95"#,
-                r#""seed":12345678901234567"#,
-                r#""presence_penalty":0.30000000000000004"#,
+                r#""seed":123456789012345678901234567890"#,
+                r#""presence_penalty":0.300000000000000000000000001"#,
+                r#""min_p":5E-2"#,
             ] {
                 assert!(sent.contains(kept), "{kept} not in {sent}");
             }
@@ -234,7 +235,7 @@ async fn numbers_reach_the_workers_as_sent_and_overflow_is_refused() {
         .await;
         assert_eq!(status, 400, "{text}");
         let sent = String::from_utf8(p.seen("/v1/chat/completions")[1].body.to_vec()).unwrap();
-        assert!(sent.contains(r#""temperature":1e+39"#), "{sent}");
+        assert!(sent.contains(r#""temperature":1e39"#), "{sent}");
     })
     .await;
 }
