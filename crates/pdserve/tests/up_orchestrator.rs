@@ -8,6 +8,27 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// Prints the stack's log when the test fails, so a CI failure says why.
+struct LogOnPanic(std::path::PathBuf);
+
+impl Drop for LogOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.0).unwrap_or_default();
+            let tail: String = log
+                .chars()
+                .rev()
+                .take(8000)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            eprintln!("--- pdserve up stderr (tail) ---\n{tail}");
+        }
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -20,6 +41,8 @@ fn free_port() -> u16 {
 fn up_with_an_orchestrating_decode_worker_serves_and_stops_cleanly() {
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
     let port = free_port();
+    let log_path = std::env::temp_dir().join(format!("pdserve-up-orchestrator-{port}.log"));
+    let _log = LogOnPanic(log_path.clone());
     let mut up = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args([
             "up",
@@ -32,7 +55,7 @@ fn up_with_an_orchestrating_decode_worker_serves_and_stops_cleanly() {
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
     let stdout = up.stdout.take().unwrap();
