@@ -66,6 +66,20 @@ impl PeerAllowList {
         }
     }
 
+    /// Whether a reader may connect to `host`, also accepting an address that an allowed
+    /// host name resolves to now (a headless Kubernetes Service naming the peer pods).
+    /// Only the operator's names are resolved, never `host` itself.
+    pub async fn allows_dialling(&self, host: &str) -> bool {
+        if self.allows_host(host) {
+            return true;
+        }
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        match bare.parse::<IpAddr>() {
+            Ok(ip) => self.allows_addr(ip).await,
+            Err(_) => false,
+        }
+    }
+
     /// Whether a connection from `ip` may be served: inside an allowed range, or an
     /// address an allowed host name resolves to now.
     pub async fn allows_addr(&self, ip: IpAddr) -> bool {
@@ -148,6 +162,13 @@ mod tests {
             "nothing resolved for dialling"
         );
         assert!(by_name.allows_addr("127.0.0.1".parse().unwrap()).await);
+        // Dialling an address an allowed name resolves to is allowed; the dialled host
+        // itself is never resolved (a name not on the list stays refused).
+        assert!(by_name.allows_dialling("127.0.0.1").await);
+        assert!(!by_name.allows_dialling("localhost.invalid").await);
+        let mut other = PeerAllowList::default();
+        other.add("::1").unwrap();
+        assert!(!other.allows_dialling("127.0.0.1").await);
 
         for bad in [
             "a b",

@@ -126,7 +126,7 @@ pub async fn pull_blocks(
     mut remote: RemoteBlocks,
     token_ids: &[u32],
 ) -> Result<PulledBlocks, HandoffError> {
-    if !kv.peers.allows_host(&remote.host) {
+    if !kv.peers.allows_dialling(&remote.host).await {
         kv.metrics.kv.peers_refused.inc();
         tracing::warn!(host = %remote.host, "refused to read KV from a host not in --kv-peers");
         return Err(HandoffError::PeerNotAllowed { host: remote.host });
