@@ -147,6 +147,33 @@ fn manifest_matches_the_binary_and_the_dockerfile() {
                     assert!(ports.contains(&url.port().unwrap()), "{url}");
                 }
             }
+            // Every KV party carries the shared transfer secret from the manifest's Secret.
+            let secret_ref = c["env"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"] == "PDSERVE_KV_SECRET")
+                .map(|e| &e["valueFrom"]["secretKeyRef"])
+                .unwrap_or_else(|| panic!("{name}: no PDSERVE_KV_SECRET"));
+            assert!(
+                of_kind(&docs, "Secret").iter().any(|s| {
+                    s["metadata"]["name"] == secret_ref["name"]
+                        && !s["stringData"][secret_ref["key"].as_str().unwrap()].is_null()
+                }),
+                "{name}: {secret_ref:?} names no Secret key in the manifest"
+            );
+            if args[0] == "worker" {
+                // Workers trust exactly the worker Services, which must be headless so
+                // their names resolve to the pod IPs that KV connections come from.
+                let i = args.iter().position(|a| a == "--kv-peers").unwrap();
+                for peer in args[i + 1].split(',') {
+                    let svc = services
+                        .iter()
+                        .find(|s| s["metadata"]["name"] == peer)
+                        .unwrap_or_else(|| panic!("{name}: --kv-peers {peer} is no Service"));
+                    assert_eq!(svc["spec"]["clusterIP"], "None", "{peer} must be headless");
+                }
+            }
             let labels = d["spec"]["template"]["metadata"]["labels"].clone();
             opened.push((labels, served.ports));
         }
