@@ -180,6 +180,9 @@ impl ApiClient {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(args.connect_timeout_s))
             .tcp_nodelay(true)
+            // pdserve closes idle keep-alive connections after its header read timeout
+            // (30 s by default): retire ours first so a reused one never races that close.
+            .pool_idle_timeout(Duration::from_secs(20))
             .build()
             .map_err(|e| BenchError::Http(error_chain(&e)))?;
         Ok(Self {

@@ -89,7 +89,10 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
             args.prewarm_interval_secs as usize,
         ),
         ("--prewarm-attempts", args.prewarm_attempts as usize),
-        ("--bootstrap-timeout-secs", args.bootstrap_timeout_secs as usize),
+        (
+            "--bootstrap-timeout-secs",
+            args.bootstrap_timeout_secs as usize,
+        ),
     ] {
         if value == 0 {
             return Err(WorkerError::InvalidArgs(format!(
@@ -131,6 +134,7 @@ fn orchestrator_config(args: &WorkerArgs) -> Result<Option<OrchestratorConfig>, 
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
         prewarm_interval: Duration::from_secs(args.prewarm_interval_secs),
         prewarm_attempts: args.prewarm_attempts,
+        prefill_api_key: args.api_key.clone(),
     }))
 }
 

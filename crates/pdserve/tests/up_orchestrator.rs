@@ -29,6 +29,8 @@ impl Drop for LogOnPanic {
     }
 }
 
+const API_KEY: &str = "up-orchestrator-test-key";
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -52,6 +54,9 @@ fn up_with_an_orchestrating_decode_worker_serves_and_stops_cleanly() {
             "concurrent",
         ])
         .args(["--port", &port.to_string(), "--cores", "2"])
+        // One key for both workers: the orchestrating decode worker must send it on its
+        // prefill legs too.
+        .args(["--api-key", API_KEY])
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::piped())
@@ -113,13 +118,24 @@ fn up_with_an_orchestrating_decode_worker_serves_and_stops_cleanly() {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
             .unwrap_or_else(|| panic!("no {name} at {base}"))
     };
+    let chat = serde_json::json!({
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+        "temperature": 0
+    });
+    let keyless = rt.block_on(async {
+        http.post(format!("{entry}/v1/chat/completions"))
+            .json(&chat)
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    assert_eq!(keyless.as_u16(), 401, "the OpenAI routes need --api-key");
     let body: serde_json::Value = rt.block_on(async {
         http.post(format!("{entry}/v1/chat/completions"))
-            .json(&serde_json::json!({
-                "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 8,
-                "temperature": 0
-            }))
+            .bearer_auth(API_KEY)
+            .json(&chat)
             .send()
             .await
             .unwrap()

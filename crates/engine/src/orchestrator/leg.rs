@@ -118,17 +118,26 @@ impl PrefillError {
 pub struct PrefillClient {
     http: reqwest::Client,
     timeout: Duration,
+    api_key: Option<String>,
 }
 
 impl PrefillClient {
-    /// A client whose legs may take at most `timeout` each.
-    pub fn new(timeout: Duration) -> Result<Self, String> {
+    /// A client whose legs may take at most `timeout` each, sending `api_key` as a
+    /// bearer token when given.
+    pub fn new(timeout: Duration, api_key: Option<String>) -> Result<Self, String> {
         let http = reqwest::Client::builder()
             .tcp_nodelay(true)
+            // Workers close idle keep-alive connections after their header read timeout
+            // (30 s by default): retire ours first so a reused one never races that close.
+            .pool_idle_timeout(Duration::from_secs(20))
             .connect_timeout(Duration::from_secs(3).min(timeout))
             .build()
             .map_err(|e| format!("cannot build the prefill HTTP client: {e}"))?;
-        Ok(Self { http, timeout })
+        Ok(Self {
+            http,
+            timeout,
+            api_key,
+        })
     }
 
     /// POSTs `body` to `url`'s `/v1/completions` and returns the `kv_transfer_params`
@@ -139,13 +148,11 @@ impl PrefillClient {
         body: &Value,
     ) -> Result<Option<KvTransferParams>, PrefillError> {
         let exchange = async {
-            let response = self
-                .http
-                .post(format!("{url}/v1/completions"))
-                .json(body)
-                .send()
-                .await
-                .map_err(|e| transport_error(url, &e))?;
+            let mut request = self.http.post(format!("{url}/v1/completions")).json(body);
+            if let Some(key) = &self.api_key {
+                request = request.bearer_auth(key);
+            }
+            let response = request.send().await.map_err(|e| transport_error(url, &e))?;
             let status = response.status();
             let bytes = response.bytes().await.map_err(|e| PrefillError::Broken {
                 url: url.to_string(),

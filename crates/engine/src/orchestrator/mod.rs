@@ -65,6 +65,9 @@ pub struct OrchestratorConfig {
     /// Pre-warm attempts per appearance of a prefill worker before giving up (until its
     /// `/health` answers again).
     pub prewarm_attempts: u32,
+    /// Bearer key sent to the prefill workers (this worker's own `--api-key`: `pdserve up
+    /// --api-key` gives every worker the same one).
+    pub prefill_api_key: Option<String>,
 }
 
 /// Checks a `--prefill` value and returns it without a trailing slash.
@@ -136,7 +139,8 @@ impl Orchestrator {
             return Err("an orchestrator needs at least one prefill worker".into());
         }
         let pool = Arc::new(PrefillPool::new(&config.prefill, metrics.clone()));
-        let client = leg::PrefillClient::new(config.prefill_timeout)?;
+        let client =
+            leg::PrefillClient::new(config.prefill_timeout, config.prefill_api_key.clone())?;
         Ok(Self {
             config,
             pool,
