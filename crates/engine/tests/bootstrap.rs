@@ -471,11 +471,22 @@ async fn server_info_routes_and_generate_shapes() {
             json!({"text": "x", "sampling_params": {"no_such_param": 1}}),
             json!({"text": "x", "sampling_params": {"temperature": -1}}),
             json!({"text": ["a", "b"], "rid": ["only-one"]}),
+            // Fields that would change the answer are refused, not ignored.
+            json!({"text": "x", "lora_path": "adapter"}),
+            json!({"text": "x", "image_data": "aGk="}),
         ] {
             let (status, err) = w.post("/generate", &bad).await;
             assert_eq!(status, 400, "{bad} -> {err}");
             assert!(err["error"]["message"].is_string(), "{err}");
         }
+        // Null values and logging-only fields are accepted.
+        let (status, err) = w
+            .post(
+                "/generate",
+                &json!({"text": "x", "sampling_params": sp, "lora_path": null, "log_metrics": true}),
+            )
+            .await;
+        assert_eq!(status, 200, "{err}");
         // An aggregated worker ignores the bootstrap fields, as SGLang's does.
         let (status, _) = w
             .post("/generate", &with_room(&json!({"text": "x", "sampling_params": sp}), 1, 9))

@@ -66,9 +66,28 @@ struct GenerateRequest {
     bootstrap_port: Option<OneOrMany<Option<u16>>>,
     #[serde(default)]
     bootstrap_room: Option<OneOrMany<u64>>,
-    /// Other SGLang fields (`modalities`, `lora_path`, ...) are accepted and not used.
+    /// Other fields: refused unless null or in [`IGNORED_FIELDS`] (SGLang itself refuses
+    /// fields it does not know; `image_data`, `lora_path`, ... would change the answer).
     #[serde(flatten)]
-    _rest: Map<String, Value>,
+    rest: Map<String, Value>,
+}
+
+/// Top-level `/generate` fields accepted and not used: they only steer SGLang's own
+/// logging and data-parallel placement, never the answer.
+const IGNORED_FIELDS: &[&str] = &["log_metrics", "modalities", "data_parallel_rank"];
+
+/// A 400 naming the first field this worker would otherwise silently ignore.
+fn refuse_unimplemented(rest: &Map<String, Value>) -> Result<(), ApiError> {
+    match rest
+        .iter()
+        .find(|(key, value)| !value.is_null() && !IGNORED_FIELDS.contains(&key.as_str()))
+    {
+        Some((key, _)) => Err(ApiError::bad_request(format!(
+            "`{key}` is not supported by this worker's /generate"
+        ))
+        .with_param(key.as_str())),
+        None => Ok(()),
+    }
 }
 
 /// SGLang's `sampling_params`; unknown keys are refused, as SGLang does.
@@ -150,6 +169,7 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let started = Instant::now();
     let req: GenerateRequest = parse_json(body)?;
+    refuse_unimplemented(&req.rest)?;
     let (n, batch) = inputs(&req)?;
     if n == 0 {
         return Err(ApiError::bad_request("the batch is empty").with_param("text"));
