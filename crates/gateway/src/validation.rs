@@ -152,22 +152,28 @@ impl GenerateRequest {
         };
         // These types serialize infallibly (string keys, no custom serializers).
         let mut bytes = bytes.unwrap_or_default();
-        if !verbatim.is_empty() && bytes.last() == Some(&b'}') {
-            // Splice the client's own number texts back in before the closing brace.
-            bytes.pop();
-            for (key, text) in verbatim {
-                if bytes.len() > 1 {
-                    bytes.push(b',');
-                }
-                // A string key always serializes.
-                let _ = serde_json::to_writer(&mut bytes, key);
-                bytes.push(b':');
-                bytes.extend_from_slice(text.as_bytes());
-            }
-            bytes.push(b'}');
-        }
+        append_verbatim(&mut bytes, verbatim);
         Bytes::from(bytes)
     }
+}
+
+/// Splices `verbatim` fields (name, the client's JSON text) into the serialized object
+/// `bytes`, before its closing brace.
+pub fn append_verbatim(bytes: &mut Vec<u8>, verbatim: &[(String, String)]) {
+    if verbatim.is_empty() || bytes.last() != Some(&b'}') {
+        return;
+    }
+    bytes.pop();
+    for (key, text) in verbatim {
+        if bytes.len() > 1 {
+            bytes.push(b',');
+        }
+        // A string key always serializes.
+        let _ = serde_json::to_writer(&mut *bytes, key);
+        bytes.push(b':');
+        bytes.extend_from_slice(text.as_bytes());
+    }
+    bytes.push(b'}');
 }
 
 /// A 400 that says whether the JSON was malformed or had a wrong field.

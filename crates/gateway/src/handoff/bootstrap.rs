@@ -52,7 +52,7 @@ use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::{Mode, Worker};
 use crate::state::AppState;
 use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind, X_DATA_PARALLEL_RANK};
-use crate::validation::{body_rejection, GenerateRequest};
+use crate::validation::{append_verbatim, body_rejection, GenerateRequest};
 
 /// The routes served with SGLang's bootstrap handoff.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +119,15 @@ pub async fn generate_native(
         }
         state.metrics.record_disaggregation("disaggregated");
         let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
-        serve_body(&state, &ctx, SglangRoute::Generate, body, &route).await
+        serve_body(
+            &state,
+            &ctx,
+            SglangRoute::Generate,
+            body,
+            Vec::new(),
+            &route,
+        )
+        .await
     }
     .await;
     let response = result.unwrap_or_else(|failure: Failure| {
@@ -154,14 +162,21 @@ pub async fn serve(
         Ok(Value::Object(map)) => map,
         _ => return Err(ApiError::internal("the request did not serialize to an object").into()),
     };
+    // The client's own number texts, written back byte for byte in every leg's body.
+    let verbatim = match &request {
+        GenerateRequest::Chat(r) => r.verbatim_numbers.clone(),
+        GenerateRequest::Completion(r) => r.verbatim_numbers.clone(),
+    };
     let routing = ctx.route_for(&request, conversation_id.as_deref());
-    serve_body(state, ctx, route, body, &routing).await
+    serve_body(state, ctx, route, body, verbatim, &routing).await
 }
 
 /// What every attempt of one request sends.
 struct Plan {
     route: SglangRoute,
     body: Map<String, Value>,
+    /// Top-level numbers sent as the client wrote them (also in `body`, for reading).
+    verbatim: Vec<(String, String)>,
     stream: bool,
     input_logprobs: bool,
 }
@@ -173,10 +188,12 @@ async fn serve_body(
     ctx: &RequestContext,
     route: SglangRoute,
     body: Map<String, Value>,
+    verbatim: Vec<(String, String)>,
     routing: &RouteRequest<'_>,
 ) -> Result<Response, Failure> {
     let plan = Plan {
         route,
+        verbatim,
         stream: body.get("stream").and_then(Value::as_bool) == Some(true),
         input_logprobs: wants_input_logprobs(route, &body),
         body,
@@ -224,12 +241,20 @@ async fn attempt(
         ?rooms,
         "bootstrap handoff"
     );
-    let decode_body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+    for (key, _) in &plan.verbatim {
+        body.remove(key);
+    }
+    let encode = |body: &Map<String, Value>| {
+        let mut bytes = serde_json::to_vec(body).unwrap_or_default();
+        append_verbatim(&mut bytes, &plan.verbatim);
+        Bytes::from(bytes)
+    };
+    let decode_body = encode(&body);
     // P answers in one JSON body when its input logprobs are needed (an SSE answer would
     // have to be reassembled); the rooms are the same.
     let prefill_body = if plan.input_logprobs && plan.stream {
         body.insert("stream".into(), Value::Bool(false));
-        Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+        encode(&body)
     } else {
         decode_body.clone()
     };

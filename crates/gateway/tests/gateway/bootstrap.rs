@@ -125,6 +125,34 @@ async fn both_legs_get_one_body_with_sglang_bootstrap_fields() {
 }
 
 #[tokio::test]
+async fn numbers_reach_both_legs_byte_for_byte() {
+    bounded(async {
+        let (_link, p, d, gateway) = stack(Prefill::Normal, Decode::Normal).await;
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"temperature":1E-1,"seed":123456789012345678901234567890,"top_p":0.950000000000000000001}"#;
+        let response = client()
+            .post(gateway.at("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        for leg in [p.raw_bodies(), d.raw_bodies()] {
+            let sent = String::from_utf8(leg[0].to_vec()).unwrap();
+            for kept in [
+                r#""temperature":1E-1"#,
+                r#""seed":123456789012345678901234567890"#,
+                r#""top_p":0.950000000000000000001"#,
+            ] {
+                assert!(sent.contains(kept), "{kept} not in {sent}");
+            }
+            assert!(sent.contains("bootstrap_room"), "{sent}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_prefill_without_bootstrap_port_sends_null() {
     bounded(async {
         let link = Link::new();

@@ -137,6 +137,7 @@ struct Shared {
     link: Arc<Link>,
     behavior: Mutex<Behavior>,
     requests: Mutex<Vec<(String, Value)>>,
+    raw_bodies: Mutex<Vec<Bytes>>,
     cancelled: AtomicUsize,
     cancelled_notify: Notify,
 }
@@ -183,6 +184,7 @@ impl SglangDouble {
             link: link.clone(),
             behavior: Mutex::new(behavior),
             requests: Mutex::new(Vec::new()),
+            raw_bodies: Mutex::new(Vec::new()),
             cancelled: AtomicUsize::new(0),
             cancelled_notify: Notify::new(),
         });
@@ -203,6 +205,11 @@ impl SglangDouble {
     /// Every request body received so far, with its path.
     pub fn requests(&self) -> Vec<(String, Value)> {
         self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// Every request body received so far, as the bytes that arrived.
+    pub fn raw_bodies(&self) -> Vec<Bytes> {
+        self.shared.raw_bodies.lock().unwrap().clone()
     }
 
     /// The only request body received so far.
@@ -237,17 +244,15 @@ pub fn rooms(body: &Value) -> Vec<u64> {
     }
 }
 
-async fn generate(
-    State(shared): State<Arc<Shared>>,
-    uri: Uri,
-    Json(body): Json<Value>,
-) -> Response {
+async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, raw: Bytes) -> Response {
     let path = uri.path().to_string();
+    let body: Value = serde_json::from_slice(&raw).expect("a JSON body");
     shared
         .requests
         .lock()
         .unwrap()
         .push((path.clone(), body.clone()));
+    shared.raw_bodies.lock().unwrap().push(raw);
     let behavior = *shared.behavior.lock().unwrap();
     let format = Format::of(&path, &body);
     let mut guard = CancelGuard {
