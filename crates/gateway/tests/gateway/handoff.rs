@@ -283,14 +283,15 @@ async fn serve_returns_when_its_shutdown_future_completes() {
 async fn idle_upstream_connections_are_retired_before_the_worker_closes_them() {
     bounded(async {
         let w = Double::start(Role::Decode, "W").await;
-        let peers = |idle_ms: u64| {
+        // The client ports of `n` sequential requests, 400 ms apart.
+        let peers = |idle_ms: u64, n: usize| {
             let w = &w;
             async move {
                 let mut config = GatewayConfig::new(vec![], vec![], urls(&[w]));
                 config.upstream_idle_timeout = std::time::Duration::from_millis(idle_ms);
                 let gw = Gateway::start(config).await;
                 let before = w.requests().len();
-                for _ in 0..2 {
+                for _ in 0..n {
                     let resp = client()
                         .post(gw.at("/v1/completions"))
                         .json(&json!({"prompt": "x"}))
@@ -302,15 +303,19 @@ async fn idle_upstream_connections_are_retired_before_the_worker_closes_them() {
                     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
                 }
                 let requests = w.requests();
-                (requests[before].peer, requests[before + 1].peer)
+                requests[before..]
+                    .iter()
+                    .map(|r| r.peer)
+                    .collect::<std::collections::HashSet<_>>()
             }
         };
         // A connection idle past the pool timeout is not reused...
-        let (a, b) = peers(100).await;
-        assert_ne!(a, b);
-        // ...while one within it is (so the check above is meaningful).
-        let (a, b) = peers(60_000).await;
-        assert_eq!(a, b);
+        assert_eq!(peers(100, 2).await.len(), 2);
+        // ...while one within it is (so the check above is meaningful). The gateway's
+        // own `/v1/models` look-up of a new worker may open a second pooled connection
+        // beside the first request's, so four requests use at most two.
+        let distinct = peers(60_000, 4).await;
+        assert!(distinct.len() <= 2, "{distinct:?}");
     })
     .await;
 }
