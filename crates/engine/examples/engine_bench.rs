@@ -1,6 +1,7 @@
 //! Engine throughput through the scheduler (continuous batching, paged KV, sampling),
-//! without HTTP: prefill tokens/s for a ~500-token prompt and decode tokens/s at several
-//! batch sizes, plus peak RSS.
+//! without HTTP: prefill tokens/s for a ~500-token prompt, decode tokens/s at several
+//! batch sizes after 24-token prompts and at batch 1 after a 500-token prompt (attention
+//! over ~500-560 positions), plus peak RSS.
 //!
 //! `cargo run --release -p pdserve-engine --example engine_bench -- [--threads N] [--model PATH]
 //! [--max-num-batched-tokens N]`
@@ -100,12 +101,16 @@ fn prompt(model: &Model, len: usize, salt: usize) -> Vec<u32> {
     ids
 }
 
-/// Runs `batch` requests of `tokens` new tokens each at once; decode time is measured
-/// from the moment every sequence has its first token (prefills done) to the end.
+/// Runs `batch` requests of `prompt_len`-token prompts and `tokens` new tokens each at
+/// once; decode time is measured from the moment every sequence has its first token
+/// (prefills done) to the end.
+#[allow(clippy::too_many_arguments)]
 fn decode(
     engine: &EngineHandle,
     model: &Model,
+    label: &str,
     batch: usize,
+    prompt_len: usize,
     tokens: usize,
     salt: usize,
     threads: usize,
@@ -114,7 +119,7 @@ fn decode(
     let mut rxs: Vec<_> = (0..batch)
         .map(|i| {
             engine
-                .submit(request(prompt(model, 24, salt + i), tokens))
+                .submit(request(prompt(model, prompt_len, salt + i), tokens))
                 .unwrap()
         })
         .collect();
@@ -135,13 +140,7 @@ fn decode(
     let first_all = times.iter().map(|t| t.0).max().unwrap();
     let end = times.iter().map(|t| t.1).max().unwrap();
     let cpu = cpu_seconds() - cpu_after_prefill;
-    report(
-        &format!("decode batch {batch:>2}"),
-        batch * (tokens - 1),
-        end - first_all,
-        cpu,
-        threads,
-    );
+    report(label, batch * (tokens - 1), end - first_all, cpu, threads);
 }
 
 /// Sequences of the current phase that have their first token.
@@ -186,8 +185,29 @@ fn main() {
     }
     for (i, batch) in [1usize, 4, 8, 16].into_iter().enumerate() {
         FIRST_TOKENS.store(0, Ordering::SeqCst);
-        decode(&engine, &model, batch, 64, 100 + i * 100, threads);
+        let label = format!("decode batch {batch:>2}");
+        decode(
+            &engine,
+            &model,
+            &label,
+            batch,
+            24,
+            64,
+            100 + i * 100,
+            threads,
+        );
     }
+    FIRST_TOKENS.store(0, Ordering::SeqCst);
+    decode(
+        &engine,
+        &model,
+        "decode batch  1 after a 500-token prompt",
+        1,
+        500,
+        64,
+        900,
+        threads,
+    );
     println!("peak RSS: {:.0} MiB", peak_rss_mib());
     engine.shutdown();
     thread.join().unwrap();

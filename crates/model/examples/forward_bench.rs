@@ -1,6 +1,6 @@
 //! Forward-pass throughput of our model against candle-transformers' `quantized_llama`.
 //!
-//! `cargo run --release -p pdserve-model --example forward_bench [-- THREADS [WEIGHTS [DENSE_MIN_ROWS]]]`
+//! `cargo run --release -p pdserve-model --example forward_bench [-- [--ours-only] THREADS [WEIGHTS [DENSE_MIN_ROWS]]]`
 //! (defaults: 2 threads and the default [`LoadOptions`]; WEIGHTS is `native`, `q8_0`,
 //! `as-shipped` or `f32`; DENSE_MIN_ROWS a number or `none`). Prints prefill tokens/s for a ~500-token prompt, decode tokens/s
 //! at batch 1, 4, 8 and 16, and peak RSS, then the same for candle's reference (prefill
@@ -190,8 +190,20 @@ fn bench_candle(path: &std::path::Path, prompt: &[u32], threads: usize) -> (Rate
     (prefill, decode)
 }
 
+const USAGE: &str = "usage: forward_bench [--ours-only] [THREADS [WEIGHTS [DENSE_MIN_ROWS]]]
+  THREADS         worker threads (default 2)
+  WEIGHTS         native (default) | q8_0 | as-shipped | f32
+  DENSE_MIN_ROWS  a number, or none (default)
+  --ours-only     skip candle-transformers' reference (its Q4_1 path is slow)";
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return;
+    }
+    let ours_only = args.iter().any(|a| a == "--ours-only");
+    args.retain(|a| a != "--ours-only");
     let threads: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(2);
     set_threads(threads);
     let mut options = LoadOptions::default();
@@ -215,7 +227,7 @@ fn main() {
     let (prefill, decode, long_decode) = bench_ours(&model, &prompt, threads);
     let ours_rss = peak_rss_mib();
     drop(model);
-    let (candle_prefill, candle_decode) = bench_candle(&path, &prompt, threads);
+    let candle = (!ours_only).then(|| bench_candle(&path, &prompt, threads));
     let total_rss = peak_rss_mib();
 
     println!(
@@ -252,7 +264,9 @@ fn main() {
         d(8),
         d(16)
     );
-    println!(
-        "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill} | {candle_decode} | – | – | – | – | {total_rss:.0} MiB (process peak) |"
-    );
+    if let Some((candle_prefill, candle_decode)) = candle {
+        println!(
+            "| candle-transformers quantized_llama (Q4_1 as shipped) | {candle_prefill} | {candle_decode} | – | – | – | – | {total_rss:.0} MiB (process peak) |"
+        );
+    }
 }

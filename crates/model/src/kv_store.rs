@@ -48,6 +48,12 @@ pub(crate) trait KvElement: Copy + Send + Sync + 'static {
     fn load(src: &[Self], dst: &mut [f32]);
     /// Converts `src` into `dst` (same length).
     fn store(src: &[f32], dst: &mut [Self]);
+    /// Eight values at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// Eight values are readable at `p`; the CPU has AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl KvElement for f32 {
@@ -57,6 +63,12 @@ impl KvElement for f32 {
     fn store(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src)
     }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
 }
 
 impl KvElement for f16 {
@@ -65,6 +77,13 @@ impl KvElement for f16 {
     }
     fn store(src: &[f32], dst: &mut [Self]) {
         dst.convert_from_f32_slice(src)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 }
 

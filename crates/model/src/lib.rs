@@ -5,12 +5,14 @@
 //! # Numeric paths ([`LoadOptions`])
 //!
 //! - [`WeightFormat::Native`] (default): weights exactly as the GGUF ships them; Q4_1 and
-//!   Q8_0 matrices go through this crate's AVX2 kernels (activations quantized to 8 bits per
+//!   Q8_0 matrices go through this crate's kernels (AVX2 chosen at run time) (activations quantized to 8 bits per
 //!   32 values, as llama.cpp does), tiled over rows so batched decode and prefill reuse
 //!   each unpacked weight block. Everything runs on the rayon global pool ([`set_threads`]).
 //! - [`WeightFormat::AsShipped`]: candle's own kernels and attention arithmetic; greedy
 //!   tokens are bit-identical to candle-transformers' `quantized_llama` (tested).
-//! - [`WeightFormat::Q8_0`]: requantized at load for candle's AVX Q8_0 kernels.
+//! - [`WeightFormat::Q8_0`]: requantized at load for candle's Q8_0 kernels (candle picks
+//!   SIMD at compile time: scalar in the default portable build, AVX with
+//!   `-C target-cpu=native`).
 //! - [`WeightFormat::F32`]: dequantized; the numerical reference the default path is
 //!   tested against (max |Δlogit| and top-1 agreement, see `tests/reference.rs`).
 //!
@@ -39,6 +41,7 @@ mod linear;
 mod model;
 mod quant_matmul;
 mod reference_attention;
+mod simd;
 mod threads;
 mod tokenizer;
 

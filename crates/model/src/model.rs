@@ -6,7 +6,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::attention::{attend_group, AttnScratch};
+use crate::attention::{attend_group, AttnInput, AttnScratch};
 use crate::chat_template::ChatTemplate;
 use crate::config::{Hyperparams, ModelConfig};
 use crate::error::ModelError;
@@ -14,6 +14,7 @@ use crate::gguf::GgufFile;
 use crate::kv_store::{store_token, BlockId, KvData, KvElement, KvGeometry, KvStore, BLOCK_SIZE};
 use crate::linear::{Linear, LoadOptions, WeightFormat};
 use crate::reference_attention::attend_sequence;
+use crate::simd::silu_mul;
 use crate::tokenizer::Tokenizer;
 
 /// One sequence's share of a batched forward step.
@@ -239,6 +240,18 @@ impl Model {
         batch: &[SequenceStep],
         all_logits: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        // The whole step runs on a pool worker: each of the ~150 parallel loops of a decode
+        // step then starts with a steal by the other (still spinning) worker, instead of
+        // waking sleeping workers from outside the pool and sleeping until they finish.
+        rayon::scope(|_| self.forward_on_pool(kv, batch, all_logits))
+    }
+
+    fn forward_on_pool(
+        &self,
+        kv: &mut KvStore,
+        batch: &[SequenceStep],
+        all_logits: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
@@ -293,7 +306,8 @@ impl Model {
             add_assign(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, hidden, self.hp.rms_eps);
             let gu = layer.gate_up.forward(h, n)?;
-            let act = swiglu(&gu, self.hp.ffn_size);
+            let exact = self.options.weights == WeightFormat::AsShipped;
+            let act = swiglu(&gu, self.hp.ffn_size, exact);
             let d = layer.down.forward(act, n)?;
             add_assign(&mut x, &d);
         }
@@ -379,17 +393,15 @@ impl Model {
             let (seq, pos) = rows[r];
             let q =
                 &qkv[r * width + kv_head * group_width..r * width + (kv_head + 1) * group_width];
-            attend_group(
+            let input = AttnInput {
                 data,
                 g,
                 layer,
-                batch[seq].block_table,
+                block_table: batch[seq].block_table,
                 pos,
                 kv_head,
-                q,
-                out,
-                scratch,
-            );
+            };
+            attend_group(&input, q, out, scratch);
         };
         // Below this much work (positions attended, summed over rows) threads cost more
         // than they save.
@@ -443,12 +455,18 @@ fn rms_norm(x: &[f32], weight: &[f32], dim: usize, eps: f32) -> Vec<f32> {
 }
 
 /// `silu(gate) * up` for rows laid out as `[gate (ffn) | up (ffn)]`.
-fn swiglu(gu: &[f32], ffn: usize) -> Vec<f32> {
+/// With `exact`, `exp` is libm's, as in candle (the as-shipped path must match it bit for
+/// bit); otherwise the vectorised one.
+fn swiglu(gu: &[f32], ffn: usize, exact: bool) -> Vec<f32> {
     let mut out = vec![0f32; gu.len() / 2];
     let body = |(dst, src): (&mut [f32], &[f32])| {
         let (gate, up) = src.split_at(ffn);
-        for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
-            *d = g / (1.0 + (-g).exp()) * u;
+        if exact {
+            for ((d, g), u) in dst.iter_mut().zip(gate).zip(up) {
+                *d = g / (1.0 + (-g).exp()) * u;
+            }
+        } else {
+            silu_mul(gate, up, dst);
         }
     };
     if out.len() > ffn * 8 {

@@ -68,31 +68,62 @@ impl QuantMatrix {
     /// `x · Wᵀ` for `m` rows of `x`; returns `[m, rows]`.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let nb = self.cols / QK;
-        let acts: Vec<ActBlock> = x.chunks_exact(QK).map(quantize_block).collect();
+        let acts = quantize_rows(x);
         let row_bytes = nb * self.format.block_bytes();
         // Work items are runs of weight rows (a few KB, kept in L1) swept against tiles of
         // activation rows, so each weight block is unpacked once per tile, not once per row.
         let per_item = WEIGHT_ROWS_PER_ITEM;
-        let mut out_t = vec![0f32; self.rows * m];
-        out_t
-            .par_chunks_mut(per_item * m)
-            .enumerate()
-            .for_each(|(item, out)| {
-                let first = item * per_item;
-                let count = out.len() / m;
-                let w = &self.data[first * row_bytes..(first + count) * row_bytes];
-                item_product(self.format, w, count, row_bytes, &acts, m, nb, out);
-            });
+        let weights =
+            |first: usize, count: usize| &self.data[first * row_bytes..(first + count) * row_bytes];
         if m == 1 {
-            return out_t;
+            let mut out = vec![0f32; self.rows];
+            out.par_chunks_mut(per_item)
+                .enumerate()
+                .for_each(|(item, out)| {
+                    let (first, count) = (item * per_item, out.len());
+                    let w = weights(first, count);
+                    item_product(self.format, w, count, row_bytes, &acts, 1, nb, out);
+                });
+            return out;
         }
+        // Each item computes its weight rows × all activation rows into a small buffer,
+        // then copies it into its columns of `[m, rows]` (16 floats, one cache line, per
+        // activation row) instead of a strided transpose of the whole result afterwards.
         let mut out = vec![0f32; self.rows * m];
-        for (j, col) in out_t.chunks_exact(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * self.rows + j] = *v;
-            }
-        }
+        let dst = SharedOut(out.as_mut_ptr());
+        let rows = self.rows;
+        (0..rows.div_ceil(per_item)).into_par_iter().for_each_init(
+            Vec::new,
+            |buf: &mut Vec<f32>, item| {
+                let first = item * per_item;
+                let count = per_item.min(rows - first);
+                buf.resize(count * m, 0.0);
+                let w = weights(first, count);
+                item_product(self.format, w, count, row_bytes, &acts, m, nb, buf);
+                let base = dst.get();
+                for i in 0..m {
+                    for r in 0..count {
+                        // SAFETY: `i * rows + first + r < m * rows`, and only this item
+                        // writes columns `first..first + count`.
+                        unsafe { *base.add(i * rows + first + r) = buf[r * m + i] };
+                    }
+                }
+            },
+        );
         out
+    }
+}
+
+/// The output buffer, written by parallel items at disjoint positions.
+struct SharedOut(*mut f32);
+
+// SAFETY: items write disjoint elements, and the buffer outlives the parallel loop.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The base pointer (a method, so closures capture the `Sync` wrapper, not the field).
+    fn get(&self) -> *mut f32 {
+        self.0
     }
 }
 
@@ -115,8 +146,7 @@ fn item_product(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::simd::avx2_fma_f16c() {
             // SAFETY: the CPU supports the features the kernels are compiled for; `w` holds
             // `count` rows of `row_bytes`, `acts` holds `m` rows of `nb` blocks.
             unsafe {
@@ -148,7 +178,7 @@ fn item_product(
 /// weight block and each loaded activation block is used several times), four weight
 /// rows × one activation row otherwise (independent accumulators hide FMA latency).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn item_product_avx2<const Q8: bool>(
     w: &[u8],
     count: usize,
@@ -204,7 +234,7 @@ unsafe fn item_product_avx2<const Q8: bool>(
 /// Dot products of `R` weight rows (`row_bytes` apart in `w`) with `G` activation rows
 /// (`nb` blocks apart in `acts`): Q8_0 weights when `Q8`, Q4_1 otherwise.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<const Q8: bool, const R: usize, const G: usize>(
     w: &[u8],
     row_bytes: usize,
@@ -227,13 +257,16 @@ unsafe fn kernel<const Q8: bool, const R: usize, const G: usize>(
         let mut mw = [0f32; R];
         for r in 0..R {
             let wb = w.as_ptr().add(r * row_bytes + b * block_bytes);
-            dw[r] = f16::from_bits(u16::from_le_bytes([*wb, *wb.add(1)])).to_f32();
+            // F16C here: half's scalar conversion re-checks CPU features on every call
+            // in a build without them enabled at compile time.
+            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128((wb as *const i32).read_unaligned()));
+            dw[r] = _mm_cvtss_f32(scales);
             if Q8 {
                 let q = _mm256_loadu_si256(wb.add(2) as *const __m256i);
                 qw[r] = _mm256_sign_epi8(q, q);
                 signs[r] = q;
             } else {
-                mw[r] = f16::from_bits(u16::from_le_bytes([*wb.add(2), *wb.add(3)])).to_f32();
+                mw[r] = _mm_cvtss_f32(_mm_movehdup_ps(scales));
                 // Element j is the low nibble of byte j, element j+16 its high nibble.
                 let packed = _mm_loadu_si128(wb.add(4) as *const __m128i);
                 qw[r] = _mm256_and_si256(
@@ -268,9 +301,107 @@ unsafe fn kernel<const Q8: bool, const R: usize, const G: usize>(
     let mut out = [[0f32; G]; R];
     for r in 0..R {
         for g in 0..G {
-            out[r][g] = hsum(acc[r][g]) + offsets[r][g];
+            out[r][g] = crate::simd::hsum256(acc[r][g]) + offsets[r][g];
         }
     }
+    out
+}
+
+/// Activation blocks quantized per thread above this many.
+const PARALLEL_QUANTIZE_BLOCKS: usize = 1024;
+
+/// Quantizes every 32-value block of `x` (rows are whole numbers of blocks).
+fn quantize_rows(x: &[f32]) -> Vec<ActBlock> {
+    let zero = ActBlock {
+        qs: [0; QK],
+        d: 0.0,
+        s: 0.0,
+    };
+    let mut acts = vec![zero; x.len() / QK];
+    let body = |(dst, src): (&mut [ActBlock], &[f32])| quantize_into(src, dst);
+    if acts.len() >= PARALLEL_QUANTIZE_BLOCKS {
+        let per = PARALLEL_QUANTIZE_BLOCKS / 4;
+        acts.par_chunks_mut(per)
+            .zip(x.par_chunks(per * QK))
+            .for_each(body);
+    } else {
+        body((&mut acts, x));
+    }
+    acts
+}
+
+fn quantize_into(src: &[f32], dst: &mut [ActBlock]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx2_fma_f16c() {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
+                // SAFETY: the CPU has the features; `s` is one whole block.
+                *d = unsafe { quantize_block_avx2(s) };
+            }
+            return;
+        }
+    }
+    for (d, s) in dst.iter_mut().zip(src.chunks_exact(QK)) {
+        *d = quantize_block(s);
+    }
+}
+
+/// [`quantize_block`] with AVX2, bit for bit: the same maximum, scale and products, and
+/// the same round-half-away-from-zero (`trunc(v + copysign(0.5⁻, v))`, which is how LLVM
+/// lowers `f32::round` where it inlines it; a baseline x86-64 build calls `roundf` instead).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_block_avx2(x: &[f32]) -> ActBlock {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(x.len(), QK);
+    let p = x.as_ptr();
+    let v = [
+        _mm256_loadu_ps(p),
+        _mm256_loadu_ps(p.add(8)),
+        _mm256_loadu_ps(p.add(16)),
+        _mm256_loadu_ps(p.add(24)),
+    ];
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_andnot_ps(sign, v[0]);
+    for vi in &v[1..] {
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vi));
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let inv = _mm256_set1_ps(inv);
+    let below_half = _mm256_set1_ps(f32::from_bits(0.5f32.to_bits() - 1));
+    let mut q = [_mm256_setzero_si256(); 4];
+    for (q, vi) in q.iter_mut().zip(v) {
+        let scaled = _mm256_mul_ps(vi, inv);
+        let bias = _mm256_or_ps(below_half, _mm256_and_ps(sign, scaled));
+        // Truncating conversion of the biased value: the rounding step.
+        *q = _mm256_cvttps_epi32(_mm256_add_ps(scaled, bias));
+    }
+    let total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let total = _mm_add_epi32(
+        _mm256_castsi256_si128(total),
+        _mm256_extracti128_si256(total, 1),
+    );
+    let total = _mm_add_epi32(total, _mm_shuffle_epi32(total, 0b01_00_11_10));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(
+        total,
+        _mm_shuffle_epi32(total, 0b10_11_00_01),
+    ));
+    // Pack to bytes; the packs work within 128-bit lanes, the permute restores the order.
+    let w = _mm256_packs_epi16(
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    );
+    let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let mut out = ActBlock {
+        qs: [0; QK],
+        d,
+        s: d * sum as f32,
+    };
+    _mm256_storeu_si256(out.qs.as_mut_ptr() as *mut __m256i, w);
     out
 }
 
@@ -327,15 +458,6 @@ fn dot_q8_0_scalar(w: &[u8], a: &[ActBlock]) -> f32 {
     total
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -376,6 +498,34 @@ mod tests {
             data.extend((0..body).map(|j| ((b * 7 + j * 13) % 256) as u8));
         }
         data
+    }
+
+    #[test]
+    fn simd_quantization_equals_scalar_bit_for_bit() {
+        // Ties (±k.5 after scaling), zeros, the maximum itself and ordinary values.
+        let mut blocks: Vec<Vec<f32>> = vec![vec![0.0; QK]];
+        let mut ties: Vec<f32> = (0..QK).map(|i| i as f32 - 16.0 + 0.5).collect();
+        (ties[0], ties[1]) = (127.0, -126.5);
+        blocks.push(ties);
+        blocks.push(
+            (0..QK)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.731)
+                .collect(),
+        );
+        blocks.push((0..QK).map(|i| (i as f32 * 0.77).sin() * 1e-3).collect());
+        #[cfg(target_arch = "x86_64")]
+        for b in &blocks {
+            if !crate::simd::avx2_fma_f16c() {
+                eprintln!("no AVX2/FMA/F16C here: nothing to compare");
+                return;
+            }
+            let scalar = quantize_block(b);
+            // SAFETY: features checked above; `b` is one block.
+            let got = unsafe { quantize_block_avx2(b) };
+            assert_eq!(got.qs, scalar.qs, "{b:?}");
+            assert_eq!(got.d.to_bits(), scalar.d.to_bits());
+            assert_eq!(got.s.to_bits(), scalar.s.to_bits());
+        }
     }
 
     #[test]
