@@ -5,8 +5,8 @@
 #   docker build -t pdserve:latest .
 #   docker run --rm -p 8000:8000 pdserve:latest up --host 0.0.0.0
 #
-# Note: `.cargo/config.toml` builds with `-C target-cpu=native`, so the image runs on the
-# kind of CPU that built it (AVX2 at least).
+# The binary is portable: no `-C target-cpu=native`; the engine's kernels choose AVX2/FMA/F16C
+# at run time and fall back to scalar code elsewhere, so the image runs on any x86-64.
 
 FROM rust:1-slim-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends python3-pip && rm -rf /var/lib/apt/lists/*
