@@ -379,7 +379,10 @@ async fn multi_turn_by_hand(stack: &Stack) {
         imported_now > 32 && imported_now < prompt_tokens,
         "turn 2 reused {imported_now} of {prompt_tokens} prompt tokens: {p2}"
     );
-    assert_eq!(p2["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{p2}");
+    assert_eq!(
+        p2["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{p2}"
+    );
     let mut d2 = completion(&prompt2, false);
     d2["kv_transfer_params"] = p2["kv_transfer_params"].clone();
     let d2 = stack.ok(&stack.decode, path, &d2).await;

@@ -34,7 +34,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/start_profile", post(start_profile))
         .route("/stop_profile", post(stop_profile))
-        .route(crate::kv::release::RELEASE_PATH, post(crate::kv::release::handle))
+        .route(
+            crate::kv::release::RELEASE_PATH,
+            post(crate::kv::release::handle),
+        )
         // SGLang's native API and what its gateway probes (see `server_info`).
         .route("/generate", post(super::generate::handle))
         .route("/server_info", get(super::server_info::server_info))
