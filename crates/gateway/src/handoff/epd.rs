@@ -22,7 +22,7 @@ use super::encode::{encode, Encoded};
 use super::final_leg::{expose_worker, forward_once, forward_reencodable, FinalLeg};
 use super::media::{extract, MediaItem};
 use super::mm_rewrite::{merge_ec_params, rewrite};
-use super::sequential::{prefill_body, prefill_pinned};
+use super::sequential::{prefill_body, prefill_pinned, ReleaseOnDrop};
 use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
 use crate::policy::RouteRequest;
@@ -246,6 +246,10 @@ impl Legs<'_> {
         let started = Instant::now();
         let handle = prefill_pinned(self.state, self.ctx, self.consumer, body, self.rank).await?;
         stages.prefill = Some(started.elapsed());
+        // As in the plain P/D handoff: a failed decode (or a client gone first) frees the
+        // consumer's pinned blocks at once instead of at its abort timeout.
+        let release =
+            ReleaseOnDrop::new(self.state, self.consumer, handle.clone(), &self.ctx.headers);
         prepared.transport_mut().kv_transfer_params = handle;
         let leg = FinalLeg {
             role: WorkerRole::Decode,
@@ -262,6 +266,7 @@ impl Legs<'_> {
                 true => AttemptError::Retry(e.failure),
                 false => AttemptError::Final(e.failure),
             })?;
+        release.disarm();
         stages.decode_ttfb = started.elapsed();
         if self.state.config.expose_routing {
             expose_worker(&mut response, X_PDSERVE_PREFILL, self.consumer);

@@ -64,12 +64,7 @@ pub async fn serve(
     } = answer;
     // Until decode has answered, P's blocks are released if decode fails or the client
     // leaves (else they stay pinned until the worker's abort timeout).
-    let release = ReleaseOnDrop {
-        state: state.clone(),
-        worker: prefill_worker.clone(),
-        params: handle.clone(),
-        headers: ctx.headers.clone(),
-    };
+    let release = ReleaseOnDrop::new(state, &prefill_worker, handle.clone(), &ctx.headers);
     if handle.is_none() {
         tracing::warn!(
             request_id = ctx.headers.request_id(),
@@ -135,7 +130,7 @@ async fn with_prefill_cached_tokens(response: Response, stream: bool, cached: u6
 
 /// Releases the prefill worker's KV handle when dropped armed (decode failed, or the
 /// client went away before decode answered).
-struct ReleaseOnDrop {
+pub(super) struct ReleaseOnDrop {
     state: Arc<AppState>,
     worker: Arc<Worker>,
     params: Option<KvTransferParams>,
@@ -143,7 +138,23 @@ struct ReleaseOnDrop {
 }
 
 impl ReleaseOnDrop {
-    fn disarm(mut self) {
+    /// Armed for `params`, the handle `worker` answered its prefill leg with.
+    pub(super) fn new(
+        state: &Arc<AppState>,
+        worker: &Arc<Worker>,
+        params: Option<KvTransferParams>,
+        headers: &ForwardHeaders,
+    ) -> Self {
+        Self {
+            state: state.clone(),
+            worker: worker.clone(),
+            params,
+            headers: headers.clone(),
+        }
+    }
+
+    /// Decode answered (it read the blocks): nothing to release.
+    pub(super) fn disarm(mut self) {
         self.params = None;
     }
 }

@@ -300,6 +300,27 @@ async fn decode_refusal_after_prefill_releases_the_prefill_handle() {
 }
 
 #[tokio::test]
+async fn decode_refusal_after_an_encoded_prefill_releases_the_prefill_handle() {
+    bounded(async {
+        let encoder = super::encoder::Encoder::start("e0").await;
+        let (p, d) = (Stub::start(true).await, Stub::start(false).await);
+        d.set(Mode::Reject);
+        let mut config = config(&p, &d);
+        config.encode = vec![parse_worker_url("test", &encoder.url).unwrap()];
+        let gw = Gateway::start(config).await;
+        let body = super::epd::mm_request(&[super::epd::image("a")], false);
+        let (status, text) = post(&gw, &body.to_string(), &[]).await;
+        assert_eq!(status, 400, "{text}");
+        assert_eq!(encoder.requests().len(), 1, "the E+P+D path ran");
+        let release = p.wait_for("/v1/kv/release", 1).await;
+        let sent: Value = serde_json::from_slice(&release[0].body).unwrap();
+        let handle: Value = serde_json::from_str(P_HANDLE).unwrap();
+        assert_eq!(sent["kv_transfer_params"], handle);
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_worker_without_the_release_route_is_asked_once() {
     bounded(async {
         let (p, d) = (Stub::start(true).await, Stub::start(false).await);
