@@ -9,10 +9,11 @@
 //!   `choices[i].logprobs.token_logprobs` (and `top_logprobs`) is filled from P's entry
 //!   at the same position when both name the same token.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use serde_json::Value;
 
 use super::bootstrap::SglangRoute;
+use super::relay::rewrite_events;
 
 /// Whether the request asks for input (prompt) logprobs, so P's answer must be awaited
 /// and merged: `return_logprob` on `/generate`, `logprobs` with `echo` on completions.
@@ -59,34 +60,16 @@ impl PrefillLogprobs {
         if memchr::memmem::find(&lines, b"logprob").is_none() {
             return lines;
         }
-        let mut out = BytesMut::with_capacity(lines.len() + 256);
-        let mut pieces = lines.split(|&b| b == b'\n').peekable();
-        while let Some(line) = pieces.next() {
-            let payload = line.strip_prefix(b"data: ").or(line.strip_prefix(b"data:"));
-            let merged = payload
-                .filter(|p| p.first() == Some(&b'{'))
-                .and_then(|p| serde_json::from_slice::<Value>(p.trim_ascii_end()).ok())
-                .map(|mut v| {
-                    // A stream event carries one item; SGLang names it by `index`.
-                    let index = v.get("index").and_then(Value::as_u64);
-                    self.merge_value(&mut v, index.map(|i| i as usize));
-                    v
-                });
-            match merged.and_then(|v| serde_json::to_vec(&v).ok()) {
-                Some(json) => {
-                    out.extend_from_slice(b"data: ");
-                    out.extend_from_slice(&json);
-                    if line.ends_with(b"\r") {
-                        out.extend_from_slice(b"\r");
-                    }
-                }
-                None => out.extend_from_slice(line),
+        rewrite_events(&lines, 256, |data| {
+            if data.first() != Some(&b'{') {
+                return None;
             }
-            if pieces.peek().is_some() {
-                out.extend_from_slice(b"\n");
-            }
-        }
-        out.freeze()
+            let mut v = serde_json::from_slice::<Value>(data.trim_ascii_end()).ok()?;
+            // A stream event carries one item; SGLang names it by `index`.
+            let index = v.get("index").and_then(Value::as_u64);
+            self.merge_value(&mut v, index.map(|i| i as usize));
+            serde_json::to_vec(&v).ok()
+        })
     }
 
     /// Merges into one decoded value: a native item, a native batch, or an OpenAI body.

@@ -95,32 +95,14 @@ impl SseScanner {
     /// the conversation's next turn when asked, never shown to the client: it names
     /// internal hosts, ports and block ids).
     fn strip_kv(&mut self, lines: &[u8]) -> Bytes {
-        let mut out = BytesMut::with_capacity(lines.len());
-        let mut pieces = lines.split(|&b| b == b'\n').peekable();
-        while let Some(line) = pieces.next() {
-            let rewritten = match data_of(line) {
-                Some(b"[DONE]") => {
-                    self.saw_done = true;
-                    None
-                }
-                Some(data) if contains(data, KV_FIELD) => self.without_kv(data),
-                _ => None,
-            };
-            match rewritten {
-                Some(json) => {
-                    out.extend_from_slice(b"data: ");
-                    out.extend_from_slice(&json);
-                    if line.ends_with(b"\r") {
-                        out.extend_from_slice(b"\r");
-                    }
-                }
-                None => out.extend_from_slice(line),
+        rewrite_events(lines, 0, |data| match data {
+            b"[DONE]" => {
+                self.saw_done = true;
+                None
             }
-            if pieces.peek().is_some() {
-                out.extend_from_slice(b"\n");
-            }
-        }
-        out.freeze()
+            data if contains(data, KV_FIELD) => self.without_kv(data),
+            _ => None,
+        })
     }
 
     /// The event's JSON without `kv_transfer_params` (captured first when asked).
@@ -160,6 +142,34 @@ fn data_of(line: &[u8]) -> Option<&[u8]> {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let data = line.strip_prefix(b"data:")?;
     Some(data.strip_prefix(b" ").unwrap_or(data))
+}
+
+/// Whole SSE `lines` with each `data:` event's payload replaced by what `edit` returns
+/// for it (`None` keeps the line as it came); line endings are kept. `extra` is the
+/// growth to reserve.
+pub(super) fn rewrite_events(
+    lines: &[u8],
+    extra: usize,
+    mut edit: impl FnMut(&[u8]) -> Option<Vec<u8>>,
+) -> Bytes {
+    let mut out = BytesMut::with_capacity(lines.len() + extra);
+    let mut pieces = lines.split(|&b| b == b'\n').peekable();
+    while let Some(line) = pieces.next() {
+        match data_of(line).and_then(&mut edit) {
+            Some(json) => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&json);
+                if line.ends_with(b"\r") {
+                    out.extend_from_slice(b"\r");
+                }
+            }
+            None => out.extend_from_slice(line),
+        }
+        if pieces.peek().is_some() {
+            out.extend_from_slice(b"\n");
+        }
+    }
+    out.freeze()
 }
 
 /// A JSON response body without its top-level `kv_transfer_params`, and that handle.
@@ -209,24 +219,7 @@ pub fn stream_with_cached_tokens(chunk: Bytes, cached: u64) -> Bytes {
     if !contains(&chunk, b"\"prompt_tokens\"") {
         return chunk;
     }
-    let mut out = BytesMut::with_capacity(chunk.len() + 32);
-    let mut pieces = chunk.split(|&b| b == b'\n').peekable();
-    while let Some(line) = pieces.next() {
-        match data_of(line).and_then(|data| with_cached_tokens(data, cached)) {
-            Some(json) => {
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(&json);
-                if line.ends_with(b"\r") {
-                    out.extend_from_slice(b"\r");
-                }
-            }
-            None => out.extend_from_slice(line),
-        }
-        if pieces.peek().is_some() {
-            out.extend_from_slice(b"\n");
-        }
-    }
-    out.freeze()
+    rewrite_events(&chunk, 32, |data| with_cached_tokens(data, cached))
 }
 
 /// Where a relayed stream stores the decode side's KV handle.
