@@ -37,10 +37,9 @@ use reqwest::{RequestBuilder, Url};
 use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tokio::time::timeout_at;
 
 use super::bootstrap_merge::{wants_input_logprobs, PrefillLogprobs};
-use super::final_leg::expose_worker;
+use super::final_leg::{expose_worker, first_event, StreamHead};
 use super::relay::{split_kv_params, Relay};
 use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
@@ -451,23 +450,11 @@ async fn start_decode(
         }
         return Ok(DecodeStart::Body(body));
     }
-    let content_type = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
-    let mut upstream = response.bytes_stream().boxed();
-    let first = match timeout_at(exchange.deadline(), upstream.next()).await {
-        Err(_) => return Err(exchange.timed_out()),
-        Ok(Some(Ok(first))) => first,
-        Ok(Some(Err(e))) => return Err(exchange.transport(&e)),
-        Ok(None) => {
-            return Err(exchange.error(
-                LegErrorKind::Transport,
-                "closed the stream before sending anything",
-            ))
-        }
-    };
+    let StreamHead {
+        content_type,
+        first,
+        upstream,
+    } = first_event(&exchange, response).await?;
     state.metrics.observe_decode_ttfb(sent.elapsed());
     Ok(DecodeStart::Stream {
         first,

@@ -8,6 +8,7 @@ use std::time::Instant;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
+use futures::stream::BoxStream;
 use futures::StreamExt;
 use http::{header, HeaderValue, StatusCode};
 use pdserve_protocol::WorkerRole;
@@ -202,25 +203,13 @@ async fn send_leg(
         return Ok(json_response(body));
     }
 
-    let content_type = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
-    let mut upstream = response.bytes_stream().boxed();
     // Wait for the first byte before answering: until then a failure can still become
     // a proper error status or a retry on another worker.
-    let first = match timeout_at(exchange.deadline(), upstream.next()).await {
-        Err(_) => return Err(exchange.timed_out()),
-        Ok(Some(Ok(first))) => first,
-        Ok(Some(Err(e))) => return Err(exchange.transport(&e)),
-        Ok(None) => {
-            return Err(exchange.error(
-                LegErrorKind::Transport,
-                "closed the stream before sending anything",
-            ))
-        }
-    };
+    let StreamHead {
+        content_type,
+        first,
+        upstream,
+    } = first_event(&exchange, response).await?;
     state.metrics.observe_decode_ttfb(sent.elapsed());
     let relay = Relay {
         first,
@@ -255,4 +244,44 @@ fn json_response(body: Bytes) -> Response {
         HeaderValue::from_static("application/json"),
     );
     response
+}
+
+/// A streamed answer once its first bytes came.
+pub(super) struct StreamHead {
+    /// The worker's `Content-Type` (SSE when it named none).
+    pub content_type: HeaderValue,
+    /// The first chunk.
+    pub first: Bytes,
+    /// The rest of the stream.
+    pub upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+}
+
+/// Waits, within `exchange`'s deadline, for the first chunk of a streamed `response`:
+/// a stream that ends or fails before it is a transport error.
+pub(super) async fn first_event(
+    exchange: &Exchange<'_>,
+    response: reqwest::Response,
+) -> Result<StreamHead, LegError> {
+    let content_type = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+    let mut upstream = response.bytes_stream().boxed();
+    let first = match timeout_at(exchange.deadline(), upstream.next()).await {
+        Err(_) => return Err(exchange.timed_out()),
+        Ok(Some(Ok(first))) => first,
+        Ok(Some(Err(e))) => return Err(exchange.transport(&e)),
+        Ok(None) => {
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                "closed the stream before sending anything",
+            ))
+        }
+    };
+    Ok(StreamHead {
+        content_type,
+        first,
+        upstream,
+    })
 }
