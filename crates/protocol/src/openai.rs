@@ -117,12 +117,22 @@ pub struct TransportParams {
     pub stream_options: Option<StreamOptions>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// SGLang's bootstrap fields: one value, or one per choice when `n` > 1 (as SGLang's
+    /// router sends them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bootstrap_host: Option<String>,
+    pub bootstrap_host: Option<OneOrMany<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bootstrap_port: Option<u16>,
+    pub bootstrap_port: Option<OneOrMany<Option<u16>>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bootstrap_room: Option<u64>,
+    pub bootstrap_room: Option<OneOrMany<u64>>,
+}
+
+/// A field given once for all items, or as a list with one value per item.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
 }
 
 /// `POST /v1/chat/completions` body.

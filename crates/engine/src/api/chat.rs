@@ -15,11 +15,13 @@ use pdserve_protocol::{
     KvTransferParams, MessageContent, TokenLogprob, TopLogprob, Usage,
 };
 
-use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
+use super::generation::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
 use super::unsupported::check_unsupported;
-use super::validate::{check_model, generation_request, output_options, top_logprobs};
+use super::validate::{
+    check_model, choice_count, generation_request, output_options, top_logprobs,
+};
 use super::AppState;
 
 /// Handles one chat completion request. Errors become OpenAI-shaped responses through
@@ -39,6 +41,7 @@ async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prep
     check_model(req.model.as_deref(), &app.limits)?;
     check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
+    let choices = choice_count(req.generation.n)?;
     let want_logprobs = req.logprobs.unwrap_or(false);
     let top = match req.top_logprobs {
         Some(n) if n > 0 && !want_logprobs => {
@@ -81,7 +84,8 @@ async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prep
     Ok(Prepared {
         request,
         session: body_session_key(&req.extra),
-        bootstrap: crate::bootstrap::fields(&req.transport),
+        bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
+        choices,
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
         reply: Reply::chat(format, &options, want_logprobs),
@@ -174,12 +178,13 @@ impl ChatFormat {
     }
 
     fn choice(
+        index: u32,
         delta: ChatDelta,
         logprobs: Option<ChatLogprobs>,
         finish: Option<&str>,
     ) -> ChatChunkChoice {
         ChatChunkChoice {
-            index: 0,
+            index,
             delta,
             logprobs,
             finish_reason: finish.map(str::to_string),
@@ -188,16 +193,16 @@ impl ChatFormat {
 }
 
 impl ResponseFormat for ChatFormat {
-    fn start_chunk(&self) -> Option<Bytes> {
+    fn start_chunk(&self, index: u32) -> Option<Bytes> {
         let delta = ChatDelta {
             role: Some("assistant".into()),
             content: Some(String::new()),
             ..Default::default()
         };
-        Some(self.chunk(vec![Self::choice(delta, None, None)], None, None))
+        Some(self.chunk(vec![Self::choice(index, delta, None, None)], None, None))
     }
 
-    fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
+    fn text_chunk(&self, index: u32, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
         let delta = ChatDelta {
             content: Some(text),
             ..Default::default()
@@ -205,16 +210,18 @@ impl ResponseFormat for ChatFormat {
         let logprobs = logprob.map(|lp| ChatLogprobs {
             content: vec![token_logprob(lp)],
         });
-        self.chunk(vec![Self::choice(delta, logprobs, None)], None, None)
+        self.chunk(vec![Self::choice(index, delta, logprobs, None)], None, None)
     }
 
     fn finish_chunk(
         &self,
+        index: u32,
         finish_reason: &'static str,
         kv_transfer_params: Option<KvTransferParams>,
     ) -> Bytes {
         self.chunk(
             vec![Self::choice(
+                index,
                 ChatDelta::default(),
                 None,
                 Some(finish_reason),
@@ -230,30 +237,33 @@ impl ResponseFormat for ChatFormat {
 
     fn response(
         &self,
-        text: String,
-        logprobs: Option<Vec<ResolvedLogprob>>,
-        finish_reason: &'static str,
+        choices: Vec<ChoiceOutput>,
         usage: Usage,
         kv_transfer_params: Option<KvTransferParams>,
     ) -> Response {
+        let choices = choices
+            .into_iter()
+            .zip(0..)
+            .map(|(choice, index)| ChatChoice {
+                index,
+                message: ChatMessage {
+                    role: "assistant".into(),
+                    content: Some(MessageContent::Text(choice.text)),
+                    extra: Default::default(),
+                },
+                logprobs: choice.logprobs.map(|lps| ChatLogprobs {
+                    content: lps.into_iter().map(token_logprob).collect(),
+                }),
+                finish_reason: Some(choice.finish_reason.into()),
+                extra: Default::default(),
+            })
+            .collect();
         Json(ChatCompletionResponse {
             id: self.id.clone(),
             object: "chat.completion".into(),
             created: self.created,
             model: self.model.clone(),
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessage {
-                    role: "assistant".into(),
-                    content: Some(MessageContent::Text(text)),
-                    extra: Default::default(),
-                },
-                logprobs: logprobs.map(|lps| ChatLogprobs {
-                    content: lps.into_iter().map(token_logprob).collect(),
-                }),
-                finish_reason: Some(finish_reason.into()),
-                extra: Default::default(),
-            }],
+            choices,
             usage: Some(usage),
             kv_transfer_params,
             extra: Default::default(),

@@ -14,11 +14,13 @@ use pdserve_protocol::{
 };
 use serde_json::{Map, Value};
 
-use super::generation::{response_id, ResolvedLogprob, ResponseFormat};
+use super::generation::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::prepared::{body_session_key, serve, Prepared, Reply};
 use super::server::parse_json;
 use super::unsupported::check_unsupported;
-use super::validate::{check_model, generation_request, output_options, top_logprobs};
+use super::validate::{
+    check_model, choice_count, generation_request, output_options, top_logprobs,
+};
 use super::AppState;
 
 /// Handles one completion request. Errors become OpenAI-shaped responses through
@@ -38,6 +40,7 @@ async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared
     check_model(req.model.as_deref(), &app.limits)?;
     check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
+    let choices = choice_count(req.generation.n)?;
     if req.echo == Some(true) {
         return Err(
             ApiError::bad_request("echo is not supported by this worker").with_param("echo"),
@@ -71,7 +74,8 @@ async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared
     Ok(Prepared {
         request,
         session: body_session_key(&req.extra),
-        bootstrap: crate::bootstrap::fields(&req.transport),
+        bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
+        choices,
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
         reply: Reply::completion(format, &options, logprobs.is_some()),
@@ -143,12 +147,13 @@ impl CompletionFormat {
     }
 
     fn choice(
+        index: u32,
         text: String,
         logprobs: Option<CompletionLogprobs>,
         finish: Option<&str>,
     ) -> CompletionChoice {
         CompletionChoice {
-            index: 0,
+            index,
             text,
             logprobs,
             finish_reason: finish.map(str::to_string),
@@ -158,22 +163,29 @@ impl CompletionFormat {
 }
 
 impl ResponseFormat for CompletionFormat {
-    fn start_chunk(&self) -> Option<Bytes> {
+    fn start_chunk(&self, _index: u32) -> Option<Bytes> {
         None
     }
 
-    fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
+    fn text_chunk(&self, index: u32, text: String, logprob: Option<ResolvedLogprob>) -> Bytes {
         let logprobs = logprob.map(|lp| completion_logprobs(vec![lp]));
-        sse::data_event(&self.body(vec![Self::choice(text, logprobs, None)], None, None))
+        let choice = Self::choice(index, text, logprobs, None);
+        sse::data_event(&self.body(vec![choice], None, None))
     }
 
     fn finish_chunk(
         &self,
+        index: u32,
         finish_reason: &'static str,
         kv_transfer_params: Option<KvTransferParams>,
     ) -> Bytes {
         sse::data_event(&self.body(
-            vec![Self::choice(String::new(), None, Some(finish_reason))],
+            vec![Self::choice(
+                index,
+                String::new(),
+                None,
+                Some(finish_reason),
+            )],
             None,
             kv_transfer_params,
         ))
@@ -185,13 +197,18 @@ impl ResponseFormat for CompletionFormat {
 
     fn response(
         &self,
-        text: String,
-        logprobs: Option<Vec<ResolvedLogprob>>,
-        finish_reason: &'static str,
+        choices: Vec<ChoiceOutput>,
         usage: Usage,
         kv_transfer_params: Option<KvTransferParams>,
     ) -> Response {
-        let choice = Self::choice(text, logprobs.map(completion_logprobs), Some(finish_reason));
-        Json(self.body(vec![choice], Some(usage), kv_transfer_params)).into_response()
+        let choices = choices
+            .into_iter()
+            .zip(0..)
+            .map(|(c, index)| {
+                let logprobs = c.logprobs.map(completion_logprobs);
+                Self::choice(index, c.text, logprobs, Some(c.finish_reason))
+            })
+            .collect();
+        Json(self.body(choices, Some(usage), kv_transfer_params)).into_response()
     }
 }

@@ -24,7 +24,7 @@ use serde_json::{json, Map, Value};
 
 use super::generation::{Generation, Piece, ResolvedLogprob};
 use super::server::{parse_json, sse_response};
-use super::validate::{generation_request, top_logprobs, MAX_STOP_STRINGS};
+use super::validate::{choice_count, generation_request, top_logprobs, MAX_STOP_STRINGS};
 use super::AppState;
 use crate::request::GenerationRequest;
 
@@ -281,6 +281,13 @@ async fn prepare(
         "logit_bias": sp.logit_bias,
     }))
     .map_err(|e| ApiError::bad_request(format!("sampling_params: {e}")))?;
+    // Parallel sampling is served on the OpenAI routes only (chat and completions).
+    if choice_count(params.n)? != 1 {
+        return Err(ApiError::bad_request(
+            "sampling_params.n > 1 is not supported on /generate (use /v1/completions)",
+        )
+        .with_param("n"));
+    }
     let mut request = generation_request(
         prompt,
         &params,

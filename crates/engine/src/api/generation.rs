@@ -6,12 +6,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use axum::response::{IntoResponse, Response};
-use bytes::{Bytes, BytesMut};
-use futures::StreamExt;
-use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
+use axum::response::Response;
+use bytes::Bytes;
+use pdserve_protocol::{ApiError, KvTransferParams, Usage};
 
-use super::server::sse_response;
+pub use super::choices::ChoiceOutput;
 use super::AppState;
 use crate::kv::service::release_unpublished;
 use crate::kv::Publish;
@@ -337,114 +336,29 @@ fn resolve(tok: &impl TokenText, id: u32, lp: &TokenLogprobs, offset: usize) -> 
     }
 }
 
-/// How one API (chat or completions) shapes its chunks and responses.
+/// How one API (chat or completions) shapes its chunks and responses; `index` is the
+/// choice's (0 unless the request asked for `n` > 1).
 pub trait ResponseFormat: Send + Sync + 'static {
     /// A chunk sent before any token (chat's `role: assistant`), if the API has one.
-    fn start_chunk(&self) -> Option<Bytes>;
+    fn start_chunk(&self, index: u32) -> Option<Bytes>;
     /// A chunk with one piece of text and its logprob.
-    fn text_chunk(&self, text: String, logprob: Option<ResolvedLogprob>) -> Bytes;
+    fn text_chunk(&self, index: u32, text: String, logprob: Option<ResolvedLogprob>) -> Bytes;
     /// The chunk carrying `finish_reason` (and the request's `kv_transfer_params`).
     fn finish_chunk(
         &self,
+        index: u32,
         finish_reason: &'static str,
         kv_transfer_params: Option<KvTransferParams>,
     ) -> Bytes;
     /// The `stream_options.include_usage` chunk (no choices).
     fn usage_chunk(&self, usage: Usage) -> Bytes;
-    /// The non-streaming response.
+    /// The non-streaming response, with `choices` in index order.
     fn response(
         &self,
-        text: String,
-        logprobs: Option<Vec<ResolvedLogprob>>,
-        finish_reason: &'static str,
+        choices: Vec<ChoiceOutput>,
         usage: Usage,
         kv_transfer_params: Option<KvTransferParams>,
     ) -> Response;
-}
-
-/// Streams `generation` as server-sent events: one chunk per token with text (or with a
-/// logprob), the finish chunk, the usage chunk if asked, then `[DONE]`. Dropping the
-/// stream (client gone) drops the sequence's receiver, which cancels it.
-pub fn stream_response<F: ResponseFormat>(
-    generation: Generation,
-    format: F,
-    include_usage: bool,
-) -> Response {
-    let format = Arc::new(format);
-    let start = format.start_chunk();
-    let rest = futures::stream::unfold(Some(generation), move |state| {
-        let format = format.clone();
-        async move {
-            let mut generation = state?;
-            loop {
-                let chunk = match generation.next().await? {
-                    Piece::Token { text, logprob } => {
-                        if text.is_empty() && logprob.is_none() {
-                            continue;
-                        }
-                        format.text_chunk(text, logprob)
-                    }
-                    Piece::Tail(text) => format.text_chunk(text, None),
-                    Piece::End {
-                        finish_reason,
-                        usage,
-                        kv_transfer_params,
-                    } => {
-                        let finish = format.finish_chunk(finish_reason, kv_transfer_params);
-                        let mut out = BytesMut::from(&finish[..]);
-                        if include_usage {
-                            out.extend_from_slice(&format.usage_chunk(usage));
-                        }
-                        out.extend_from_slice(sse::DONE);
-                        return Some((Ok(out.freeze()), None));
-                    }
-                    Piece::Error(e) => {
-                        tracing::warn!("stream ended by an engine error: {e}");
-                        let mut out = BytesMut::from(&sse::data_event(&e.to_json())[..]);
-                        out.extend_from_slice(sse::DONE);
-                        return Some((Ok(out.freeze()), None));
-                    }
-                };
-                return Some((Ok(chunk), Some(generation)));
-            }
-        }
-    });
-    let first = futures::stream::iter(start.map(Ok));
-    sse_response(first.chain(rest))
-}
-
-/// Runs `generation` to the end and answers one JSON response.
-pub async fn collect_response<F: ResponseFormat>(
-    mut generation: Generation,
-    format: F,
-    want_logprobs: bool,
-) -> Response {
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    while let Some(piece) = generation.next().await {
-        match piece {
-            Piece::Token { text: t, logprob } => {
-                text.push_str(&t);
-                logprobs.extend(logprob);
-            }
-            Piece::Tail(t) => text.push_str(&t),
-            Piece::End {
-                finish_reason,
-                usage,
-                kv_transfer_params,
-            } => {
-                return format.response(
-                    text,
-                    want_logprobs.then_some(logprobs),
-                    finish_reason,
-                    usage,
-                    kv_transfer_params,
-                );
-            }
-            Piece::Error(e) => return e.into_response(),
-        }
-    }
-    ApiError::internal("the request ended without a result").into_response()
 }
 
 /// A fresh response id with the API's prefix.

@@ -2,6 +2,7 @@
 //! `/metrics`. The only place engine errors become HTTP statuses and OpenAI bodies.
 
 mod chat;
+pub mod choices;
 mod completions;
 mod error;
 pub mod generate;

@@ -10,8 +10,9 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::{Map, Value};
 
 use super::chat::ChatFormat;
+use super::choices::{collect_response, stream_response};
 use super::completions::CompletionFormat;
-use super::generation::{collect_response, stream_response, Generation};
+use super::generation::Generation;
 use super::validate::OutputOptions;
 use super::AppState;
 use crate::request::GenerationRequest;
@@ -25,8 +26,11 @@ pub struct Prepared {
     /// The client's own `kv_transfer_params` (a proxy running the handoff itself).
     pub kv_transfer_params: Option<KvTransferParams>,
     /// SGLang's `bootstrap_host`/`bootstrap_port`/`bootstrap_room` (a gateway running
-    /// SGLang's handoff: the same body goes to the prefill and the decode worker).
-    pub bootstrap: Option<pdserve_protocol::BootstrapParams>,
+    /// SGLang's handoff: the same body goes to the prefill and the decode worker), one
+    /// entry per choice; empty without them.
+    pub bootstrap: Vec<pdserve_protocol::BootstrapParams>,
+    /// How many choices (`n`) to generate, each a sequence of its own.
+    pub choices: usize,
     /// The client's `model` field.
     pub model: Option<String>,
     /// The session key the body carries (`conversation_id`, else `user`).
@@ -77,11 +81,17 @@ impl Reply {
 
     /// Answers with `generation`'s output: a stream, or one JSON body once it is done.
     pub async fn respond(self, generation: Generation) -> Response {
+        self.respond_choices(vec![generation]).await
+    }
+
+    /// Answers with the output of every choice, `generations[i]` being choice `i`.
+    pub async fn respond_choices(self, generations: Vec<Generation>) -> Response {
+        let (usage, logprobs) = (self.include_usage, self.logprobs);
         match (self.format, self.stream) {
-            (Format::Chat(f), true) => stream_response(generation, f, self.include_usage),
-            (Format::Chat(f), false) => collect_response(generation, f, self.logprobs).await,
-            (Format::Completion(f), true) => stream_response(generation, f, self.include_usage),
-            (Format::Completion(f), false) => collect_response(generation, f, self.logprobs).await,
+            (Format::Chat(f), true) => stream_response(generations, f, usage),
+            (Format::Chat(f), false) => collect_response(generations, f, logprobs).await,
+            (Format::Completion(f), true) => stream_response(generations, f, usage),
+            (Format::Completion(f), false) => collect_response(generations, f, logprobs).await,
         }
     }
 }
@@ -97,8 +107,9 @@ pub fn body_session_key(extra: &Map<String, Value>) -> Option<String> {
 }
 
 /// Serves `prepared`: through the orchestrator (a prefill worker computes the prompt,
-/// this worker decodes) when this worker orchestrates and the client did not run the
-/// handoff itself with its own `kv_transfer_params`; otherwise on this worker alone.
+/// this worker decodes) when this worker orchestrates, the client did not run the
+/// handoff itself with its own `kv_transfer_params` and asked for one choice; otherwise
+/// on this worker alone (`n` > 1 included: its choices share the prompt's blocks here).
 pub(super) async fn serve(
     app: &Arc<AppState>,
     prepared: Prepared,
@@ -106,7 +117,9 @@ pub(super) async fn serve(
 ) -> Response {
     match &app.orchestrator {
         Some(orchestrator)
-            if prepared.kv_transfer_params.is_none() && prepared.bootstrap.is_none() =>
+            if prepared.kv_transfer_params.is_none()
+                && prepared.bootstrap.is_empty()
+                && prepared.choices == 1 =>
         {
             orchestrator.serve(app, prepared, headers).await
         }
@@ -117,15 +130,16 @@ pub(super) async fn serve(
 }
 
 async fn serve_locally(app: &Arc<AppState>, prepared: Prepared) -> Result<Response, ApiError> {
-    let generation = crate::bootstrap::submit(
+    let generations = super::choices::submit(
         app,
-        prepared.bootstrap.as_ref(),
-        prepared.kv_transfer_params.as_ref(),
         prepared.request,
         prepared.stop,
+        prepared.kv_transfer_params.as_ref(),
+        &prepared.bootstrap,
+        prepared.choices,
     )
     .await?;
-    Ok(prepared.reply.respond(generation).await)
+    Ok(prepared.reply.respond_choices(generations).await)
 }
 
 #[cfg(test)]

@@ -11,6 +11,9 @@ use crate::request::GenerationRequest;
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// Most stop strings per request.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Most choices (`n`) per request: OpenAI's own limit (vLLM sets none). Each choice is a
+/// sequence of its own in the scheduler.
+pub const MAX_CHOICES: i64 = 128;
 
 /// What validation needs to know about the served model.
 #[derive(Debug, Clone)]
@@ -126,7 +129,19 @@ pub fn top_logprobs(param: &str, n: i64) -> Result<usize, ApiError> {
     Ok(n as usize)
 }
 
-/// The scheduler request for `prompt` with the sampling fields of `params`.
+/// How many choices `n` asks for: 1 when absent, at most [`MAX_CHOICES`].
+pub fn choice_count(n: Option<i64>) -> Result<usize, ApiError> {
+    match n.unwrap_or(1) {
+        n if (1..=MAX_CHOICES).contains(&n) => Ok(n as usize),
+        n => Err(invalid(
+            "n",
+            format!("n must be between 1 and {MAX_CHOICES}, got {n}"),
+        )),
+    }
+}
+
+/// The scheduler request for `prompt` with the sampling fields of `params` (all but
+/// `n`: each choice is a request of its own, see [`choice_count`]).
 /// `max_tokens` is the (already chosen) `max_tokens`/`max_completion_tokens` value.
 pub fn generation_request(
     prompt: Vec<u32>,
@@ -136,11 +151,6 @@ pub fn generation_request(
     limits: &ModelLimits,
     prompt_param: &str,
 ) -> Result<GenerationRequest, ApiError> {
-    if let Some(n) = params.n {
-        if n != 1 {
-            return Err(invalid("n", format!("only n=1 is supported, got {n}")));
-        }
-    }
     let sampling = super::sampling_fields::sampling_params(params, limits)?;
     if prompt.is_empty() {
         return Err(invalid(prompt_param, "the prompt is empty".into()));
@@ -287,10 +297,11 @@ mod tests {
         );
         assert_eq!(param_of(check(p(), None, 100).unwrap_err()), "prompt");
         assert_eq!(param_of(check(p(), None, 0).unwrap_err()), "prompt");
-        assert_eq!(
-            param_of(check(GenerationParams { n: Some(2), ..p() }, None, 3).unwrap_err()),
-            "n"
-        );
+        assert_eq!(choice_count(None).unwrap(), 1);
+        assert_eq!(choice_count(Some(MAX_CHOICES)).unwrap(), 128);
+        for n in [0, -1, MAX_CHOICES + 1] {
+            assert_eq!(param_of(choice_count(Some(n)).unwrap_err()), "n");
+        }
         assert_eq!(
             param_of(
                 check(

@@ -14,7 +14,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdserve_protocol::{ApiError, BootstrapParams, KvTransferParams, TransportParams, WorkerRole};
+use pdserve_protocol::{
+    ApiError, BootstrapParams, KvTransferParams, OneOrMany, TransportParams, WorkerRole,
+};
 
 use crate::api::generation::Generation;
 use crate::api::AppState;
@@ -46,13 +48,72 @@ pub fn parse_room_id(id: &str) -> Option<u64> {
     id.strip_prefix("bootstrap-room-")?.parse().ok()
 }
 
-/// The bootstrap fields of a request, when it carries a `bootstrap_room`.
-pub fn fields(transport: &TransportParams) -> Option<BootstrapParams> {
-    Some(BootstrapParams {
-        bootstrap_room: transport.bootstrap_room?,
-        bootstrap_host: transport.bootstrap_host.clone().unwrap_or_default(),
-        bootstrap_port: transport.bootstrap_port,
-    })
+/// The bootstrap fields of a request with `choices` choices (`n`), one entry per choice,
+/// or none when it carries no `bootstrap_room`. As SGLang reads them: a list gives each
+/// choice its own value; one room for several choices stands for the rooms `room + i`
+/// (a one-item list counts as that one room: the router's list per prompt, here one
+/// prompt); one host or port serves every choice.
+pub fn fields(
+    transport: &TransportParams,
+    choices: usize,
+) -> Result<Vec<BootstrapParams>, ApiError> {
+    let Some(rooms) = &transport.bootstrap_room else {
+        return Ok(Vec::new());
+    };
+    let rooms = match rooms {
+        OneOrMany::Many(list) if list.len() == choices => list.clone(),
+        OneOrMany::One(room) => consecutive(*room, choices)?,
+        OneOrMany::Many(list) if list.len() == 1 => consecutive(list[0], choices)?,
+        OneOrMany::Many(list) => return Err(count_mismatch("bootstrap_room", list.len(), choices)),
+    };
+    let hosts = per_choice(transport.bootstrap_host.as_ref(), choices, "bootstrap_host")?;
+    let ports = per_choice(transport.bootstrap_port.as_ref(), choices, "bootstrap_port")?;
+    Ok(rooms
+        .into_iter()
+        .zip(hosts)
+        .zip(ports)
+        .map(|((room, host), port)| BootstrapParams {
+            bootstrap_room: room,
+            bootstrap_host: host.unwrap_or_default(),
+            bootstrap_port: port.flatten(),
+        })
+        .collect())
+}
+
+/// The rooms `room`, `room + 1`, ... for `choices` choices (SGLang's reading of one room
+/// for several samples).
+fn consecutive(room: u64, choices: usize) -> Result<Vec<u64>, ApiError> {
+    (0..choices as u64)
+        .map(|i| room.checked_add(i))
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| {
+            ApiError::bad_request(format!("bootstrap_room {room} + n overflows"))
+                .with_param("bootstrap_room")
+        })
+}
+
+/// `field`'s value for each of `choices` choices: one value for all, or one each.
+fn per_choice<T: Clone>(
+    field: Option<&OneOrMany<T>>,
+    choices: usize,
+    name: &str,
+) -> Result<Vec<Option<T>>, ApiError> {
+    match field {
+        None => Ok(vec![None; choices]),
+        Some(OneOrMany::One(v)) => Ok(vec![Some(v.clone()); choices]),
+        Some(OneOrMany::Many(list)) if list.len() == choices => {
+            Ok(list.iter().cloned().map(Some).collect())
+        }
+        Some(OneOrMany::Many(list)) if list.len() == 1 => Ok(vec![Some(list[0].clone()); choices]),
+        Some(OneOrMany::Many(list)) => Err(count_mismatch(name, list.len(), choices)),
+    }
+}
+
+fn count_mismatch(field: &str, len: usize, choices: usize) -> ApiError {
+    ApiError::bad_request(format!(
+        "{field} has {len} entries for n={choices} choices (give one, or one per choice)"
+    ))
+    .with_param(field)
 }
 
 /// What the worker knows about SGLang's protocol: its role (`disaggregation_mode`), its
@@ -160,5 +221,83 @@ pub async fn submit(
         WorkerRole::Prefill => prefill::submit(app, fields.bootstrap_room, request, stop).await,
         WorkerRole::Decode => decode::submit(app, fields, request, stop).await,
         _ => app.submit_with_kv(None, request, stop).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn transport(v: serde_json::Value) -> TransportParams {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn rooms(v: serde_json::Value, choices: usize) -> Result<Vec<u64>, ApiError> {
+        let fields = fields(&transport(v), choices)?;
+        Ok(fields.into_iter().map(|f| f.bootstrap_room).collect())
+    }
+
+    #[test]
+    fn each_choice_gets_its_room_as_sglang_reads_the_fields() {
+        assert!(fields(&transport(json!({"bootstrap_host": "h"})), 3)
+            .unwrap()
+            .is_empty());
+        // One room per choice, as SGLang's router sends chat with n > 1.
+        let f = fields(
+            &transport(json!({
+                "bootstrap_host": ["a", "b"],
+                "bootstrap_port": [null, 7],
+                "bootstrap_room": [5, 9],
+            })),
+            2,
+        )
+        .unwrap();
+        let got: Vec<_> = f
+            .iter()
+            .map(|f| {
+                (
+                    f.bootstrap_host.as_str(),
+                    f.bootstrap_port,
+                    f.bootstrap_room,
+                )
+            })
+            .collect();
+        assert_eq!(got, [("a", None, 5), ("b", Some(7), 9)]);
+        // One room for several choices: room + i (SGLang's normalisation).
+        assert_eq!(
+            rooms(json!({"bootstrap_room": 40}), 3).unwrap(),
+            [40, 41, 42]
+        );
+        assert_eq!(rooms(json!({"bootstrap_room": [40]}), 2).unwrap(), [40, 41]);
+        assert_eq!(rooms(json!({"bootstrap_room": 40}), 1).unwrap(), [40]);
+        let f = fields(
+            &transport(json!({"bootstrap_host": "h", "bootstrap_port": 8, "bootstrap_room": 1})),
+            2,
+        )
+        .unwrap();
+        assert!(f
+            .iter()
+            .all(|f| f.bootstrap_host == "h" && f.bootstrap_port == Some(8)));
+    }
+
+    #[test]
+    fn mismatched_lists_are_refused_by_name() {
+        let param = |v, n| rooms(v, n).unwrap_err().body.error.param.unwrap();
+        assert_eq!(
+            param(json!({"bootstrap_room": [1, 2, 3]}), 2),
+            "bootstrap_room"
+        );
+        assert_eq!(
+            param(
+                json!({"bootstrap_room": [1, 2], "bootstrap_host": ["a", "b", "c"]}),
+                2
+            ),
+            "bootstrap_host"
+        );
+        assert_eq!(
+            param(json!({"bootstrap_room": u64::MAX}), 2),
+            "bootstrap_room"
+        );
     }
 }

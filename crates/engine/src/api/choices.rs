@@ -1,0 +1,325 @@
+//! Parallel sampling (`n`): a request's choices, each a sequence of its own, answered as
+//! one OpenAI response (`choices` indexed 0..n, completion tokens summed, the prompt
+//! counted once) or one event stream (chunks tagged with their choice's `index`, a
+//! finish chunk per choice, usage once after the last).
+
+use std::sync::Arc;
+
+use axum::response::{IntoResponse, Response};
+use bytes::{Bytes, BytesMut};
+use futures::stream::{BoxStream, SelectAll};
+use futures::StreamExt;
+use pdserve_protocol::{sse, ApiError, BootstrapParams, KvTransferParams, Usage, WorkerRole};
+
+use super::generation::{Generation, Piece, ResolvedLogprob, ResponseFormat};
+use super::server::sse_response;
+use super::AppState;
+use crate::request::GenerationRequest;
+
+/// One finished choice of a non-streamed answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChoiceOutput {
+    /// The output text.
+    pub text: String,
+    /// Per-token logprobs, when the request asked for them.
+    pub logprobs: Option<Vec<ResolvedLogprob>>,
+    /// OpenAI `finish_reason`.
+    pub finish_reason: &'static str,
+}
+
+/// The request for choice `index`. With a `seed`, choice `i` samples with `seed + i`
+/// (wrapping; as vLLM derives its children's seeds), so seeded choices differ from each
+/// other yet repeat from call to call; greedy choices all equal the `n` = 1 output.
+pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRequest {
+    let mut request = request.clone();
+    if let Some(seed) = request.sampling.seed.as_mut() {
+        *seed = seed.wrapping_add(index as u64);
+    }
+    request
+}
+
+/// Submits the `choices` choices of `request`, choice `i` with `bootstrap[i]` (none when
+/// `bootstrap` is empty). Where this worker computes the prompt itself, choice 0 goes
+/// first and the others follow once it has produced a token: its prompt blocks are then
+/// in the prefix cache and the other choices reuse them instead of computing the prompt
+/// again. A decode worker importing each choice's room submits them all at once. On an
+/// error the choices already submitted are dropped, which cancels them, unpins what they
+/// held and closes their rooms.
+pub async fn submit(
+    app: &Arc<AppState>,
+    request: GenerationRequest,
+    stop: Vec<String>,
+    kv_params: Option<&KvTransferParams>,
+    bootstrap: &[BootstrapParams],
+    choices: usize,
+) -> Result<Vec<Generation>, ApiError> {
+    let one = |i: usize| {
+        crate::bootstrap::submit(
+            app,
+            bootstrap.get(i),
+            kv_params,
+            choice_request(&request, i),
+            stop.clone(),
+        )
+    };
+    if choices == 1 {
+        return Ok(vec![one(0).await?]);
+    }
+    if kv_params.is_some() {
+        return Err(ApiError::bad_request(
+            "n > 1 cannot be combined with kv_transfer_params (one handoff per request)",
+        )
+        .with_param("n"));
+    }
+    let imports = app.bootstrap.role == WorkerRole::Decode && !bootstrap.is_empty();
+    let mut first = None;
+    if !imports {
+        let mut generation = one(0).await?;
+        if let Some(e) = generation.prime().await {
+            return Err(e);
+        }
+        first = Some(generation);
+    }
+    let rest = futures::future::try_join_all((first.is_some() as usize..choices).map(one)).await?;
+    Ok(first.into_iter().chain(rest).collect())
+}
+
+/// The usage of a whole answer from its choices' (in index order): the prompt counted
+/// once, as choice 0 saw it (its cached and imported tokens), completion tokens summed.
+pub fn merged_usage(usages: &[Usage]) -> Usage {
+    let Some(first) = usages.first() else {
+        return Usage::new(0, 0, 0);
+    };
+    let completion: u64 = usages.iter().map(|u| u.completion_tokens).sum();
+    Usage {
+        completion_tokens: completion,
+        total_tokens: first.prompt_tokens + completion,
+        ..first.clone()
+    }
+}
+
+/// What one choice's stream tells the merged stream.
+enum ChoiceEvent {
+    /// A chunk to send.
+    Chunk(Bytes),
+    /// The choice's finish chunk, and its usage.
+    End {
+        index: usize,
+        chunk: Bytes,
+        usage: Usage,
+    },
+    /// The choice failed: the whole answer ends with this error.
+    Failed(ApiError),
+}
+
+/// Choice `index`'s chunks: one per token with text (or with a logprob), then its finish
+/// chunk.
+fn choice_events<F: ResponseFormat>(
+    index: usize,
+    generation: Generation,
+    format: Arc<F>,
+) -> BoxStream<'static, ChoiceEvent> {
+    futures::stream::unfold(Some(generation), move |state| {
+        let format = format.clone();
+        async move {
+            let mut generation = state?;
+            let i = index as u32;
+            loop {
+                let event = match generation.next().await? {
+                    Piece::Token { text, logprob } => {
+                        if text.is_empty() && logprob.is_none() {
+                            continue;
+                        }
+                        ChoiceEvent::Chunk(format.text_chunk(i, text, logprob))
+                    }
+                    Piece::Tail(text) => ChoiceEvent::Chunk(format.text_chunk(i, text, None)),
+                    Piece::End {
+                        finish_reason,
+                        usage,
+                        kv_transfer_params,
+                    } => {
+                        let chunk = format.finish_chunk(i, finish_reason, kv_transfer_params);
+                        return Some((
+                            ChoiceEvent::End {
+                                index,
+                                chunk,
+                                usage,
+                            },
+                            None,
+                        ));
+                    }
+                    Piece::Error(e) => return Some((ChoiceEvent::Failed(e), None)),
+                };
+                return Some((event, Some(generation)));
+            }
+        }
+    })
+    .boxed()
+}
+
+/// The merged stream's state between events.
+struct Merged {
+    choices: SelectAll<BoxStream<'static, ChoiceEvent>>,
+    usages: Vec<Option<Usage>>,
+    remaining: usize,
+}
+
+/// Streams the choices as server-sent events: each choice's start chunk, then every
+/// choice's chunks as they come, each choice's finish chunk when it ends, the usage
+/// chunk if asked once all have ended, then `[DONE]`. A failed choice ends the stream
+/// with an error event. Dropping the stream (client gone) drops every choice's
+/// receiver, which cancels them.
+pub fn stream_response<F: ResponseFormat>(
+    generations: Vec<Generation>,
+    format: F,
+    include_usage: bool,
+) -> Response {
+    let format = Arc::new(format);
+    let n = generations.len();
+    let starts: Vec<Bytes> = (0..n as u32)
+        .filter_map(|i| format.start_chunk(i))
+        .collect();
+    let merged = Merged {
+        choices: futures::stream::select_all(
+            generations
+                .into_iter()
+                .enumerate()
+                .map(|(i, g)| choice_events(i, g, format.clone())),
+        ),
+        usages: vec![None; n],
+        remaining: n,
+    };
+    let rest = futures::stream::unfold(Some(merged), move |state| {
+        let format = format.clone();
+        async move {
+            let mut merged = state?;
+            match merged.choices.next().await? {
+                ChoiceEvent::Chunk(chunk) => Some((chunk, Some(merged))),
+                ChoiceEvent::End {
+                    index,
+                    chunk,
+                    usage,
+                } => {
+                    merged.usages[index] = Some(usage);
+                    merged.remaining -= 1;
+                    if merged.remaining > 0 {
+                        return Some((chunk, Some(merged)));
+                    }
+                    let mut out = BytesMut::from(&chunk[..]);
+                    if include_usage {
+                        let usages: Vec<Usage> = merged.usages.drain(..).flatten().collect();
+                        out.extend_from_slice(&format.usage_chunk(merged_usage(&usages)));
+                    }
+                    out.extend_from_slice(sse::DONE);
+                    Some((out.freeze(), None))
+                }
+                ChoiceEvent::Failed(e) => {
+                    tracing::warn!("stream ended by an engine error: {e}");
+                    let mut out = BytesMut::from(&sse::data_event(&e.to_json())[..]);
+                    out.extend_from_slice(sse::DONE);
+                    // Returning no state drops the other choices, which cancels them.
+                    Some((out.freeze(), None))
+                }
+            }
+        }
+    });
+    let events = futures::stream::iter(starts).chain(rest);
+    sse_response(events.map(Ok::<_, std::convert::Infallible>))
+}
+
+/// Runs one choice to its end.
+async fn collect_choice(
+    mut generation: Generation,
+    want_logprobs: bool,
+) -> Result<(ChoiceOutput, Usage, Option<KvTransferParams>), ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    while let Some(piece) = generation.next().await {
+        match piece {
+            Piece::Token { text: t, logprob } => {
+                text.push_str(&t);
+                logprobs.extend(logprob);
+            }
+            Piece::Tail(t) => text.push_str(&t),
+            Piece::End {
+                finish_reason,
+                usage,
+                kv_transfer_params,
+            } => {
+                let output = ChoiceOutput {
+                    text,
+                    logprobs: want_logprobs.then_some(logprobs),
+                    finish_reason,
+                };
+                return Ok((output, usage, kv_transfer_params));
+            }
+            Piece::Error(e) => return Err(e),
+        }
+    }
+    Err(ApiError::internal("the request ended without a result"))
+}
+
+/// Runs every choice to its end and answers one JSON response; the first failed choice
+/// answers its error instead (the others are dropped, which cancels them).
+pub async fn collect_response<F: ResponseFormat>(
+    generations: Vec<Generation>,
+    format: F,
+    want_logprobs: bool,
+) -> Response {
+    let runs = generations
+        .into_iter()
+        .map(|g| collect_choice(g, want_logprobs));
+    let finished = match futures::future::try_join_all(runs).await {
+        Ok(finished) => finished,
+        Err(e) => return e.into_response(),
+    };
+    let mut outputs = Vec::with_capacity(finished.len());
+    let mut usages = Vec::with_capacity(finished.len());
+    let mut kv_transfer_params = None;
+    for (output, usage, params) in finished {
+        outputs.push(output);
+        usages.push(usage);
+        // Only a single choice can carry a KV handoff (n > 1 refuses them).
+        kv_transfer_params = kv_transfer_params.or(params);
+    }
+    format.response(outputs, merged_usage(&usages), kv_transfer_params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    #[test]
+    fn choices_derive_their_seeds_from_the_request_seed() {
+        let mut request = GenerationRequest::new(vec![1, 2, 3], 4);
+        assert_eq!(choice_request(&request, 3).sampling.seed, None);
+        request.sampling = SamplingParams {
+            seed: Some(u64::MAX),
+            ..SamplingParams::greedy()
+        };
+        let seeds: Vec<_> = (0..3)
+            .map(|i| choice_request(&request, i).sampling.seed)
+            .collect();
+        assert_eq!(seeds, [Some(u64::MAX), Some(0), Some(1)]);
+    }
+
+    #[test]
+    fn usage_counts_the_prompt_once_and_sums_completions() {
+        let usage = merged_usage(&[
+            Usage::new(10, 4, 0).with_kv_imported(9),
+            Usage::new(10, 6, 8),
+            Usage::new(10, 1, 8),
+        ]);
+        assert_eq!(
+            (
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.total_tokens
+            ),
+            (10, 11, 21)
+        );
+        assert_eq!(usage.prompt_tokens_details.unwrap().cached_tokens, 0);
+        assert_eq!(usage.pdserve.unwrap().kv_imported_tokens, 9);
+    }
+}
