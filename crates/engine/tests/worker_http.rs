@@ -474,7 +474,7 @@ async fn bad_inputs_get_openai_shaped_errors() {
             ("/v1/completions", completion(&long_prompt, json!({})), 400, "prompt"),
             ("/v1/chat/completions", chat("hi", json!({"model": "gpt-4"})), 404, "model"),
             ("/v1/completions", completion("hi", json!({"model": "gpt-4"})), 404, "model"),
-            ("/v1/chat/completions", chat("hi", json!({"n": 2})), 400, "n"),
+            ("/v1/chat/completions", chat("hi", json!({"n": 0})), 400, "n"),
             ("/v1/chat/completions", chat("hi", json!({"temperature": -0.5})), 400, "temperature"),
             ("/v1/chat/completions", chat("hi", json!({"top_p": 0})), 400, "top_p"),
             ("/v1/chat/completions", chat("hi", json!({"top_k": -5})), 400, "top_k"),

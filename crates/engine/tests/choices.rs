@@ -1,0 +1,387 @@
+//! Parallel sampling (`n`) on the OpenAI routes of a real worker (default model, HTTP on
+//! 127.0.0.1:0): greedy choices equal the single answer, indexes and usage are OpenAI's,
+//! seeded choices repeat, choices after the first reuse its prompt blocks, bad `n` is a
+//! 400; and on an SGLang prefill/decode pair each choice meets its own room, with nothing
+//! left pinned or open when one of them fails.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{chat, completion, serial, TestWorker};
+
+const ROUTES: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+fn body(route: &str, content: &str, extra: Value) -> Value {
+    match route {
+        "/v1/chat/completions" => chat(content, extra),
+        _ => completion(content, extra),
+    }
+}
+
+/// A choice's text in a non-streamed answer.
+fn text(choice: &Value) -> String {
+    choice["message"]["content"]
+        .as_str()
+        .or(choice["text"].as_str())
+        .unwrap_or_else(|| panic!("no text in {choice}"))
+        .to_string()
+}
+
+fn texts(answer: &Value) -> Vec<String> {
+    let choices = answer["choices"].as_array().unwrap();
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i, "{answer}");
+    }
+    choices.iter().map(text).collect()
+}
+
+/// What a stream of `n` choices said, folded per choice.
+#[derive(Debug, Default)]
+struct Folded {
+    texts: Vec<String>,
+    finishes: Vec<Vec<String>>,
+    roles: Vec<usize>,
+    usage: Vec<Value>,
+    /// Whether the usage chunk came after every finish chunk.
+    usage_last: bool,
+}
+
+async fn stream(w: &TestWorker, route: &str, body: &Value, n: usize) -> Folded {
+    let resp = w
+        .http
+        .post(format!("{}{route}", w.base))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let raw = resp.text().await.unwrap();
+    assert!(raw.ends_with("data: [DONE]\n\n"), "{raw}");
+    let mut folded = Folded {
+        texts: vec![String::new(); n],
+        finishes: vec![Vec::new(); n],
+        roles: vec![0; n],
+        ..Default::default()
+    };
+    for data in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        if !chunk["usage"].is_null() {
+            folded.usage.push(chunk["usage"].clone());
+            folded.usage_last = folded.finishes.iter().all(|f| f.len() == 1);
+        }
+        for choice in chunk["choices"].as_array().unwrap() {
+            let i = choice["index"].as_u64().unwrap() as usize;
+            assert!(i < n, "{chunk}");
+            let t = choice["delta"]["content"]
+                .as_str()
+                .or(choice["text"].as_str());
+            folded.texts[i].push_str(t.unwrap_or(""));
+            if choice["delta"]["role"] == "assistant" {
+                folded.roles[i] += 1;
+            }
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                folded.finishes[i].push(reason.to_string());
+            }
+        }
+    }
+    folded
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_choices_equal_the_single_answer_streamed_or_not() {
+    serial(async {
+        let w = TestWorker::start(&[]).await;
+        for route in ROUTES {
+            let one = body(route, "Name a fruit.", json!({"max_tokens": 8}));
+            let (status, single) = w.post(route, &one).await;
+            assert_eq!(status, 200, "{single}");
+            let want = texts(&single);
+            assert_eq!(want.len(), 1);
+            let single_completion = single["usage"]["completion_tokens"].as_u64().unwrap();
+            let prompt_tokens = single["usage"]["prompt_tokens"].as_u64().unwrap();
+
+            let three = body(route, "Name a fruit.", json!({"max_tokens": 8, "n": 3}));
+            let (status, answer) = w.post(route, &three).await;
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(texts(&answer), vec![want[0].clone(); 3], "{route}");
+            for choice in answer["choices"].as_array().unwrap() {
+                assert_eq!(
+                    choice["finish_reason"],
+                    single["choices"][0]["finish_reason"]
+                );
+            }
+            // The prompt counted once, completions summed.
+            let usage = &answer["usage"];
+            assert_eq!(usage["prompt_tokens"], prompt_tokens, "{usage}");
+            assert_eq!(usage["completion_tokens"], 3 * single_completion, "{usage}");
+            assert_eq!(usage["total_tokens"], prompt_tokens + 3 * single_completion);
+
+            let mut streamed = three.clone();
+            streamed["stream"] = json!(true);
+            streamed["stream_options"] = json!({"include_usage": true});
+            let folded = stream(&w, route, &streamed, 3).await;
+            assert_eq!(folded.texts, vec![want[0].clone(); 3], "{route}");
+            for finishes in &folded.finishes {
+                assert_eq!(finishes.len(), 1, "one finish chunk per choice: {folded:?}");
+            }
+            if route == "/v1/chat/completions" {
+                assert_eq!(folded.roles, [1, 1, 1], "a role chunk per choice");
+            }
+            assert_eq!(folded.usage.len(), 1, "usage once: {folded:?}");
+            assert!(
+                folded.usage_last,
+                "usage after every choice ended: {folded:?}"
+            );
+            assert_eq!(folded.usage[0]["completion_tokens"], 3 * single_completion);
+            assert_eq!(folded.usage[0]["prompt_tokens"], prompt_tokens);
+        }
+        w.wait_metric("pdserve_kv_blocks_used", 0.0).await;
+        w.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_choices_reuse_the_first_choices_prompt_blocks() {
+    serial(async {
+        let w = TestWorker::start(&[]).await;
+        // A prompt this worker has never seen, of several full 16-token blocks.
+        let prompt = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi \
+                      omicron pi rho sigma tau upsilon phi chi psi omega, and then";
+        let before = w.metric("pdserve_prefix_cache_hits_total").await;
+        let (status, answer) = w
+            .post(
+                "/v1/completions",
+                &completion(prompt, json!({"max_tokens": 2, "n": 3})),
+            )
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt_tokens > 32, "{answer}");
+        let hits = w.metric("pdserve_prefix_cache_hits_total").await - before;
+        // Choices 1 and 2 each find every full block but the one holding the last token.
+        let cached = (prompt_tokens - 1) / 16 * 16;
+        assert_eq!(hits, (2 * cached) as f64, "{answer}");
+        w.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_choices_repeat_and_differ_with_logprobs_per_choice() {
+    serial(async {
+        let w = TestWorker::start(&[]).await;
+        let sampled = |n: usize, seed: u64| {
+            chat(
+                "Tell me a story.",
+                json!({"max_tokens": 12, "temperature": 1.0, "seed": seed, "n": n,
+                       "logprobs": true, "top_logprobs": 2}),
+            )
+        };
+        let (status, first) = w.post("/v1/chat/completions", &sampled(3, 7)).await;
+        assert_eq!(status, 200, "{first}");
+        let (_, second) = w.post("/v1/chat/completions", &sampled(3, 7)).await;
+        let choices = texts(&first);
+        assert_eq!(choices, texts(&second), "the same seed, the same choices");
+        assert!(
+            choices[0] != choices[1] || choices[1] != choices[2],
+            "sampled choices all alike: {choices:?}"
+        );
+        // Choice i samples with seed + i: it is the single answer seeded so.
+        for (i, want) in choices.iter().enumerate() {
+            let (_, single) = w
+                .post("/v1/chat/completions", &sampled(1, 7 + i as u64))
+                .await;
+            assert_eq!(&texts(&single)[0], want, "choice {i}");
+        }
+        let total: usize = first["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                let content = c["logprobs"]["content"].as_array().unwrap();
+                assert!(content
+                    .iter()
+                    .all(|t| t["top_logprobs"].as_array().unwrap().len() == 2));
+                content.len()
+            })
+            .sum();
+        assert_eq!(first["usage"]["completion_tokens"], total, "{first}");
+
+        // Completions: each choice's text_offset starts at its own text.
+        let body = completion(
+            "Once upon a time",
+            json!({"max_tokens": 6, "n": 2, "logprobs": 1}),
+        );
+        let (_, answer) = w.post("/v1/completions", &body).await;
+        for choice in answer["choices"].as_array().unwrap() {
+            assert_eq!(choice["logprobs"]["text_offset"][0], 0, "{answer}");
+            let tokens: String = choice["logprobs"]["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap())
+                .collect();
+            assert_eq!(tokens, text(choice));
+        }
+        w.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_out_of_range_is_a_400_naming_n() {
+    serial(async {
+        let w = TestWorker::start(&[]).await;
+        for route in ROUTES {
+            for n in [json!(0), json!(-1), json!(129)] {
+                let (status, err) = w.post(route, &body(route, "hi", json!({"n": n}))).await;
+                assert_eq!(status, 400, "{route} n={n}: {err}");
+                assert_eq!(err["error"]["param"], "n", "{err}");
+            }
+            let (status, answer) = w
+                .post(
+                    route,
+                    &body(route, "hi", json!({"n": 128, "max_tokens": 1})),
+                )
+                .await;
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(answer["choices"].as_array().unwrap().len(), 128);
+        }
+        // A KV handoff names one sequence's blocks: not with several choices.
+        let handoff = completion(
+            "hi",
+            json!({"n": 2, "kv_transfer_params": {"do_remote_decode": true}}),
+        );
+        let (status, err) = w.post("/v1/completions", &handoff).await;
+        assert_eq!(
+            (status, &err["error"]["param"]),
+            (400, &json!("n")),
+            "{err}"
+        );
+        // SGLang's /generate takes one sample per input here.
+        let generate = json!({"text": "hi", "sampling_params": {"n": 2}});
+        let (status, err) = w.post("/generate", &generate).await;
+        assert_eq!(
+            (status, &err["error"]["param"]),
+            (400, &json!("n")),
+            "{err}"
+        );
+        w.wait_metric("pdserve_kv_blocks_used", 0.0).await;
+        w.stop().await;
+    })
+    .await;
+}
+
+/// A prefill worker with a bootstrap port, a decode worker, and the bootstrap port.
+async fn pd() -> (TestWorker, TestWorker, u16) {
+    let timeout = ["--bootstrap-timeout-secs", "3"];
+    let p = TestWorker::start(
+        &[
+            &["--role", "prefill", "--bootstrap-port", "0"][..],
+            &timeout,
+        ]
+        .concat(),
+    )
+    .await;
+    let d = TestWorker::start(&[&["--role", "decode"][..], &timeout].concat()).await;
+    let info: Value = p
+        .http
+        .get(format!("{}/server_info", p.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let port = info["bootstrap_port"].as_u64().expect("a bootstrap port") as u16;
+    (p, d, port)
+}
+
+/// Nothing pinned, no room open, nothing running.
+async fn assert_clean(w: &TestWorker) {
+    w.wait_metric("pdserve_kv_transfer_pinned_blocks", 0.0)
+        .await;
+    w.wait_metric("pdserve_kv_blocks_pinned", 0.0).await;
+    w.wait_metric("pdserve_bootstrap_rooms_open", 0.0).await;
+    w.wait_metric("pdserve_num_requests_running", 0.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_choice_meets_its_own_room_and_a_failed_choice_leaves_nothing() {
+    serial(async {
+        let (p, d, port) = pd().await;
+        let agg = TestWorker::start(&[]).await;
+        let plain = chat("Name a color.", json!({"max_tokens": 6, "n": 2}));
+        let (status, want) = agg.post("/v1/chat/completions", &plain).await;
+        assert_eq!(status, 200, "{want}");
+        let want = texts(&want);
+        agg.stop().await;
+
+        let with_rooms = |room: Value, stream: bool| {
+            let mut body = plain.clone();
+            body["bootstrap_host"] = json!("127.0.0.1");
+            body["bootstrap_port"] = json!(port);
+            body["bootstrap_room"] = room;
+            body["stream"] = json!(stream);
+            body
+        };
+        // One room per choice (SGLang's router for n > 1), or one room for both (read as
+        // room + i on both sides).
+        for (room, stream) in [
+            (json!([101, 202]), false),
+            (json!([303, 404]), true),
+            (json!(500), false),
+            (json!(600), true),
+        ] {
+            let body = with_rooms(room, stream);
+            let route = "/v1/chat/completions";
+            let (prefilled, got) = tokio::join!(p.post(route, &body), async {
+                if stream {
+                    stream_texts(&d, route, &body, 2).await
+                } else {
+                    let (status, answer) = d.post(route, &body).await;
+                    assert_eq!(status, 200, "{answer}");
+                    texts(&answer)
+                }
+            });
+            assert_eq!(prefilled.0, 200, "{}", prefilled.1);
+            assert_eq!(
+                got, want,
+                "rooms {} stream {stream}",
+                body["bootstrap_room"]
+            );
+        }
+        assert_clean(&p).await;
+        assert_clean(&d).await;
+
+        // Choice 1's room on D (702) is one P never fills, and P's (701) one D never
+        // claims: both answer an error once their wait ends, and choice 0, whose room met,
+        // is dropped on both sides with everything it held.
+        let (to_p, to_d) = (
+            with_rooms(json!([700, 701]), false),
+            with_rooms(json!([700, 702]), false),
+        );
+        let (prefilled, decoded) = tokio::join!(
+            p.post("/v1/chat/completions", &to_p),
+            d.post("/v1/chat/completions", &to_d),
+        );
+        assert_eq!(decoded.0, 504, "{}", decoded.1);
+        assert!(prefilled.0 >= 500, "{prefilled:?}");
+        assert_clean(&p).await;
+        assert_clean(&d).await;
+        p.stop().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+async fn stream_texts(w: &TestWorker, route: &str, body: &Value, n: usize) -> Vec<String> {
+    let folded = stream(w, route, body, n).await;
+    assert!(folded.finishes.iter().all(|f| f.len() == 1), "{folded:?}");
+    folded.texts
+}
