@@ -163,7 +163,8 @@ async fn later_choices_reuse_the_first_choices_prompt_blocks() {
         let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
         assert!(prompt_tokens > 32, "{answer}");
         let hits = w.metric("pdserve_prefix_cache_hits_total").await - before;
-        // Choices 1 and 2 each find every full block but the one holding the last token.
+        // Choices 1 and 2 each find every full block but the one holding the last token
+        // (in the prefix cache once choice 0 has computed the prompt).
         let cached = (prompt_tokens - 1) / 16 * 16;
         assert_eq!(hits, (2 * cached) as f64, "{answer}");
         w.stop().await;
