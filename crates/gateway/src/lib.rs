@@ -13,6 +13,7 @@ pub mod admin;
 pub mod args;
 pub mod auth;
 pub mod conversation;
+pub mod direct;
 pub mod endpoint;
 pub mod error;
 pub mod handoff;

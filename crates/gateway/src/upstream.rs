@@ -4,12 +4,14 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderValue};
+use http::{header, HeaderMap, HeaderValue, StatusCode};
+use http_body_util::Full;
 use pdserve_protocol::ApiError;
 use reqwest::{RequestBuilder, Url};
 use tokio::time::timeout_at;
 
 use crate::args::GatewayConfig;
+use crate::direct::{DirectClient, DirectError, DirectResponse};
 use crate::error::{error_chain, truncate, Failure};
 use crate::registry::Worker;
 
@@ -52,6 +54,8 @@ impl ForwardHeaders {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     client: reqwest::Client,
+    /// Connections for streamed final legs, driven by the relay that reads them.
+    pub direct: DirectClient,
     /// `Bearer <--worker-api-key>`, sent instead of the client's `Authorization`.
     worker_authorization: Option<HeaderValue>,
 }
@@ -75,6 +79,7 @@ impl Upstream {
         });
         Ok(Self {
             client,
+            direct: DirectClient::new(config.upstream_idle_timeout, config.connect_timeout),
             worker_authorization,
         })
     }
@@ -111,6 +116,40 @@ impl Upstream {
             Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
             None => request,
         }
+    }
+
+    /// The same generation leg as [`Self::post_leg_at`], for the direct client: the
+    /// worker's `host:port` and the request (`None` when its URL is not `http://`).
+    pub fn direct_leg(
+        &self,
+        worker: &Worker,
+        endpoint: crate::endpoint::Endpoint,
+        body: Bytes,
+        headers: &ForwardHeaders,
+        rank: Option<u32>,
+    ) -> Option<(String, http::Request<Full<Bytes>>)> {
+        let url = worker.url(endpoint);
+        let addr = crate::direct::authority(url)?;
+        let path = match url.query() {
+            Some(query) => format!("{}?{query}", url.path()),
+            None => url.path().to_owned(),
+        };
+        let mut request = http::Request::post(path)
+            .header(header::HOST, HeaderValue::from_str(&addr).ok()?)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(X_REQUEST_ID, headers.request_id.clone());
+        if let Some(auth) = self
+            .worker_authorization
+            .as_ref()
+            .or(headers.authorization.as_ref())
+        {
+            request = request.header(header::AUTHORIZATION, auth.clone());
+        }
+        if let Some(rank) = rank {
+            request = request.header(X_DATA_PARALLEL_RANK, rank);
+        }
+        let request = request.body(Full::new(body)).ok()?;
+        Some((addr, request))
     }
 
     /// A JSON POST to `url` with the forwarded headers.
@@ -253,13 +292,62 @@ impl<'a> Exchange<'a> {
             Ok(Ok(b)) => b,
             _ => Bytes::new(),
         };
+        Err(self.status_error(status, body))
+    }
+
+    /// Sends `request` to `addr` on a direct connection (see [`crate::direct`]); returns
+    /// the response when the status is 2xx, with the same failure mapping as [`Self::send`].
+    pub async fn send_direct(
+        &self,
+        client: &DirectClient,
+        addr: &str,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<DirectResponse, LegError> {
+        let response = match timeout_at(self.deadline, client.send(addr, request)).await {
+            Err(_) => return Err(self.timed_out()),
+            Ok(Err(e)) => return Err(self.direct_transport(&e)),
+            Ok(Ok(r)) => r,
+        };
+        if response.status.is_success() {
+            return Ok(response);
+        }
+        let status = response.status;
+        let body = match timeout_at(self.deadline, response.body.concat()).await {
+            Ok(Ok(b)) => b,
+            _ => Bytes::new(),
+        };
+        Err(self.status_error(status, body))
+    }
+
+    /// [`Self::send_direct`], then the whole 2xx body, within the limit.
+    pub async fn send_and_read_direct(
+        &self,
+        client: &DirectClient,
+        addr: &str,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<Bytes, LegError> {
+        let response = self.send_direct(client, addr, request).await?;
+        self.read_direct(response).await
+    }
+
+    /// Reads the whole body of a direct response within the limit.
+    pub async fn read_direct(&self, response: DirectResponse) -> Result<Bytes, LegError> {
+        match timeout_at(self.deadline, response.body.concat()).await {
+            Err(_) => Err(self.timed_out()),
+            Ok(Err(e)) => Err(self.direct_transport(&e)),
+            Ok(Ok(b)) => Ok(b),
+        }
+    }
+
+    /// The failure for a non-2xx `status` with its `body`: 4xx passed through, else 502.
+    fn status_error(&self, status: StatusCode, body: Bytes) -> LegError {
         if status.is_client_error() {
-            return Err(LegError {
+            return LegError {
                 failure: Failure::from_upstream_client_error(status, body, &self.worker.base),
                 kind: LegErrorKind::ClientError,
                 status: Some(status),
                 escalated: false,
-            });
+            };
         }
         let text = String::from_utf8_lossy(&body);
         let mut error = self.error(
@@ -267,7 +355,7 @@ impl<'a> Exchange<'a> {
             format!("answered {status}: {}", truncate(text.trim(), 512)),
         );
         error.status = Some(status);
-        Err(error)
+        error
     }
 
     /// Sends `request` and reads the whole 2xx body within the limit.
@@ -301,6 +389,16 @@ impl<'a> Exchange<'a> {
 
     /// The 502 for a transport error (connection refused, reset, bad framing).
     pub fn transport(&self, e: &reqwest::Error) -> LegError {
+        let kind = if e.is_connect() {
+            LegErrorKind::Connect
+        } else {
+            LegErrorKind::Transport
+        };
+        self.error(kind, format!("failed: {}", error_chain(e)))
+    }
+
+    /// The 502 for a direct connection's transport error.
+    pub fn direct_transport(&self, e: &DirectError) -> LegError {
         let kind = if e.is_connect() {
             LegErrorKind::Connect
         } else {

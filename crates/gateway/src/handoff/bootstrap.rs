@@ -335,6 +335,7 @@ async fn attempt(
             let relay = Relay {
                 first,
                 upstream,
+                decoded_elsewhere: true,
                 idle_timeout: state.config.stream_idle_timeout,
                 conversation: None,
                 metrics: state.metrics.clone(),
@@ -418,7 +419,7 @@ enum DecodeStart {
     /// A stream's first bytes and the rest.
     Stream {
         first: Bytes,
-        upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+        upstream: super::relay::Upstream,
         content_type: HeaderValue,
     },
 }

@@ -8,14 +8,13 @@ use std::time::Instant;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use futures::stream::BoxStream;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use http::{header, HeaderValue, StatusCode};
 use pdserve_protocol::WorkerRole;
-use serde_json::Value;
+use serde::de::IgnoredAny;
 use tokio::time::timeout_at;
 
-use super::relay::{split_kv_params, ConversationSink, Relay};
+use super::relay::{split_kv_params, ConversationSink, Relay, Upstream};
 use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
 use crate::error::Failure;
@@ -163,16 +162,35 @@ async fn send_leg(
     let exchange = Exchange::new(&worker, &label, state.config.decode_timeout);
     let sent = Instant::now();
     let body = leg.body.clone();
-    let request = match leg.dp_rank {
-        Some(rank) => {
-            state
-                .upstream
-                .post_leg_at(&worker, ctx.endpoint, body, &ctx.headers, Some(rank))
-        }
-        None => state
+    let rank = leg.dp_rank.or_else(|| worker.next_dp_rank());
+    // Legs go over a direct connection that this task drives itself: a stream's burst of
+    // events is relayed in one write to the client, and no connection task is woken.
+    if let Some((addr, request)) =
+        state
             .upstream
-            .post_leg(&worker, ctx.endpoint, body, &ctx.headers),
-    };
+            .direct_leg(&worker, ctx.endpoint, body.clone(), &ctx.headers, rank)
+    {
+        let response = exchange
+            .send_direct(&state.upstream.direct, &addr, request)
+            .await?;
+        if !leg.stream {
+            state.metrics.observe_decode_ttfb(sent.elapsed());
+            let body = Exchange::new(&worker, &label, state.config.stream_idle_timeout)
+                .read_direct(response)
+                .await?;
+            return finish_body(state, ctx, leg, in_flight, &exchange, body);
+        }
+        let content_type = stream_content_type(response.headers.get(header::CONTENT_TYPE));
+        let head =
+            first_event_of(&exchange, content_type, response.body.err_into().boxed()).await?;
+        state.metrics.observe_decode_ttfb(sent.elapsed());
+        return Ok(relay_response(
+            state, ctx, leg, worker, in_flight, head, false,
+        ));
+    }
+    let request = state
+        .upstream
+        .post_leg_at(&worker, ctx.endpoint, body, &ctx.headers, rank);
     let response = exchange.send(request).await?;
 
     if !leg.stream {
@@ -182,38 +200,72 @@ async fn send_leg(
         let body = Exchange::new(&worker, &label, state.config.stream_idle_timeout)
             .read(response)
             .await?;
-        if !serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_object()) {
-            return Err(exchange.error(
-                LegErrorKind::Transport,
-                "answered 200 with a body that is not a JSON object",
-            ));
-        }
-        // The decode side's KV handle names internal hosts and blocks: kept for the
-        // conversation's next turn when there is one, never shown to the client.
-        let (body, kv) = split_kv_params(body);
-        if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
-            state.conversations.put(conversation, kv);
-        }
-        if let Some(mut in_flight) = in_flight.take() {
-            in_flight.set_outcome(RequestOutcome::Success);
-        }
-        state
-            .metrics
-            .observe_end_to_end(ctx.route, ctx.started.elapsed());
-        return Ok(json_response(body));
+        return finish_body(state, ctx, leg, in_flight, &exchange, body);
     }
 
     // Wait for the first byte before answering: until then a failure can still become
     // a proper error status or a retry on another worker.
+    let head = first_event(&exchange, response).await?;
+    state.metrics.observe_decode_ttfb(sent.elapsed());
+    Ok(relay_response(
+        state, ctx, leg, worker, in_flight, head, true,
+    ))
+}
+
+/// The client's answer to a non-stream leg: the worker's JSON `body` without the decode
+/// side's KV handle.
+fn finish_body(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    leg: &FinalLeg,
+    in_flight: &mut Option<InFlight>,
+    exchange: &Exchange<'_>,
+    body: Bytes,
+) -> Result<Response, LegError> {
+    // Checked without building the value: valid JSON that opens with `{` is an object.
+    let is_object = body.trim_ascii_start().starts_with(b"{")
+        && serde_json::from_slice::<IgnoredAny>(&body).is_ok();
+    if !is_object {
+        return Err(exchange.error(
+            LegErrorKind::Transport,
+            "answered 200 with a body that is not a JSON object",
+        ));
+    }
+    // The decode side's KV handle names internal hosts and blocks: kept for the
+    // conversation's next turn when there is one, never shown to the client.
+    let (body, kv) = split_kv_params(body);
+    if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
+        state.conversations.put(conversation, kv);
+    }
+    if let Some(mut in_flight) = in_flight.take() {
+        in_flight.set_outcome(RequestOutcome::Success);
+    }
+    state
+        .metrics
+        .observe_end_to_end(ctx.route, ctx.started.elapsed());
+    Ok(json_response(body))
+}
+
+/// The client's streamed response: `head` and the rest of the upstream, relayed; the
+/// relay takes over `in_flight`.
+fn relay_response(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    leg: &FinalLeg,
+    worker: Arc<Worker>,
+    in_flight: &mut Option<InFlight>,
+    head: StreamHead,
+    decoded_elsewhere: bool,
+) -> Response {
     let StreamHead {
         content_type,
         first,
         upstream,
-    } = first_event(&exchange, response).await?;
-    state.metrics.observe_decode_ttfb(sent.elapsed());
+    } = head;
     let relay = Relay {
         first,
         upstream,
+        decoded_elsewhere,
         idle_timeout: state.config.stream_idle_timeout,
         conversation: leg.conversation_id.clone().map(|id| ConversationSink {
             cache: state.conversations.clone(),
@@ -232,7 +284,7 @@ async fn send_leg(
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, content_type);
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    Ok(response)
+    response
 }
 
 /// A 200 carrying a worker's JSON body unchanged.
@@ -253,7 +305,14 @@ pub(super) struct StreamHead {
     /// The first chunk.
     pub first: Bytes,
     /// The rest of the stream.
-    pub upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+    pub upstream: Upstream,
+}
+
+/// A streamed answer's `Content-Type` (SSE when the worker named none).
+fn stream_content_type(value: Option<&HeaderValue>) -> HeaderValue {
+    value
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"))
 }
 
 /// Waits, within `exchange`'s deadline, for the first chunk of a streamed `response`:
@@ -262,16 +321,26 @@ pub(super) async fn first_event(
     exchange: &Exchange<'_>,
     response: reqwest::Response,
 ) -> Result<StreamHead, LegError> {
-    let content_type = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
-    let mut upstream = response.bytes_stream().boxed();
+    let content_type = stream_content_type(response.headers().get(header::CONTENT_TYPE));
+    let upstream = response.bytes_stream().err_into().boxed();
+    first_event_of(exchange, content_type, upstream).await
+}
+
+/// [`first_event`] for any upstream stream.
+async fn first_event_of(
+    exchange: &Exchange<'_>,
+    content_type: HeaderValue,
+    mut upstream: Upstream,
+) -> Result<StreamHead, LegError> {
     let first = match timeout_at(exchange.deadline(), upstream.next()).await {
         Err(_) => return Err(exchange.timed_out()),
         Ok(Some(Ok(first))) => first,
-        Ok(Some(Err(e))) => return Err(exchange.transport(&e)),
+        Ok(Some(Err(e))) => {
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                format!("failed: {}", crate::error::error_chain(&*e)),
+            ))
+        }
         Ok(None) => {
             return Err(exchange.error(
                 LegErrorKind::Transport,

@@ -231,12 +231,22 @@ pub struct ConversationSink {
     pub id: String,
 }
 
+/// A transport error of an upstream stream (reqwest's or the direct client's).
+pub type UpstreamError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The rest of an upstream body.
+pub type Upstream = BoxStream<'static, Result<Bytes, UpstreamError>>;
+
 /// Everything a relay needs besides the upstream stream.
 pub struct Relay {
     /// The already received first chunk.
     pub first: Bytes,
     /// The rest of the upstream body.
-    pub upstream: BoxStream<'static, reqwest::Result<Bytes>>,
+    pub upstream: Upstream,
+    /// The upstream is decoded on another task (reqwest's connection task), which needs
+    /// a turn before the relay decides that nothing more has arrived; a direct
+    /// connection is decoded by polling the stream itself.
+    pub decoded_elsewhere: bool,
     /// Longest silence between chunks.
     pub idle_timeout: Duration,
     /// Where the final KV params go, if the request named a conversation.
@@ -297,15 +307,15 @@ enum End {
     /// Cleanly (a success only if `[DONE]` was seen).
     Closed,
     /// With a transport error.
-    Failed(reqwest::Error),
+    Failed(UpstreamError),
     /// With bytes that are not an event stream.
     Malformed(String),
     /// Silent past the idle timeout.
     Idle,
 }
 
-impl From<Option<reqwest::Result<Bytes>>> for Event {
-    fn from(next: Option<reqwest::Result<Bytes>>) -> Self {
+impl From<Option<Result<Bytes, UpstreamError>>> for Event {
+    fn from(next: Option<Result<Bytes, UpstreamError>>) -> Self {
         match next {
             Some(Ok(chunk)) => Self::Chunk(chunk),
             Some(Err(e)) => Self::End(End::Failed(e)),
@@ -339,6 +349,7 @@ impl RelayState {
                 // give that task one turn before deciding that nothing more has arrived.
                 match self.relay.upstream.next().now_or_never() {
                     Some(next) => Event::from(next),
+                    None if !self.relay.decoded_elsewhere => break,
                     None => {
                         tokio::task::yield_now().await;
                         match self.relay.upstream.next().now_or_never() {
@@ -405,7 +416,7 @@ impl RelayState {
             End::Closed => return self.end_of_upstream(),
             End::Failed(e) => ApiError::bad_gateway(format!(
                 "decode worker {worker} failed mid-stream: {}",
-                error_chain(&e)
+                error_chain(&*e)
             )),
             End::Malformed(msg) => ApiError::bad_gateway(format!(
                 "decode worker {worker} sent a malformed stream: {msg}"
@@ -498,13 +509,14 @@ mod tests {
         let url = reqwest::Url::parse("http://127.0.0.1:9").unwrap();
         let spec = crate::registry::WorkerSpec::new(pdserve_protocol::WorkerRole::Decode, url);
         let worker = Arc::new(crate::registry::Worker::new(spec, Default::default()));
-        let chunks: Vec<reqwest::Result<Bytes>> = rest
+        let chunks: Vec<Result<Bytes, UpstreamError>> = rest
             .into_iter()
             .map(|c| Ok(Bytes::from_static(c)))
             .collect();
         Relay {
             first: Bytes::from_static(first),
             upstream: futures::stream::iter(chunks).boxed(),
+            decoded_elsewhere: false,
             idle_timeout: Duration::from_secs(5),
             conversation: None,
             metrics,
