@@ -2,8 +2,8 @@
 //! an aggregated worker as the oracle, a prefill worker with a bootstrap port, a decode
 //! worker, and the gateway with `--protocol sglang` in front of the pair. Greedy output
 //! through gateway + P + D must equal the aggregated output (chat and completions,
-//! streamed or not, and a native `/generate` batch, one room per item); afterwards the
-//! workers hold no pinned blocks and no open rooms.
+//! streamed or not, `n` = 2 too, and a native `/generate` batch, one room per item);
+//! afterwards the workers hold no pinned blocks and no open rooms.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -137,6 +137,7 @@ async fn suite() {
     };
 
     openai_routes(&stack).await;
+    parallel_choices(&stack).await;
     native_batch(&stack).await;
     let transferred = stack
         .metric(
@@ -144,7 +145,7 @@ async fn suite() {
             r#"pdserve_bootstrap_rooms_total{outcome="transferred"}"#,
         )
         .await;
-    assert!(transferred >= 10.0, "only {transferred} rooms transferred");
+    assert!(transferred >= 18.0, "only {transferred} rooms transferred");
     no_leaks(&stack, &[&prefill, &decode]).await;
 
     let _ = stop_gateway.send(());
@@ -177,6 +178,74 @@ async fn openai_routes(stack: &Stack) {
                 serde_json::from_str(&text).unwrap()
             };
             assert_eq!(text_of(&got), expected, "{path} stream={stream}");
+        }
+    }
+}
+
+/// Every choice's text of an answer, streamed (folded by `index`) or not.
+fn choice_texts(answer: &str, stream: bool) -> Vec<String> {
+    if !stream {
+        let v: Value = serde_json::from_str(answer).unwrap();
+        let choices = v["choices"].as_array().unwrap_or_else(|| panic!("{v}"));
+        return choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i, "{v}");
+                c["message"]["content"]
+                    .as_str()
+                    .or(c["text"].as_str())
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+    }
+    assert!(answer.ends_with("data: [DONE]\n\n"), "{answer}");
+    let mut texts: Vec<String> = Vec::new();
+    let mut finishes = 0;
+    for data in answer.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            if texts.len() <= i {
+                texts.resize(i + 1, String::new());
+            }
+            let piece = c["delta"]["content"].as_str().or(c["text"].as_str());
+            texts[i].push_str(piece.unwrap_or(""));
+            finishes += c["finish_reason"].is_string() as usize;
+        }
+    }
+    assert_eq!(
+        finishes,
+        texts.len(),
+        "one finish chunk per choice: {answer}"
+    );
+    texts
+}
+
+/// `n` = 2 through gateway + P + D (a room per choice for chat, one room read as
+/// room + i for a completion): every choice equals the aggregated worker's, and the
+/// aggregated worker's choices all equal its `n` = 1 answer.
+async fn parallel_choices(stack: &Stack) {
+    let cases = [
+        ("/v1/chat/completions", chat(LONG, false)),
+        ("/v1/completions", completion("Once upon a time", false)),
+    ];
+    for (path, body) in cases {
+        let single =
+            text_of(&serde_json::from_str(&stack.ok(&stack.agg, path, &body).await).unwrap());
+        let mut body = body;
+        body["n"] = json!(2);
+        let expected = choice_texts(&stack.ok(&stack.agg, path, &body).await, false);
+        assert_eq!(expected, vec![single; 2], "{path}");
+        for stream in [false, true] {
+            body["stream"] = json!(stream);
+            let got = choice_texts(&stack.ok(&stack.gateway, path, &body).await, stream);
+            assert_eq!(got, expected, "{path} n=2 stream={stream}");
         }
     }
 }
