@@ -278,6 +278,39 @@ async fn n_out_of_range_is_a_400_naming_n() {
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrator_serves_several_choices_on_its_own() {
+    serial(async {
+        // Its only prefill worker is a closed port: one choice cannot be served, several
+        // are computed here.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let prefill = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let w = TestWorker::start(&[
+            "--role",
+            "decode",
+            "--prefill",
+            &prefill,
+            "--prefill-timeout-secs",
+            "2",
+        ])
+        .await;
+        let one = completion("Once upon a time", json!({"max_tokens": 6}));
+        let (status, err) = w.post("/v1/completions", &one).await;
+        assert!(status >= 500, "{status} {err}");
+        let mut two = one.clone();
+        two["n"] = json!(2);
+        let (status, answer) = w.post("/v1/completions", &two).await;
+        assert_eq!(status, 200, "{answer}");
+        let got = texts(&answer);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0], got[1]);
+        w.wait_metric("pdserve_kv_blocks_used", 0.0).await;
+        w.stop().await;
+    })
+    .await;
+}
+
 /// A prefill worker with a bootstrap port, a decode worker, and the bootstrap port.
 async fn pd() -> (TestWorker, TestWorker, u16) {
     let timeout = ["--bootstrap-timeout-secs", "3"];
