@@ -14,7 +14,9 @@ use http::{header, HeaderMap, HeaderValue, StatusCode};
 use pdserve_protocol::{ApiError, WorkerRole};
 use serde_json::Value;
 use tokio::net::TcpListener;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
 use tower_http::trace::TraceLayer;
 
 use crate::args::GatewayConfig;
@@ -63,8 +65,22 @@ pub fn router(state: Arc<AppState>) -> Router {
         // One access-log line per request, with the id set by the layer outside it.
         .layer(axum::middleware::from_fn(crate::access::log))
         // Outermost: every request (and so both legs and the response) has an id.
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(SetRequestIdLayer::x_request_id(RandomRequestId))
         .with_state(state)
+}
+
+/// Random (v4) UUIDs as request ids, drawn from the thread-local generator: tower-http's
+/// `MakeRequestUuid` asks the kernel for 16 bytes per request, a system call each.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RandomRequestId;
+
+impl MakeRequestId for RandomRequestId {
+    fn make_request_id<B>(&mut self, _: &http::Request<B>) -> Option<RequestId> {
+        let id = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
+        let mut text = uuid::Uuid::encode_buffer();
+        let text = id.hyphenated().encode_lower(&mut text);
+        HeaderValue::from_str(text).ok().map(RequestId::new)
+    }
 }
 
 /// Aborts the gateway's background tasks when the server stops.
@@ -268,4 +284,23 @@ async fn method_not_allowed() -> ApiError {
         "method_not_allowed",
         "Method not allowed on this route.",
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_are_distinct_v4_uuids() {
+        let request = http::Request::new(());
+        let mut ids = std::collections::HashSet::new();
+        for _ in 0..100 {
+            let id = RandomRequestId.make_request_id(&request).unwrap();
+            let text = id.header_value().to_str().unwrap().to_owned();
+            let uuid = uuid::Uuid::parse_str(&text).unwrap();
+            assert_eq!(uuid.get_version_num(), 4);
+            assert_eq!(text, uuid.hyphenated().to_string());
+            assert!(ids.insert(text));
+        }
+    }
 }
