@@ -319,19 +319,31 @@ async fn prefill_once(
     result
 }
 
+/// The two fields the gateway reads from a prefill answer; everything else (the choices,
+/// the one generated token) is skipped without being built.
+#[derive(serde::Deserialize)]
+struct PrefillFields {
+    #[serde(default)]
+    kv_transfer_params: Option<Value>,
+    #[serde(default)]
+    usage: Option<Value>,
+}
+
 /// The `kv_transfer_params` and cached-token count of a prefill worker's 200 answer.
 fn parse_prefill_answer(body: &[u8]) -> Result<PrefillAnswer, String> {
-    let mut answer: Value = serde_json::from_slice(body)
+    let fields: PrefillFields = serde_json::from_slice(body)
         .map_err(|e| format!("answered 200 with a body that is not JSON: {e}"))?;
-    let Some(object) = answer.as_object_mut() else {
+    // A struct also deserializes from an array: only an object is an answer.
+    if !body.trim_ascii_start().starts_with(b"{") {
         return Err("answered 200 with a body that is not a JSON object".into());
-    };
-    let cached_tokens = object
-        .get("usage")
+    }
+    let cached_tokens = fields
+        .usage
+        .as_ref()
         .and_then(|u| u.get("prompt_tokens_details"))
         .and_then(|d| d.get("cached_tokens"))
         .and_then(Value::as_u64);
-    let kv = match object.remove("kv_transfer_params") {
+    let kv = match fields.kv_transfer_params {
         None | Some(Value::Null) => None,
         Some(params) => Some(
             serde_json::from_value(params)
@@ -346,6 +358,30 @@ mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
     use serde_json::json;
+
+    #[test]
+    fn prefill_answers_give_the_handle_and_cached_tokens_only() {
+        let answer = parse_prefill_answer(
+            br#"{"id":"x","choices":[{"index":0,"text":"a","logprobs":null}],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}},"kv_transfer_params":{"do_remote_prefill":true,"remote_port":7}}"#,
+        )
+        .unwrap();
+        assert_eq!(answer.cached_tokens, Some(4));
+        assert_eq!(answer.kv.unwrap().remote_port, Some(7));
+        let bare = parse_prefill_answer(
+            br#" {"usage":{"prompt_tokens_details":{"cached_tokens":"4"}},"kv_transfer_params":null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            bare,
+            PrefillAnswer {
+                kv: None,
+                cached_tokens: None
+            }
+        );
+        for bad in [&b"[1,2]"[..], b"not json", b"{\"kv_transfer_params\":[1]}"] {
+            assert!(parse_prefill_answer(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn prefill_body_has_vllm_shape() {
