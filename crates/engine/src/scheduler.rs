@@ -386,9 +386,13 @@ impl<M: StepModel> Scheduler<M> {
         let (gone, kept): (Vec<_>, Vec<_>) =
             self.waiting.drain(..).partition(Sequence::is_cancelled);
         self.waiting = kept.into();
+        let any = !cancelled.is_empty() || !gone.is_empty();
         for mut seq in cancelled.into_iter().chain(gone) {
             self.retire(&mut seq);
             self.metrics.finished("abort");
+        }
+        if any {
+            self.update_gauges();
         }
     }
 
@@ -457,10 +461,12 @@ impl<M: StepModel> Scheduler<M> {
                         tracing::error!("releasing blocks of a failed import failed: {e}");
                     }
                     self.release_queue_slot(&mut seq);
+                    self.metrics.finished("error");
+                    // Gauges before the event, as for a finished sequence.
+                    self.update_gauges();
                     seq.send(SeqEvent::Failed(format!(
                         "cannot load the imported KV: {e}"
                     )));
-                    self.metrics.finished("error");
                     continue;
                 }
             }
@@ -607,6 +613,7 @@ impl<M: StepModel> Scheduler<M> {
         }
         // Remove from the back so earlier indices stay valid.
         finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        let mut done = Vec::with_capacity(finished.len());
         for (i, mut event) in finished {
             let mut seq = self.running.remove(i);
             if let SeqEvent::Finished { pinned, .. } = &mut event {
@@ -615,6 +622,14 @@ impl<M: StepModel> Scheduler<M> {
                 }
             }
             self.retire(&mut seq);
+            done.push((seq, event));
+        }
+        // Gauges first: a client that has its answer and then scrapes /metrics must not
+        // still see its sequence running or its blocks in use.
+        if !done.is_empty() {
+            self.update_gauges();
+        }
+        for (seq, event) in done {
             if let SeqEvent::Finished {
                 pinned: Some(pinned),
                 ..
