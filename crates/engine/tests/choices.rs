@@ -253,17 +253,15 @@ async fn n_out_of_range_is_a_400_naming_n() {
             assert_eq!(status, 200, "{answer}");
             assert_eq!(answer["choices"].as_array().unwrap().len(), 128);
         }
-        // A KV handoff names one sequence's blocks: not with several choices.
+        // A worker without a KV transfer service serves a remote-decode prefill in
+        // full, as for one choice: every choice its own.
         let handoff = completion(
             "hi",
-            json!({"n": 2, "kv_transfer_params": {"do_remote_decode": true}}),
+            json!({"n": 2, "max_tokens": 3, "ignore_eos": true, "kv_transfer_params": {"do_remote_decode": true}}),
         );
-        let (status, err) = w.post("/v1/completions", &handoff).await;
-        assert_eq!(
-            (status, &err["error"]["param"]),
-            (400, &json!("n")),
-            "{err}"
-        );
+        let (status, answer) = w.post("/v1/completions", &handoff).await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["usage"]["completion_tokens"], 6, "{answer}");
         // SGLang's /generate takes one sample per input here.
         let generate = json!({"text": "hi", "sampling_params": {"n": 2}});
         let (status, err) = w.post("/generate", &generate).await;
@@ -418,4 +416,106 @@ async fn stream_texts(w: &TestWorker, route: &str, body: &Value, n: usize) -> Ve
     let folded = stream(w, route, body, n).await;
     assert!(folded.finishes.iter().all(|f| f.len() == 1), "{folded:?}");
     folded.texts
+}
+
+/// A streamed answer's chunks, parsed (none may be an error).
+async fn stream_chunks(w: &TestWorker, route: &str, body: &Value) -> Vec<Value> {
+    let resp = w
+        .http
+        .post(format!("{}{route}", w.base))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let raw = resp.text().await.unwrap();
+    assert!(raw.ends_with("data: [DONE]\n\n"), "{raw}");
+    let chunks: Vec<Value> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(chunks.iter().all(|c| c.get("error").is_none()), "{raw}");
+    chunks
+}
+
+/// vLLM's handoff by hand with `n` = 2 on both legs (what the gateway sends): P
+/// prefills once and publishes one handle, answering two choices that carry it; D
+/// imports it once and decodes both choices, each equal to the aggregated one. P's
+/// export is read (not expired) and nothing stays pinned on either side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_remote_decode_prefill_publishes_once_and_the_decode_imports_once() {
+    serial(async {
+        let agg = TestWorker::start(&[]).await;
+        let route = "/v1/completions";
+        let prompt = "The lighthouse keeper climbed the stairs every evening to light the \
+                      lamp, and one night he saw";
+        let plain = completion(prompt, json!({"max_tokens": 6, "n": 2}));
+        let (status, want) = agg.post(route, &plain).await;
+        assert_eq!(status, 200, "{want}");
+        let prompt_tokens = want["usage"]["prompt_tokens"].as_f64().unwrap();
+        let want = texts(&want);
+        agg.stop().await;
+
+        // A long abort timeout: an export left unread cannot expire and pass as freed.
+        let p = TestWorker::start(&["--role", "prefill", "--kv-abort-timeout", "300"]).await;
+        let d = TestWorker::start(&["--role", "decode"]).await;
+        let mut prefill = plain.clone();
+        prefill["max_tokens"] = json!(1);
+        prefill["kv_transfer_params"] = json!({"do_remote_decode": true});
+        for (round, p_streams) in [false, true].into_iter().enumerate() {
+            let params = if p_streams {
+                prefill["stream"] = json!(true);
+                let chunks = stream_chunks(&p, route, &prefill).await;
+                let finishes: Vec<&Value> = chunks
+                    .iter()
+                    .filter(|c| c["choices"][0]["finish_reason"].is_string())
+                    .collect();
+                let indexes: Vec<_> = finishes.iter().map(|c| &c["choices"][0]["index"]).collect();
+                assert_eq!(indexes, [&json!(0), &json!(1)], "{chunks:?}");
+                // Both finish chunks carry the one handle.
+                assert_eq!(
+                    finishes[0]["kv_transfer_params"],
+                    finishes[1]["kv_transfer_params"]
+                );
+                finishes[0]["kv_transfer_params"].clone()
+            } else {
+                let (status, answer) = p.post(route, &prefill).await;
+                assert_eq!(status, 200, "{answer}");
+                assert_eq!(texts(&answer).len(), 2, "{answer}");
+                // One sequence ran: its one token, the prompt once.
+                assert_eq!(answer["usage"]["completion_tokens"], 1, "{answer}");
+                answer["kv_transfer_params"].clone()
+            };
+            assert_eq!(params["do_remote_prefill"], true, "{params}");
+            let published = p.metric("pdserve_kv_transfer_published_total").await;
+            assert_eq!(published, round as f64 + 1.0, "one handle per prefill");
+
+            let imported = d.metric("pdserve_kv_transfer_imported_tokens_total").await;
+            let mut decode = plain.clone();
+            decode["kv_transfer_params"] = params;
+            let got = if p_streams {
+                let (status, answer) = d.post(route, &decode).await;
+                assert_eq!(status, 200, "{answer}");
+                texts(&answer)
+            } else {
+                decode["stream"] = json!(true);
+                stream_texts(&d, route, &decode, 2).await
+            };
+            assert_eq!(got, want, "round {round}");
+            let now = d.metric("pdserve_kv_transfer_imported_tokens_total").await;
+            assert_eq!(now - imported, prompt_tokens - 1.0, "imported once");
+            assert_clean(&p).await;
+            assert_clean(&d).await;
+        }
+        assert_eq!(
+            p.metric("pdserve_kv_transfer_aborted_by_timeout_total")
+                .await,
+            0.0
+        );
+        p.stop().await;
+        d.stop().await;
+    })
+    .await;
 }

@@ -195,6 +195,8 @@ async fn suite() {
         gateway,
     };
 
+    // First: its leak check must not be masked by other scenarios' expiring exports.
+    parallel_choices(&stack).await;
     oracle(&stack).await;
     conditional_disaggregation(&stack).await;
     multi_turn_through_the_gateway(&stack).await;
@@ -260,6 +262,115 @@ async fn conditional_disaggregation(stack: &Stack) {
     assert_eq!((skipped, disaggregated), (2.0, 2.0));
     let _ = stop.send(());
     task.await.unwrap().unwrap();
+}
+
+/// Every choice's text of an answer with `n` choices, streamed or not, in index order.
+fn choice_texts(answer: &Value, stream: bool, n: usize) -> Vec<String> {
+    if !stream {
+        let choices = answer["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), n, "{answer}");
+        return choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                assert_eq!(c["index"], i, "{answer}");
+                text_of(&json!({"choices": [c]}))
+            })
+            .collect();
+    }
+    let mut texts = vec![String::new(); n];
+    for chunk in answer["chunks"].as_array().unwrap() {
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            let t = c["delta"]["content"].as_str().or(c["text"].as_str());
+            texts[i].push_str(t.unwrap_or(""));
+        }
+    }
+    texts
+}
+
+/// `n` = 2 through gateway + P + D (the gateway sends `n` to both legs): P prefills
+/// once and publishes one handle, D imports it once and decodes both choices; every
+/// choice equals the aggregated worker's choice, which equals its `n` = 1 answer. Then
+/// nothing stays pinned on P or D, and P's export was read, not expired.
+async fn parallel_choices(stack: &Stack) {
+    let cases = [
+        ("/v1/chat/completions", chat(LONG, false)),
+        ("/v1/completions", completion("Once upon a time", false)),
+        ("/v1/completions", completion(LONG, false)),
+    ];
+    for (path, body) in cases {
+        let single = text_of(&stack.ok(&stack.agg, path, &body).await);
+        let mut body = body;
+        body["n"] = json!(2);
+        let expected = choice_texts(&stack.ok(&stack.agg, path, &body).await, false, 2);
+        assert_eq!(expected, vec![single; 2], "{path}");
+        for stream in [false, true] {
+            body["stream"] = json!(stream);
+            let published = || stack.metric(&stack.prefill, "pdserve_kv_transfer_published_total");
+            let imported =
+                || stack.metric(&stack.decode, "pdserve_kv_transfer_imported_tokens_total");
+            let (published_before, imported_before) = (published().await, imported().await);
+            let mut prompt_tokens = None;
+            let got = if stream {
+                let raw = stack
+                    .http
+                    .post(format!("{}{path}", stack.gateway))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap();
+                assert!(raw.ends_with("data: [DONE]\n\n"), "{raw}");
+                let chunks: Vec<Value> = raw
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .filter(|d| *d != "[DONE]")
+                    .map(|d| serde_json::from_str(d).unwrap())
+                    .collect();
+                assert!(chunks.iter().all(|c| c.get("error").is_none()), "{raw}");
+                choice_texts(&json!({ "chunks": chunks }), true, 2)
+            } else {
+                let answer = stack.ok(&stack.gateway, path, &body).await;
+                prompt_tokens = answer["usage"]["prompt_tokens"].as_f64();
+                choice_texts(&answer, false, 2)
+            };
+            assert_eq!(got, expected, "{path} n=2 stream={stream}");
+            // One prefill published on P, its KV imported once on D.
+            assert_eq!(published().await - published_before, 1.0, "{path}");
+            if let Some(prompt_tokens) = prompt_tokens {
+                let imported = imported().await - imported_before;
+                assert_eq!(imported, prompt_tokens - 1.0, "{path}: imported once");
+            }
+        }
+    }
+    // Released at once (well inside the abort timeout): read by D, not expired.
+    let started = Instant::now();
+    for base in [&stack.prefill, &stack.decode] {
+        loop {
+            let pinned = stack.metric(base, "pdserve_kv_blocks_pinned").await;
+            let published = stack
+                .metric(base, "pdserve_kv_transfer_pinned_blocks")
+                .await;
+            if pinned == 0.0 && published == 0.0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(ABORT_TIMEOUT_SECS / 2),
+                "{base}: {pinned} blocks pinned, {published} published after n = 2"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let expired = stack
+        .metric(
+            &stack.prefill,
+            "pdserve_kv_transfer_aborted_by_timeout_total",
+        )
+        .await;
+    assert_eq!(expired, 0.0, "an n = 2 prefill's export expired unread");
 }
 
 /// Chat and completions, streamed and not, prompts of one token, of under one block

@@ -3,6 +3,7 @@
 //! counted once) or one event stream (chunks tagged with their choice's `index`, a
 //! finish chunk per choice, usage once after the last).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
@@ -38,6 +39,26 @@ pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRe
     request
 }
 
+/// A request's submitted choices: one generation per choice, or (a prefill for a remote
+/// decode) one generation whose output stands for every choice.
+pub struct Submitted {
+    /// The generations, in choice order.
+    pub generations: Vec<Generation>,
+    /// How many choices the answer lists (`n`).
+    pub choices: usize,
+}
+
+impl Submitted {
+    /// One generation per choice.
+    pub fn each(generations: Vec<Generation>) -> Self {
+        let choices = generations.len();
+        Self {
+            generations,
+            choices,
+        }
+    }
+}
+
 /// Submits the `choices` choices of `request`, choice `i` with `bootstrap[i]` (none when
 /// `bootstrap` is empty). Where this worker computes the prompt itself, choice 0 goes
 /// first and the others follow once it has produced a token: its prompt blocks are then
@@ -45,6 +66,11 @@ pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRe
 /// again. A decode worker importing each choice's room submits them all at once. On an
 /// error the choices already submitted are dropped, which cancels them, unpins what they
 /// held and closes their rooms.
+///
+/// With vLLM's `kv_transfer_params` and `n` > 1 (the gateway sends `n` to both legs):
+/// a remote-decode prefill runs once and publishes one KV handle, its output answering
+/// for every choice; a remote-prefill decode imports the peer's KV once, into choice 0,
+/// and the other choices reuse those blocks through the prefix cache.
 pub async fn submit(
     app: &Arc<AppState>,
     request: GenerationRequest,
@@ -52,36 +78,57 @@ pub async fn submit(
     kv_params: Option<&KvTransferParams>,
     bootstrap: &[BootstrapParams],
     choices: usize,
-) -> Result<Vec<Generation>, ApiError> {
-    let one = |i: usize| {
+) -> Result<Submitted, ApiError> {
+    // Choice `i`, with the request's `kv_transfer_params` when `with_kv`.
+    let one = |i: usize, with_kv: bool| {
         crate::bootstrap::submit(
             app,
             bootstrap.get(i),
-            kv_params,
+            kv_params.filter(|_| with_kv),
             choice_request(&request, i),
             stop.clone(),
         )
     };
-    if choices == 1 {
-        return Ok(vec![one(0).await?]);
+    if choices == 1 || (kv_params.is_some() && !bootstrap.is_empty()) {
+        // (Both handoffs at once is refused by the one choice's submission.)
+        return Ok(Submitted::each(vec![one(0, true).await?]));
     }
-    if kv_params.is_some() {
-        return Err(ApiError::bad_request(
-            "n > 1 cannot be combined with kv_transfer_params (one handoff per request)",
-        )
-        .with_param("n"));
+    let mut first = None;
+    let mut rest_kv = true;
+    if let Some(params) = kv_params {
+        if params.do_remote_decode && (params.do_remote_prefill || app.kv.service.is_some()) {
+            // A prefill for a peer (or the conflicting ask, refused): one sequence.
+            return Ok(Submitted {
+                generations: vec![one(0, true).await?],
+                choices,
+            });
+        }
+        if params.do_remote_prefill {
+            let mut request = choice_request(&request, 0);
+            // Imported once, into choice 0. No conversation KV is kept for a next turn
+            // (which choice would it continue?).
+            crate::kv::import::import_prompt_kv(&app.kv, params, &mut request).await?;
+            let prompt_tokens = request.prompt.len();
+            let events = app.submit(request)?;
+            let mut generation = Generation::new(app.clone(), events, prompt_tokens, stop.clone());
+            if let Some(e) = generation.prime().await {
+                return Err(e);
+            }
+            first = Some(generation);
+            rest_kv = false;
+        }
     }
     let imports = app.bootstrap.role == WorkerRole::Decode && !bootstrap.is_empty();
-    let mut first = None;
-    if !imports {
-        let mut generation = one(0).await?;
+    if first.is_none() && !imports {
+        let mut generation = one(0, rest_kv).await?;
         if let Some(e) = generation.prime().await {
             return Err(e);
         }
         first = Some(generation);
     }
-    let rest = futures::future::try_join_all((first.is_some() as usize..choices).map(one)).await?;
-    Ok(first.into_iter().chain(rest).collect())
+    let start = first.is_some() as usize;
+    let rest = futures::future::try_join_all((start..choices).map(|i| one(i, rest_kv))).await?;
+    Ok(Submitted::each(first.into_iter().chain(rest).collect()))
 }
 
 /// The usage of a whole answer from its choices' (in index order): the prompt counted
@@ -102,9 +149,11 @@ pub fn merged_usage(usages: &[Usage]) -> Usage {
 enum ChoiceEvent {
     /// A chunk to send.
     Chunk(Bytes),
-    /// The choice's finish chunk, and its usage.
+    /// The choice's finish chunk, and its usage; `count` choices from `index` on end
+    /// with it (a prefill's one output standing for every choice).
     End {
         index: usize,
+        count: usize,
         chunk: Bytes,
         usage: Usage,
     },
@@ -112,36 +161,52 @@ enum ChoiceEvent {
     Failed(ApiError),
 }
 
-/// Choice `index`'s chunks: one per token with text (or with a logprob), then its finish
-/// chunk.
+/// The chunks of the choices `indexes` (one, unless one output stands for several):
+/// one per token with text (or with a logprob), then the finish chunk, each repeated
+/// for every index.
 fn choice_events<F: ResponseFormat>(
-    index: usize,
+    indexes: Range<usize>,
     generation: Generation,
     format: Arc<F>,
 ) -> BoxStream<'static, ChoiceEvent> {
+    let (index, count) = (indexes.start, indexes.len());
+    let each = move |chunk: &dyn Fn(u32) -> Bytes| -> Bytes {
+        let mut out = BytesMut::new();
+        for i in indexes.clone() {
+            out.extend_from_slice(&chunk(i as u32));
+        }
+        out.freeze()
+    };
     futures::stream::unfold(Some(generation), move |state| {
         let format = format.clone();
+        let each = each.clone();
         async move {
             let mut generation = state?;
-            let i = index as u32;
             loop {
                 let event = match generation.next().await? {
                     Piece::Token { text, logprob } => {
                         if text.is_empty() && logprob.is_none() {
                             continue;
                         }
-                        ChoiceEvent::Chunk(format.text_chunk(i, text, logprob))
+                        ChoiceEvent::Chunk(each(&|i| {
+                            format.text_chunk(i, text.clone(), logprob.clone())
+                        }))
                     }
-                    Piece::Tail(text) => ChoiceEvent::Chunk(format.text_chunk(i, text, None)),
+                    Piece::Tail(text) => {
+                        ChoiceEvent::Chunk(each(&|i| format.text_chunk(i, text.clone(), None)))
+                    }
                     Piece::End {
                         finish_reason,
                         usage,
                         kv_transfer_params,
                     } => {
-                        let chunk = format.finish_chunk(i, finish_reason, kv_transfer_params);
+                        let chunk = each(&|i| {
+                            format.finish_chunk(i, finish_reason, kv_transfer_params.clone())
+                        });
                         return Some((
                             ChoiceEvent::End {
                                 index,
+                                count,
                                 chunk,
                                 usage,
                             },
@@ -168,23 +233,25 @@ struct Merged {
 /// choice's chunks as they come, each choice's finish chunk when it ends, the usage
 /// chunk if asked once all have ended, then `[DONE]`. A failed choice ends the stream
 /// with an error event. Dropping the stream (client gone) drops every choice's
-/// receiver, which cancels them.
+/// receiver, which cancels them. One generation for several choices is sent as each.
 pub fn stream_response<F: ResponseFormat>(
-    generations: Vec<Generation>,
+    submitted: Submitted,
     format: F,
     include_usage: bool,
 ) -> Response {
     let format = Arc::new(format);
-    let n = generations.len();
+    let n = submitted.choices;
+    let per = n / submitted.generations.len().max(1);
     let starts: Vec<Bytes> = (0..n as u32)
         .filter_map(|i| format.start_chunk(i))
         .collect();
     let merged = Merged {
         choices: futures::stream::select_all(
-            generations
+            submitted
+                .generations
                 .into_iter()
                 .enumerate()
-                .map(|(i, g)| choice_events(i, g, format.clone())),
+                .map(|(i, g)| choice_events(i * per..(i + 1) * per, g, format.clone())),
         ),
         usages: vec![None; n],
         remaining: n,
@@ -197,11 +264,12 @@ pub fn stream_response<F: ResponseFormat>(
                 ChoiceEvent::Chunk(chunk) => Some((chunk, Some(merged))),
                 ChoiceEvent::End {
                     index,
+                    count,
                     chunk,
                     usage,
                 } => {
                     merged.usages[index] = Some(usage);
-                    merged.remaining -= 1;
+                    merged.remaining -= count;
                     if merged.remaining > 0 {
                         return Some((chunk, Some(merged)));
                     }
@@ -260,13 +328,16 @@ async fn collect_choice(
 }
 
 /// Runs every choice to its end and answers one JSON response; the first failed choice
-/// answers its error instead (the others are dropped, which cancels them).
+/// answers its error instead (the others are dropped, which cancels them). One
+/// generation for several choices is listed as each (its usage counted once).
 pub async fn collect_response<F: ResponseFormat>(
-    generations: Vec<Generation>,
+    submitted: Submitted,
     format: F,
     want_logprobs: bool,
 ) -> Response {
-    let runs = generations
+    let per = submitted.choices / submitted.generations.len().max(1);
+    let runs = submitted
+        .generations
         .into_iter()
         .map(|g| collect_choice(g, want_logprobs));
     let finished = match futures::future::try_join_all(runs).await {
@@ -277,9 +348,9 @@ pub async fn collect_response<F: ResponseFormat>(
     let mut usages = Vec::with_capacity(finished.len());
     let mut kv_transfer_params = None;
     for (output, usage, params) in finished {
-        outputs.push(output);
+        outputs.extend(std::iter::repeat_n(output, per));
         usages.push(usage);
-        // Only a single choice can carry a KV handoff (n > 1 refuses them).
+        // Only one choice publishes KV (choice 0, or a prefill's one output).
         kv_transfer_params = kv_transfer_params.or(params);
     }
     format.response(outputs, merged_usage(&usages), kv_transfer_params)

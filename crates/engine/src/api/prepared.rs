@@ -10,7 +10,7 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::{Map, Value};
 
 use super::chat::ChatFormat;
-use super::choices::{collect_response, stream_response};
+use super::choices::{collect_response, stream_response, Submitted};
 use super::completions::CompletionFormat;
 use super::generation::Generation;
 use super::validate::OutputOptions;
@@ -81,11 +81,12 @@ impl Reply {
 
     /// Answers with `generation`'s output: a stream, or one JSON body once it is done.
     pub async fn respond(self, generation: Generation) -> Response {
-        self.respond_choices(vec![generation]).await
+        self.respond_choices(Submitted::each(vec![generation]))
+            .await
     }
 
-    /// Answers with the output of every choice, `generations[i]` being choice `i`.
-    pub async fn respond_choices(self, generations: Vec<Generation>) -> Response {
+    /// Answers with the output of every choice.
+    pub async fn respond_choices(self, generations: Submitted) -> Response {
         let (usage, logprobs) = (self.include_usage, self.logprobs);
         match (self.format, self.stream) {
             (Format::Chat(f), true) => stream_response(generations, f, usage),
