@@ -262,14 +262,21 @@ async fn n_out_of_range_is_a_400_naming_n() {
         let (status, answer) = w.post("/v1/completions", &handoff).await;
         assert_eq!(status, 200, "{answer}");
         assert_eq!(answer["usage"]["completion_tokens"], 6, "{answer}");
-        // SGLang's /generate takes one sample per input here.
-        let generate = json!({"text": "hi", "sampling_params": {"n": 2}});
-        let (status, err) = w.post("/generate", &generate).await;
-        assert_eq!(
-            (status, &err["error"]["param"]),
-            (400, &json!("n")),
-            "{err}"
-        );
+        // SGLang's /generate: n out of range, or not the same for every input.
+        for sp in [
+            json!({"n": 0}),
+            json!({"n": 129}),
+            json!([{"n": 2}, {"n": 3}]),
+            json!([{"n": 2}, {}]),
+        ] {
+            let generate = json!({"text": ["hi", "ho"], "sampling_params": sp});
+            let (status, err) = w.post("/generate", &generate).await;
+            assert_eq!(
+                (status, &err["error"]["param"]),
+                (400, &json!("n")),
+                "{sp}: {err}"
+            );
+        }
         w.wait_metric("pdserve_kv_blocks_used", 0.0).await;
         w.stop().await;
     })
@@ -514,6 +521,139 @@ async fn a_remote_decode_prefill_publishes_once_and_the_decode_imports_once() {
                 .await,
             0.0
         );
+        p.stop().await;
+        d.stop().await;
+    })
+    .await;
+}
+
+/// The texts of a `/generate` list answer, and its `meta_info.id`s.
+fn generate_texts(answer: &Value) -> (Vec<String>, Vec<String>) {
+    let list = answer
+        .as_array()
+        .unwrap_or_else(|| panic!("not a list: {answer}"));
+    let field = |k: &str| -> Vec<String> {
+        list.iter()
+            .map(|o| match k {
+                "text" => o["text"].as_str().unwrap().to_string(),
+                _ => o["meta_info"]["id"].as_str().unwrap().to_string(),
+            })
+            .collect()
+    };
+    (field("text"), field("id"))
+}
+
+/// SGLang's `/generate` with `sampling_params.n` = 2: one input answers a list of two
+/// outputs, a batch of two answers four listed input by input (input 0's samples, then
+/// input 1's), streamed events carry that `index`; greedy samples equal the `n` = 1
+/// output and every output has its own `rid`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_lists_n_samples_per_input_in_sglang_order() {
+    serial(async {
+        let w = TestWorker::start(&[]).await;
+        let prompts = ["Once upon a time", "The capital of France is"];
+        let sp = json!({"max_new_tokens": 6, "temperature": 0});
+        let mut single = Vec::new();
+        for prompt in prompts {
+            let (status, answer) = w
+                .post("/generate", &json!({"text": prompt, "sampling_params": sp}))
+                .await;
+            assert_eq!(status, 200, "{answer}");
+            single.push(answer["text"].as_str().unwrap().to_string());
+        }
+        let mut sp2 = sp.clone();
+        sp2["n"] = json!(2);
+
+        let (status, answer) = w
+            .post(
+                "/generate",
+                &json!({"text": prompts[0], "sampling_params": sp2}),
+            )
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        let (texts, ids) = generate_texts(&answer);
+        assert_eq!(texts, vec![single[0].clone(); 2]);
+        assert_ne!(ids[0], ids[1], "each sample has its own rid");
+
+        let batch = json!({"text": prompts, "sampling_params": [sp2, sp2]});
+        let (status, answer) = w.post("/generate", &batch).await;
+        assert_eq!(status, 200, "{answer}");
+        let want = vec![
+            single[0].clone(),
+            single[0].clone(),
+            single[1].clone(),
+            single[1].clone(),
+        ];
+        assert_eq!(generate_texts(&answer).0, want);
+
+        let mut streamed = batch.clone();
+        streamed["stream"] = json!(true);
+        let resp = w
+            .http
+            .post(format!("{}/generate", w.base))
+            .json(&streamed)
+            .send()
+            .await
+            .unwrap();
+        let raw = resp.text().await.unwrap();
+        assert!(raw.ends_with("data: [DONE]\n\n"), "{raw}");
+        let mut last = vec![String::new(); 4];
+        for data in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if data == "[DONE]" {
+                break;
+            }
+            let event: Value = serde_json::from_str(data).unwrap();
+            assert!(event.get("error").is_none(), "{event}");
+            let i = event["index"].as_u64().expect("an index") as usize;
+            last[i] = event["text"].as_str().unwrap().to_string();
+        }
+        assert_eq!(last, want);
+        w.wait_metric("pdserve_kv_blocks_used", 0.0).await;
+        w.stop().await;
+    })
+    .await;
+}
+
+/// `/generate` with `n` = 2 on an SGLang prefill/decode pair: each sample meets its own
+/// room on both sides (one room `r` read as `r + i + s * inputs`, a room per input as
+/// `room + s`), the outputs equal the aggregated ones, a room used twice is refused, and
+/// nothing stays pinned or open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn generate_samples_meet_their_own_rooms() {
+    serial(async {
+        let (p, d, port) = pd().await;
+        let agg = TestWorker::start(&[]).await;
+        let body = json!({
+            "text": ["Once upon a time", "Name a color."],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 2},
+        });
+        let (status, want) = agg.post("/generate", &body).await;
+        assert_eq!(status, 200, "{want}");
+        let want = generate_texts(&want).0;
+        agg.stop().await;
+
+        for room in [json!(900), json!([950, 960])] {
+            let mut body = body.clone();
+            body["bootstrap_host"] = json!("127.0.0.1");
+            body["bootstrap_port"] = json!(port);
+            body["bootstrap_room"] = room.clone();
+            let (prefilled, decoded) =
+                tokio::join!(p.post("/generate", &body), d.post("/generate", &body));
+            assert_eq!(prefilled.0, 200, "{}", prefilled.1);
+            assert_eq!(decoded.0, 200, "{}", decoded.1);
+            assert_eq!(generate_texts(&decoded.1).0, want, "rooms {room}");
+        }
+        // Per-input rooms 5 and 6 with two samples each: 5, 6 and 6, 7.
+        let mut clash = body.clone();
+        clash["bootstrap_room"] = json!([5, 6]);
+        let (status, err) = d.post("/generate", &clash).await;
+        assert_eq!(
+            (status, &err["error"]["param"]),
+            (400, &json!("bootstrap_room")),
+            "{err}"
+        );
+        assert_clean(&p).await;
+        assert_clean(&d).await;
         p.stop().await;
         d.stop().await;
     })

@@ -3,11 +3,20 @@
 //! `top_logprobs_num`, `rid`, and the bootstrap fields (one per input in a batch).
 //!
 //! Answers as SGLang does: `{"text", "meta_info": {"id", "finish_reason", "prompt_tokens",
-//! "completion_tokens", "cached_tokens", "e2e_latency", ...}}` per input (a list for a
-//! batch); a stream sends `data: {...}` events whose `text` is the output so far (with
-//! `index` in a batch), then `data: [DONE]`.
+//! "completion_tokens", "cached_tokens", "e2e_latency", ...}}` per output (a list for a
+//! batch or for `sampling_params.n` > 1); a stream sends `data: {...}` events whose
+//! `text` is the output so far (with `index` when the answer is a list), then
+//! `data: [DONE]`.
+//!
+//! `n` > 1 (SGLang's `parallel_sample_num`, the same in every `sampling_params`): each
+//! input has `n` outputs, listed input by input (output `i * n + s` is input `i`'s
+//! sample `s`), each a sequence of its own with a fresh `rid`; sample 0 runs first so the
+//! others take its prompt blocks from the prefix cache. Each sample has its own
+//! bootstrap room: as SGLang normalises the fields, one room `r` stands for `r + k` and a
+//! list of `inputs * n` is indexed by `k`, where `k = i + s * inputs`; a list of one room
+//! per input gives input `i`'s samples `room[i] + s`. Rooms used twice are refused.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
@@ -122,7 +131,8 @@ struct SglSamplingParams {
 struct Item {
     request: GenerationRequest,
     stop: Vec<String>,
-    bootstrap: Option<BootstrapParams>,
+    /// One per sample; empty without bootstrap fields.
+    bootstrap: Vec<BootstrapParams>,
     rid: String,
     logprobs: bool,
 }
@@ -162,6 +172,29 @@ fn pick<T: Clone>(
     }
 }
 
+/// SGLang's `parallel_sample_num`: `sampling_params.n` (1 when absent), equal across a
+/// list of sampling params.
+fn samples(req: &GenerateRequest) -> Result<usize, ApiError> {
+    let n = match &req.sampling_params {
+        None => None,
+        Some(OneOrMany::One(sp)) => sp.n,
+        Some(OneOrMany::Many(list)) => {
+            let first = list.first().and_then(|sp| sp.n);
+            if list
+                .iter()
+                .any(|sp| sp.n.unwrap_or(1) != first.unwrap_or(1))
+            {
+                return Err(ApiError::bad_request(
+                    "sampling_params.n must be the same for every input",
+                )
+                .with_param("n"));
+            }
+            first
+        }
+    };
+    choice_count(n)
+}
+
 /// Handles one `/generate` request.
 pub async fn handle(
     State(app): State<Arc<AppState>>,
@@ -174,52 +207,146 @@ pub async fn handle(
     if n == 0 {
         return Err(ApiError::bad_request("the batch is empty").with_param("text"));
     }
+    let samples = samples(&req)?;
     let mut items = Vec::with_capacity(n);
+    let mut rooms = HashSet::new();
     for i in 0..n {
-        items.push(prepare(&app, &req, i, n).await?);
+        let item = prepare(&app, &req, i, n, samples).await?;
+        if let Some(dup) = item
+            .bootstrap
+            .iter()
+            .find(|f| !rooms.insert(f.bootstrap_room))
+        {
+            return Err(ApiError::bad_request(format!(
+                "bootstrap_room {} is used by two outputs",
+                dup.bootstrap_room
+            ))
+            .with_param("bootstrap_room"));
+        }
+        items.push(item);
     }
+    let text_in_logprobs = req.return_text_in_logprobs;
     let submitted = items.into_iter().map(|item| {
         let app = app.clone();
         async move {
-            let generation = crate::bootstrap::submit(
+            let submitted = super::choices::submit(
                 &app,
-                item.bootstrap.as_ref(),
-                None,
                 item.request,
                 item.stop,
+                None,
+                &item.bootstrap,
+                samples,
             )
             .await?;
-            Ok::<_, ApiError>(Output {
-                generation,
-                rid: item.rid,
-                logprobs: item.logprobs,
-                text_in_logprobs: req.return_text_in_logprobs,
-            })
+            let one = submitted.generations.len() == 1;
+            Ok::<_, ApiError>(
+                submitted
+                    .generations
+                    .into_iter()
+                    .map(|generation| Output {
+                        generation,
+                        // SGLang gives every sample a fresh rid.
+                        rid: if one {
+                            item.rid.clone()
+                        } else {
+                            uuid::Uuid::new_v4().simple().to_string()
+                        },
+                        logprobs: item.logprobs,
+                        text_in_logprobs,
+                    })
+                    .collect::<Vec<_>>(),
+            )
         }
     });
     // Concurrently: a batch's rooms meet their decode reads at the same time.
-    let outputs = futures::future::try_join_all(submitted).await?;
+    let outputs: Vec<Output> = futures::future::try_join_all(submitted)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
+    let listed = batch || samples > 1;
     if req.stream {
-        return Ok(stream(outputs, batch, started));
+        return Ok(stream(outputs, listed, started));
     }
     let answers = futures::future::join_all(outputs.into_iter().map(|o| o.collect(started))).await;
     let mut bodies = Vec::with_capacity(answers.len());
     for answer in answers {
         bodies.push(answer?);
     }
-    Ok(if batch {
+    Ok(if listed {
         Json(Value::Array(bodies)).into_response()
     } else {
         Json(bodies.remove(0)).into_response()
     })
 }
 
-/// Checks and tokenizes input `i` of `n`.
+/// The bootstrap fields of input `i` of `inputs` for each of its `samples` samples, as
+/// SGLang normalises them (see the module doc); empty without `bootstrap_room`.
+fn bootstrap_fields(
+    req: &GenerateRequest,
+    i: usize,
+    inputs: usize,
+    samples: usize,
+) -> Result<Vec<BootstrapParams>, ApiError> {
+    let Some(rooms) = &req.bootstrap_room else {
+        return Ok(Vec::new());
+    };
+    let total = inputs * samples;
+    let slot = |s: usize| i + s * inputs;
+    let mismatch = |field: &str, len: usize| {
+        ApiError::bad_request(format!(
+            "{field} has {len} entries for {inputs} inputs of {samples} samples (give one, \
+             one per input or one per output)"
+        ))
+        .with_param(field)
+    };
+    fn value<T: Clone>(
+        field: &Option<OneOrMany<T>>,
+        i: usize,
+        slot: usize,
+        inputs: usize,
+        total: usize,
+    ) -> Option<Result<T, usize>> {
+        match field.as_ref()? {
+            OneOrMany::One(v) => Some(Ok(v.clone())),
+            OneOrMany::Many(list) if list.len() == total => Some(Ok(list[slot].clone())),
+            OneOrMany::Many(list) if list.len() == inputs => Some(Ok(list[i].clone())),
+            OneOrMany::Many(list) => Some(Err(list.len())),
+        }
+    }
+    (0..samples)
+        .map(|s| {
+            let room = match rooms {
+                OneOrMany::One(r) => r.checked_add(slot(s) as u64),
+                OneOrMany::Many(list) if list.len() == total => Some(list[slot(s)]),
+                OneOrMany::Many(list) if list.len() == inputs => list[i].checked_add(s as u64),
+                OneOrMany::Many(list) => return Err(mismatch("bootstrap_room", list.len())),
+            }
+            .ok_or_else(|| {
+                ApiError::bad_request("bootstrap_room + n overflows").with_param("bootstrap_room")
+            })?;
+            let host = value(&req.bootstrap_host, i, slot(s), inputs, total)
+                .transpose()
+                .map_err(|len| mismatch("bootstrap_host", len))?;
+            let port = value(&req.bootstrap_port, i, slot(s), inputs, total)
+                .transpose()
+                .map_err(|len| mismatch("bootstrap_port", len))?;
+            Ok(BootstrapParams {
+                bootstrap_room: room,
+                bootstrap_host: host.unwrap_or_default(),
+                bootstrap_port: port.flatten(),
+            })
+        })
+        .collect()
+}
+
+/// Checks and tokenizes input `i` of `n` (`samples` outputs each).
 async fn prepare(
     app: &Arc<AppState>,
     req: &GenerateRequest,
     i: usize,
     n: usize,
+    samples: usize,
 ) -> Result<Item, ApiError> {
     let (prompt, prompt_param) = match (&req.text, &req.input_ids) {
         (Some(text), _) => {
@@ -281,13 +408,6 @@ async fn prepare(
         "logit_bias": sp.logit_bias,
     }))
     .map_err(|e| ApiError::bad_request(format!("sampling_params: {e}")))?;
-    // Parallel sampling is served on the OpenAI routes only (chat and completions).
-    if choice_count(params.n)? != 1 {
-        return Err(ApiError::bad_request(
-            "sampling_params.n > 1 is not supported on /generate (use /v1/completions)",
-        )
-        .with_param("n"));
-    }
     let mut request = generation_request(
         prompt,
         &params,
@@ -305,14 +425,7 @@ async fn prepare(
         }
         request.stop_token_ids.extend(ids);
     }
-    let bootstrap = match pick(&req.bootstrap_room, i, n, "bootstrap_room")? {
-        Some(room) => Some(BootstrapParams {
-            bootstrap_room: room,
-            bootstrap_host: pick(&req.bootstrap_host, i, n, "bootstrap_host")?.unwrap_or_default(),
-            bootstrap_port: pick(&req.bootstrap_port, i, n, "bootstrap_port")?.flatten(),
-        }),
-        None => None,
-    };
+    let bootstrap = bootstrap_fields(req, i, n, samples)?;
     let rid =
         pick(&req.rid, i, n, "rid")?.unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
     Ok(Item {
@@ -430,7 +543,8 @@ impl Output {
     }
 }
 
-/// Streams every output's events (tagged with `index` in a batch), then `[DONE]`.
+/// Streams every output's events (tagged with `index` when the answer is a list), then
+/// `[DONE]`.
 fn stream(outputs: Vec<Output>, batch: bool, started: Instant) -> Response {
     let streams = outputs.into_iter().enumerate().map(|(index, output)| {
         let state = Some((output, Progress::default()));
