@@ -283,11 +283,83 @@ async fn n_out_of_range_is_a_400_naming_n() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_orchestrator_serves_several_choices_on_its_own() {
+/// A worker orchestrating with `--prefill` sends an `n` = 2 request's prompt to its
+/// prefill worker once (one publication), imports it once into choice 0 and decodes
+/// both choices, each equal to the aggregated one; with either handoff mode, streamed
+/// and not. With the prefill worker unreachable, `n` = 2 fails as `n` = 1 does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_orchestrator_prefills_several_choices_once() {
     serial(async {
-        // Its only prefill worker is a closed port: one choice cannot be served, several
-        // are computed here.
+        let route = "/v1/completions";
+        let prompt = "The lighthouse keeper climbed the stairs every evening to light the \
+                      lamp, and one night he saw";
+        let two = completion(prompt, json!({"max_tokens": 6, "n": 2}));
+        let agg = TestWorker::start(&[]).await;
+        let (status, want) = agg.post(route, &two).await;
+        assert_eq!(status, 200, "{want}");
+        let prompt_tokens = want["usage"]["prompt_tokens"].as_f64().unwrap();
+        let want = texts(&want);
+        agg.stop().await;
+
+        let p = TestWorker::start(&["--role", "prefill", "--kv-abort-timeout", "300"]).await;
+        for handoff in ["sequential", "concurrent"] {
+            let d = TestWorker::start(&[
+                "--role",
+                "decode",
+                "--prefill",
+                &p.base,
+                "--handoff",
+                handoff,
+            ])
+            .await;
+            // Warm (its pre-warm request has gone through P) before counting.
+            let started = std::time::Instant::now();
+            while d
+                .http
+                .get(format!("{}/health", d.base))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                != 200
+            {
+                assert!(started.elapsed().as_secs() < 60, "{handoff}: never warm");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            for stream in [false, true] {
+                let published = p.metric("pdserve_kv_transfer_published_total").await;
+                let imported = d.metric("pdserve_kv_transfer_imported_tokens_total").await;
+                let mut body = two.clone();
+                body["stream"] = json!(stream);
+                let got = if stream {
+                    stream_texts(&d, route, &body, 2).await
+                } else {
+                    let (status, answer) = d.post(route, &body).await;
+                    assert_eq!(status, 200, "{answer}");
+                    texts(&answer)
+                };
+                assert_eq!(got, want, "{handoff} stream={stream}");
+                let now = p.metric("pdserve_kv_transfer_published_total").await;
+                assert_eq!(now - published, 1.0, "{handoff}: one prefill per request");
+                let now = d.metric("pdserve_kv_transfer_imported_tokens_total").await;
+                assert_eq!(
+                    now - imported,
+                    prompt_tokens - 1.0,
+                    "{handoff}: imported once"
+                );
+            }
+            assert_clean(&d).await;
+            d.stop().await;
+        }
+        assert_clean(&p).await;
+        assert_eq!(
+            p.metric("pdserve_kv_transfer_aborted_by_timeout_total")
+                .await,
+            0.0
+        );
+        p.stop().await;
+
+        // Its only prefill worker is a closed port: no choice count is served here.
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let prefill = format!("http://{}", closed.local_addr().unwrap());
         drop(closed);
@@ -300,16 +372,12 @@ async fn an_orchestrator_serves_several_choices_on_its_own() {
             "2",
         ])
         .await;
-        let one = completion("Once upon a time", json!({"max_tokens": 6}));
-        let (status, err) = w.post("/v1/completions", &one).await;
-        assert!(status >= 500, "{status} {err}");
-        let mut two = one.clone();
-        two["n"] = json!(2);
-        let (status, answer) = w.post("/v1/completions", &two).await;
-        assert_eq!(status, 200, "{answer}");
-        let got = texts(&answer);
-        assert_eq!(got.len(), 2);
-        assert_eq!(got[0], got[1]);
+        for n in [1, 2] {
+            let mut body = completion("Once upon a time", json!({"max_tokens": 6}));
+            body["n"] = json!(n);
+            let (status, err) = w.post(route, &body).await;
+            assert!(status >= 500, "n={n}: {status} {err}");
+        }
         w.wait_metric("pdserve_kv_blocks_used", 0.0).await;
         w.stop().await;
     })

@@ -107,10 +107,10 @@ pub fn body_session_key(extra: &Map<String, Value>) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Serves `prepared`: through the orchestrator (a prefill worker computes the prompt,
-/// this worker decodes) when this worker orchestrates, the client did not run the
-/// handoff itself with its own `kv_transfer_params` and asked for one choice; otherwise
-/// on this worker alone (`n` > 1 included: its choices share the prompt's blocks here).
+/// Serves `prepared`: through the orchestrator (a prefill worker computes the prompt
+/// once, this worker decodes every choice) when this worker orchestrates and the client
+/// did not run the handoff itself (its own `kv_transfer_params` or bootstrap fields);
+/// otherwise on this worker alone.
 pub(super) async fn serve(
     app: &Arc<AppState>,
     prepared: Prepared,
@@ -118,9 +118,7 @@ pub(super) async fn serve(
 ) -> Response {
     match &app.orchestrator {
         Some(orchestrator)
-            if prepared.kv_transfer_params.is_none()
-                && prepared.bootstrap.is_empty()
-                && prepared.choices == 1 =>
+            if prepared.kv_transfer_params.is_none() && prepared.bootstrap.is_empty() =>
         {
             orchestrator.serve(app, prepared, headers).await
         }

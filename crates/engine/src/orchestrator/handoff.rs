@@ -12,7 +12,9 @@
 //!   awaited or aborted (dropping the request aborts it), never left behind.
 //!
 //! Either way the decode imports every prompt position but the last and computes that
-//! one itself, so greedy output is token for token the aggregated worker's.
+//! one itself, so greedy output is token for token the aggregated worker's. With `n` > 1
+//! the prompt is prefilled and read once; choice 0 imports it and the others reuse its
+//! blocks here.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -25,6 +27,7 @@ use tokio::task::{JoinError, JoinHandle};
 
 use super::leg::prefill_body;
 use super::{OrchestrateError, Orchestrator, PrefillError, PrefillWorker};
+use crate::api::choices::{choice_request, Submitted};
 use crate::api::generation::{Companion, Generation};
 use crate::api::prepared::{Prepared, Reply};
 use crate::api::AppState;
@@ -45,6 +48,7 @@ pub async fn sequential(
         stop,
         model,
         reply,
+        choices,
         ..
     } = prepared;
     let body = prefill_body(model.as_deref(), &request.prompt, None);
@@ -57,7 +61,7 @@ pub async fn sequential(
              computing the prompt here"
         ),
     }
-    Ok(decode(app, request, stop, reply, None).await?)
+    Ok(decode(app, request, stop, reply, None, choices).await?)
 }
 
 /// The KV read starts with the prefill leg and waits for its blocks.
@@ -73,6 +77,7 @@ pub async fn concurrent(
         stop,
         model,
         reply,
+        choices,
         ..
     } = prepared;
     let id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
@@ -129,7 +134,7 @@ pub async fn concurrent(
                 .map_err(ApiError::from)
         }) as Companion
     });
-    Ok(decode(app, request, stop, reply, companion).await?)
+    Ok(decode(app, request, stop, reply, companion, choices).await?)
 }
 
 /// Reading the KV by the prefill's answer when the early read failed.
@@ -197,28 +202,38 @@ impl From<OrchestrateError> for ApiError {
     }
 }
 
-/// Submits `request` here and answers with its output. A stream is started only once
-/// the first piece is there, so an error before any output (a failed prefill leg
-/// included) is a JSON error with its own status.
+/// Submits `request` here (its `choices` choices) and answers with their output. A
+/// stream is started only once the first piece is there, so an error before any output
+/// (a failed prefill leg included) is a JSON error with its own status. With `n` > 1 the
+/// imported KV goes into choice 0 only, which runs first; the other choices take its
+/// blocks from the prefix cache (the prefill leg, one sequence, does not carry `n`).
 async fn decode(
     app: &Arc<AppState>,
-    request: GenerationRequest,
+    mut request: GenerationRequest,
     stop: Vec<String>,
     reply: Reply,
     companion: Option<Companion>,
+    choices: usize,
 ) -> Result<Response, ApiError> {
-    let prompt_tokens = request.prompt.len();
-    let events = app.submit(request)?;
-    let mut generation = Generation::new(app.clone(), events, prompt_tokens, stop);
+    let import = request.kv_import.take();
+    let mut first = choice_request(&request, 0);
+    first.kv_import = import;
+    let prompt_tokens = first.prompt.len();
+    let events = app.submit(first)?;
+    let mut generation = Generation::new(app.clone(), events, prompt_tokens, stop.clone());
     if let Some(companion) = companion {
         generation = generation.with_companion(companion);
     }
-    if reply.is_stream() {
+    if reply.is_stream() || choices > 1 {
         if let Some(e) = generation.prime().await {
             return Err(e);
         }
     }
-    Ok(reply.respond(generation).await)
+    let rest =
+        (1..choices).map(|i| app.submit_with_kv(None, choice_request(&request, i), stop.clone()));
+    let rest = futures::future::try_join_all(rest).await?;
+    let generations = std::iter::once(generation).chain(rest).collect();
+    Ok(reply.respond_choices(Submitted::each(generations)).await)
 }
 
 /// A task that is aborted when its handle is dropped (a client that goes away takes
