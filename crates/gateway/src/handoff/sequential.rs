@@ -15,7 +15,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use futures::StreamExt;
 use pdserve_protocol::{KvTransferParams, WorkerRole};
-use serde_json::Value;
+use serde_json::value::RawValue;
 
 use super::final_leg::{expose_worker, forward, FinalLeg};
 use super::retry::{with_retries, Leg};
@@ -319,14 +319,27 @@ async fn prefill_once(
     result
 }
 
-/// The two fields the gateway reads from a prefill answer; everything else (the choices,
-/// the one generated token) is skipped without being built.
+/// The two fields the gateway reads from a prefill answer, as their source text;
+/// everything else (the choices, the one generated token) is skipped without being built.
 #[derive(serde::Deserialize)]
-struct PrefillFields {
-    #[serde(default)]
-    kv_transfer_params: Option<Value>,
-    #[serde(default)]
-    usage: Option<Value>,
+struct PrefillFields<'a> {
+    #[serde(default, borrow)]
+    kv_transfer_params: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    usage: Option<&'a RawValue>,
+}
+
+/// `usage.prompt_tokens_details.cached_tokens`, read leniently: any other shape is no count.
+#[derive(serde::Deserialize)]
+struct Usage<'a> {
+    #[serde(default, borrow)]
+    prompt_tokens_details: Option<&'a RawValue>,
+}
+
+#[derive(serde::Deserialize)]
+struct PromptTokensDetails<'a> {
+    #[serde(default, borrow)]
+    cached_tokens: Option<&'a RawValue>,
 }
 
 /// The `kv_transfer_params` and cached-token count of a prefill worker's 200 answer.
@@ -339,14 +352,16 @@ fn parse_prefill_answer(body: &[u8]) -> Result<PrefillAnswer, String> {
     }
     let cached_tokens = fields
         .usage
-        .as_ref()
-        .and_then(|u| u.get("prompt_tokens_details"))
-        .and_then(|d| d.get("cached_tokens"))
-        .and_then(Value::as_u64);
+        .and_then(|u| serde_json::from_str::<Usage>(u.get()).ok())
+        .and_then(|u| u.prompt_tokens_details)
+        .and_then(|d| serde_json::from_str::<PromptTokensDetails>(d.get()).ok())
+        .and_then(|d| d.cached_tokens)
+        .and_then(|n| serde_json::from_str::<u64>(n.get()).ok());
     let kv = match fields.kv_transfer_params {
-        None | Some(Value::Null) => None,
-        Some(params) => Some(
-            serde_json::from_value(params)
+        None => None,
+        Some(raw) if raw.get() == "null" => None,
+        Some(raw) => Some(
+            serde_json::from_str(raw.get())
                 .map_err(|e| format!("answered malformed kv_transfer_params: {e}"))?,
         ),
     };
@@ -356,6 +371,7 @@ fn parse_prefill_answer(body: &[u8]) -> Result<PrefillAnswer, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
     use crate::endpoint::Endpoint;
     use serde_json::json;
 
