@@ -371,9 +371,9 @@ fn parse_prefill_answer(body: &[u8]) -> Result<PrefillAnswer, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::Value;
     use crate::endpoint::Endpoint;
     use serde_json::json;
+    use serde_json::Value;
 
     #[test]
     fn prefill_answers_give_the_handle_and_cached_tokens_only() {
