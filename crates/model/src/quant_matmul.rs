@@ -94,41 +94,32 @@ impl QuantMatrix {
             let panels = count.div_ceil(PANEL);
             &self.data[first / PANEL * panel_bytes..(first / PANEL + panels) * panel_bytes]
         };
-        if m == 1 {
-            let mut out = vec![0f32; self.rows];
-            out.par_chunks_mut(per_item)
-                .enumerate()
-                .for_each(|(item, out)| {
-                    let (first, count) = (item * per_item, out.len());
-                    let w = weights(first, count);
-                    item_product(self.format, w, count, &acts, 1, nb, out);
-                });
-            return out;
-        }
-        // Each item computes its weight rows × all activation rows into a small buffer,
-        // then copies it into its columns of `[m, rows]` (16 floats, one cache line, per
-        // activation row) instead of a strided transpose of the whole result afterwards.
+        // Each item writes its columns `first..first + count` of every row of `[m, rows]`
+        // directly (8 contiguous floats per panel and activation row).
         let mut out = vec![0f32; self.rows * m];
         let dst = SharedOut(out.as_mut_ptr());
         let rows = self.rows;
-        (0..rows.div_ceil(per_item)).into_par_iter().for_each_init(
-            Vec::new,
-            |buf: &mut Vec<f32>, item| {
+        (0..rows.div_ceil(per_item))
+            .into_par_iter()
+            .for_each(|item| {
                 let first = item * per_item;
                 let count = per_item.min(rows - first);
-                buf.resize(count * m, 0.0);
                 let w = weights(first, count);
-                item_product(self.format, w, count, &acts, m, nb, buf);
-                let base = dst.get();
-                for i in 0..m {
-                    for r in 0..count {
-                        // SAFETY: `i * rows + first + r < m * rows`, and only this item
-                        // writes columns `first..first + count`.
-                        unsafe { *base.add(i * rows + first + r) = buf[r * m + i] };
-                    }
-                }
-            },
-        );
+                // SAFETY: only this item writes columns `first..first + count`, and every
+                // write is at `i * rows + first + r` with `i < m`, `r < count`.
+                unsafe {
+                    item_product(
+                        self.format,
+                        w,
+                        count,
+                        &acts,
+                        m,
+                        nb,
+                        dst.get().add(first),
+                        rows,
+                    )
+                };
+            });
         out
     }
 }
@@ -175,17 +166,22 @@ const WEIGHT_ROWS_PER_ITEM: usize = 2 * PANEL;
 /// Activation rows multiplied together against one unpacked weight block.
 const ACT_ROWS_PER_TILE: usize = 4;
 
-/// `out[r * m + i] = w_r · act_i` for the `count` weight rows of one work item (`w` holds
-/// their panels). Every product is computed the same way whatever `m` and the tile it
-/// falls in, so a row's result does not depend on the batch.
-fn item_product(
+/// `out[i * stride + r] = w_r · act_i` for the `count` weight rows of one work item (`w`
+/// holds their panels). Every product is computed the same way whatever `m` and the tile
+/// it falls in, so a row's result does not depend on the batch.
+///
+/// # Safety
+/// `out` is valid for writes at `i * stride + r` for every `i < m`, `r < count`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn item_product(
     format: BlockFormat,
     w: &[u8],
     count: usize,
     acts: &[ActBlock],
     m: usize,
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
+    stride: usize,
 ) {
     let panel_bytes = nb * PANEL * format.block_bytes();
     let mut i = 0;
@@ -194,13 +190,10 @@ fn item_product(
         let a = &acts[i * nb..(i + tile) * nb];
         for (p, panel) in w.chunks_exact(panel_bytes).enumerate() {
             let res = panel_product(format, panel, a, tile, nb);
-            for (g, lanes) in res[..tile].iter().enumerate() {
-                for (lane, v) in lanes.iter().enumerate() {
-                    let r = p * PANEL + lane;
-                    if r < count {
-                        out[r * m + i + g] = *v;
-                    }
-                }
+            let lanes = (count - p * PANEL).min(PANEL);
+            for (g, row) in res[..tile].iter().enumerate() {
+                let at = out.add((i + g) * stride + p * PANEL);
+                std::ptr::copy_nonoverlapping(row.as_ptr(), at, lanes);
             }
         }
         i += tile;
