@@ -89,7 +89,13 @@ impl QuantMatrix {
         let panel_bytes = nb * PANEL * self.format.block_bytes();
         // Work items are runs of panels (a few KB, kept in L1) swept against tiles of
         // activation rows, so each weight block is unpacked once per tile, not once per row.
-        let per_item = WEIGHT_ROWS_PER_ITEM;
+        // Many activation rows: larger items, so the activations (too big for L2 at
+        // prefill) are streamed once per 48 weight rows rather than once per 16.
+        let per_item = if m > 2 * ACT_ROWS_PER_TILE {
+            3 * WEIGHT_ROWS_PER_ITEM
+        } else {
+            WEIGHT_ROWS_PER_ITEM
+        };
         let weights = |first: usize, count: usize| {
             let panels = count.div_ceil(PANEL);
             &self.data[first / PANEL * panel_bytes..(first / PANEL + panels) * panel_bytes]
