@@ -1,7 +1,7 @@
 //! Engine throughput through the scheduler (continuous batching, paged KV, sampling),
-//! without HTTP: prefill tokens/s for a ~500-token prompt, decode tokens/s at several
-//! batch sizes after 24-token prompts and at batch 1 after a 500-token prompt (attention
-//! over ~500-560 positions), plus peak RSS.
+//! without HTTP: prefill tokens/s for a ~500-token prompt, decode tokens/s (32 steps) at
+//! several batch sizes after 64-token prompts and at batch 1 after a 500-token prompt
+//! (attention over ~500-530 positions), plus peak RSS.
 //!
 //! `cargo run --release -p pdserve-engine --example engine_bench -- [--threads N] [--model PATH]
 //! [--max-num-batched-tokens N]`
@@ -143,6 +143,11 @@ fn decode(
     report(label, batch * (tokens - 1), end - first_all, cpu, threads);
 }
 
+/// Prompt tokens per sequence for the decode runs (context 64, as llama.cpp's bench).
+const DECODE_PROMPT: usize = 64;
+/// Decode steps timed per sequence.
+const DECODE_STEPS: usize = 32;
+
 /// Sequences of the current phase that have their first token.
 static FIRST_TOKENS: AtomicUsize = AtomicUsize::new(0);
 
@@ -183,16 +188,18 @@ fn main() {
             threads,
         );
     }
+    // The shape of ../shared/tools/llamacpp_bench.py: 64-token prompts (500 for the long
+    // context), then 32 decode steps per sequence (the first token comes from prefill).
     for (i, batch) in [1usize, 4, 8, 16].into_iter().enumerate() {
         FIRST_TOKENS.store(0, Ordering::SeqCst);
-        let label = format!("decode batch {batch:>2}");
+        let label = format!("decode batch {batch:>2} after 64-token prompts");
         decode(
             &engine,
             &model,
             &label,
             batch,
-            24,
-            64,
+            DECODE_PROMPT,
+            DECODE_STEPS + 1,
             100 + i * 100,
             threads,
         );
@@ -204,7 +211,7 @@ fn main() {
         "decode batch  1 after a 500-token prompt",
         1,
         500,
-        64,
+        DECODE_STEPS + 1,
         900,
         threads,
     );

@@ -39,6 +39,7 @@ mod gguf;
 mod kv_store;
 mod linear;
 mod model;
+mod quant_kernels;
 mod quant_matmul;
 mod reference_attention;
 mod simd;

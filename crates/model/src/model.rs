@@ -6,7 +6,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::attention::{attend_group, AttnInput, AttnScratch};
+use crate::attention::{attend_part, merge_parts, part_len, parts, AttnInput, AttnScratch};
 use crate::chat_template::ChatTemplate;
 use crate::config::{Hyperparams, ModelConfig};
 use crate::error::ModelError;
@@ -385,11 +385,27 @@ impl Model {
             }
             return Ok(());
         }
-        // Work units are (row, KV head): each writes the query heads of its group.
+        // Work units are (row, KV head, part of the row's context): each writes one part's
+        // partial result for the query heads of its group; merging follows per (row, head).
         let kvh = c.num_kv_heads;
         let group_width = q_dim / kvh;
-        let run = |(unit, out): (usize, &mut [f32]), scratch: &mut AttnScratch| {
-            let (r, kv_head) = (unit / kvh, unit % kvh);
+        let plen = part_len(group_width / c.head_dim, c.head_dim);
+        // First unit of each row (units of row r: first[r]..first[r + 1]).
+        let mut first = Vec::with_capacity(rows.len() + 1);
+        first.push(0);
+        for &(_, pos) in rows {
+            first.push(first.last().unwrap() + kvh * parts(pos));
+        }
+        let units: Vec<(usize, usize, usize)> = rows
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &(_, pos))| {
+                (0..kvh).flat_map(move |h| (0..parts(pos)).map(move |p| (r, h, p)))
+            })
+            .collect();
+        let mut partial = vec![0f32; units.len() * plen];
+        let run = |(&(r, kv_head, part), buf): (&(usize, usize, usize), &mut [f32]),
+                   scratch: &mut AttnScratch| {
             let (seq, pos) = rows[r];
             let q =
                 &qkv[r * width + kv_head * group_width..r * width + (kv_head + 1) * group_width];
@@ -400,21 +416,43 @@ impl Model {
                 block_table: batch[seq].block_table,
                 pos,
                 kv_head,
+                part,
             };
-            attend_group(&input, q, out, scratch);
+            attend_part(&input, q, buf, scratch);
+        };
+        let group = group_width / c.head_dim;
+        let merge = |partial: &[f32], (r, out): (usize, &mut [f32])| {
+            let parts = &partial[first[r] * plen..first[r + 1] * plen];
+            for (h, out) in out.chunks_exact_mut(group_width).enumerate() {
+                let per_head = parts.len() / kvh;
+                merge_parts(
+                    &parts[h * per_head..(h + 1) * per_head],
+                    group,
+                    c.head_dim,
+                    out,
+                );
+            }
         };
         // Below this much work (positions attended, summed over rows) threads cost more
         // than they save.
         let positions: usize = rows.iter().map(|&(_, pos)| pos + 1).sum();
         if positions < 256 {
             let mut scratch = AttnScratch::default();
-            out.chunks_mut(group_width)
-                .enumerate()
+            units
+                .iter()
+                .zip(partial.chunks_mut(plen))
                 .for_each(|item| run(item, &mut scratch));
-        } else {
-            out.par_chunks_mut(group_width)
+            out.chunks_mut(q_dim)
                 .enumerate()
+                .for_each(|item| merge(&partial, item));
+        } else {
+            units
+                .par_iter()
+                .zip(partial.par_chunks_mut(plen))
                 .for_each_init(AttnScratch::default, |scratch, item| run(item, scratch));
+            out.par_chunks_mut(q_dim)
+                .enumerate()
+                .for_each(|item| merge(&partial, item));
         }
         Ok(())
     }

@@ -12,7 +12,7 @@ use half::f16;
 use rayon::prelude::*;
 
 /// Values per quantized block.
-const QK: usize = 32;
+pub(crate) const QK: usize = 32;
 /// Bytes of one Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
 const Q4_1_BYTES: usize = 20;
 /// Bytes of one Q8_0 block: f16 scale, 32 signed bytes.
@@ -34,18 +34,35 @@ impl BlockFormat {
             BlockFormat::Q8_0 => Q8_0_BYTES,
         }
     }
+
+    /// Bytes of f16 scale (and minimum) before a block's quants.
+    fn head_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q4_1 => 4,
+            BlockFormat::Q8_0 => 2,
+        }
+    }
 }
 
 /// One block of 8-bit activations.
 #[derive(Clone, Copy)]
 #[repr(C, align(32))]
-struct ActBlock {
-    qs: [i8; QK],
-    d: f32,
-    s: f32,
+pub(crate) struct ActBlock {
+    /// Quantized values.
+    pub(crate) qs: [i8; QK],
+    /// Scale.
+    pub(crate) d: f32,
+    /// `d · Σ qs`.
+    pub(crate) s: f32,
 }
 
-/// A `[rows, cols]` quantized matrix in GGML block layout.
+/// Weight rows interleaved per panel.
+const PANEL: usize = 8;
+
+/// A `[rows, cols]` quantized matrix, repacked into panels of [`PANEL`] rows: per block
+/// column, the panel's 8 scales (f16), for Q4_1 its 8 minimums, then the 8 rows' quants.
+/// One vector load then gives 8 rows' scales, and each activation block's 8 integer dot
+/// products are reduced into one vector of row sums, scaled and accumulated once.
 pub(crate) struct QuantMatrix {
     format: BlockFormat,
     data: Vec<u8>,
@@ -54,12 +71,12 @@ pub(crate) struct QuantMatrix {
 }
 
 impl QuantMatrix {
-    /// Wraps raw GGML bytes of a `[rows, cols]` matrix.
+    /// Repacks raw GGML bytes of a `[rows, cols]` matrix.
     pub fn new(format: BlockFormat, data: Vec<u8>, rows: usize, cols: usize) -> Option<Self> {
         let size = rows * cols / QK * format.block_bytes();
-        (cols.is_multiple_of(QK) && data.len() == size).then_some(Self {
+        (cols.is_multiple_of(QK) && data.len() == size).then(|| Self {
             format,
-            data,
+            data: repack(format, &data, rows, cols / QK),
             rows,
             cols,
         })
@@ -69,49 +86,72 @@ impl QuantMatrix {
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         let nb = self.cols / QK;
         let acts = quantize_rows(x);
-        let row_bytes = nb * self.format.block_bytes();
-        // Work items are runs of weight rows (a few KB, kept in L1) swept against tiles of
+        let panel_bytes = nb * PANEL * self.format.block_bytes();
+        // Work items are runs of panels (a few KB, kept in L1) swept against tiles of
         // activation rows, so each weight block is unpacked once per tile, not once per row.
-        let per_item = WEIGHT_ROWS_PER_ITEM;
-        let weights =
-            |first: usize, count: usize| &self.data[first * row_bytes..(first + count) * row_bytes];
-        if m == 1 {
-            let mut out = vec![0f32; self.rows];
-            out.par_chunks_mut(per_item)
-                .enumerate()
-                .for_each(|(item, out)| {
-                    let (first, count) = (item * per_item, out.len());
-                    let w = weights(first, count);
-                    item_product(self.format, w, count, row_bytes, &acts, 1, nb, out);
-                });
-            return out;
-        }
-        // Each item computes its weight rows × all activation rows into a small buffer,
-        // then copies it into its columns of `[m, rows]` (16 floats, one cache line, per
-        // activation row) instead of a strided transpose of the whole result afterwards.
+        // Many activation rows: larger items, so the activations (too big for L2 at
+        // prefill) are streamed once per 48 weight rows rather than once per 16.
+        let per_item = if m > 2 * ACT_ROWS_PER_TILE {
+            3 * WEIGHT_ROWS_PER_ITEM
+        } else {
+            WEIGHT_ROWS_PER_ITEM
+        };
+        let weights = |first: usize, count: usize| {
+            let panels = count.div_ceil(PANEL);
+            &self.data[first / PANEL * panel_bytes..(first / PANEL + panels) * panel_bytes]
+        };
+        // Each item writes its columns `first..first + count` of every row of `[m, rows]`
+        // directly (8 contiguous floats per panel and activation row).
         let mut out = vec![0f32; self.rows * m];
         let dst = SharedOut(out.as_mut_ptr());
         let rows = self.rows;
-        (0..rows.div_ceil(per_item)).into_par_iter().for_each_init(
-            Vec::new,
-            |buf: &mut Vec<f32>, item| {
+        (0..rows.div_ceil(per_item))
+            .into_par_iter()
+            .for_each(|item| {
                 let first = item * per_item;
                 let count = per_item.min(rows - first);
-                buf.resize(count * m, 0.0);
                 let w = weights(first, count);
-                item_product(self.format, w, count, row_bytes, &acts, m, nb, buf);
-                let base = dst.get();
-                for i in 0..m {
-                    for r in 0..count {
-                        // SAFETY: `i * rows + first + r < m * rows`, and only this item
-                        // writes columns `first..first + count`.
-                        unsafe { *base.add(i * rows + first + r) = buf[r * m + i] };
-                    }
-                }
-            },
-        );
+                // SAFETY: only this item writes columns `first..first + count`, and every
+                // write is at `i * rows + first + r` with `i < m`, `r < count`.
+                unsafe {
+                    item_product(
+                        self.format,
+                        w,
+                        count,
+                        &acts,
+                        m,
+                        nb,
+                        dst.get().add(first),
+                        rows,
+                    )
+                };
+            });
         out
     }
+}
+
+/// Interleaves GGML rows into panels of [`PANEL`] rows (the last one padded with zero
+/// blocks, whose products are zero and never read).
+fn repack(format: BlockFormat, data: &[u8], rows: usize, nb: usize) -> Vec<u8> {
+    let bb = format.block_bytes();
+    let head = format.head_bytes();
+    let body = bb - head;
+    let mut out = vec![0u8; rows.div_ceil(PANEL) * nb * PANEL * bb];
+    for r in 0..rows {
+        let (panel, lane) = (r / PANEL, r % PANEL);
+        for b in 0..nb {
+            let src = &data[(r * nb + b) * bb..(r * nb + b + 1) * bb];
+            let dst = &mut out[(panel * nb + b) * PANEL * bb..(panel * nb + b + 1) * PANEL * bb];
+            // Scales, then (Q4_1) minimums, each 8 f16; then 8 rows of quants.
+            for k in 0..head / 2 {
+                dst[k * 2 * PANEL + lane * 2..k * 2 * PANEL + lane * 2 + 2]
+                    .copy_from_slice(&src[k * 2..k * 2 + 2]);
+            }
+            let q = PANEL * head + lane * body;
+            dst[q..q + body].copy_from_slice(&src[head..]);
+        }
+    }
+    out
 }
 
 /// The output buffer, written by parallel items at disjoint positions.
@@ -127,181 +167,121 @@ impl SharedOut {
     }
 }
 
-/// Weight rows per parallel work item.
-const WEIGHT_ROWS_PER_ITEM: usize = 16;
+/// Weight rows per parallel work item (two panels).
+const WEIGHT_ROWS_PER_ITEM: usize = 2 * PANEL;
 /// Activation rows multiplied together against one unpacked weight block.
 const ACT_ROWS_PER_TILE: usize = 4;
 
-/// `out[r * m + i] = w_r · act_i` for the `count` weight rows of one work item.
+/// `out[i * stride + r] = w_r · act_i` for the `count` weight rows of one work item (`w`
+/// holds their panels). Every product is computed the same way whatever `m` and the tile
+/// it falls in, so a row's result does not depend on the batch.
+///
+/// # Safety
+/// `out` is valid for writes at `i * stride + r` for every `i < m`, `r < count`.
 #[allow(clippy::too_many_arguments)]
-fn item_product(
+unsafe fn item_product(
     format: BlockFormat,
     w: &[u8],
     count: usize,
-    row_bytes: usize,
     acts: &[ActBlock],
     m: usize,
     nb: usize,
-    out: &mut [f32],
+    out: *mut f32,
+    stride: usize,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::simd::avx2_fma_f16c() {
-            // SAFETY: the CPU supports the features the kernels are compiled for; `w` holds
-            // `count` rows of `row_bytes`, `acts` holds `m` rows of `nb` blocks.
-            unsafe {
-                match format {
-                    BlockFormat::Q4_1 => {
-                        item_product_avx2::<false>(w, count, row_bytes, acts, m, nb, out)
-                    }
-                    BlockFormat::Q8_0 => {
-                        item_product_avx2::<true>(w, count, row_bytes, acts, m, nb, out)
-                    }
-                }
-            }
-            return;
-        }
-    }
-    for r in 0..count {
-        let wr = &w[r * row_bytes..(r + 1) * row_bytes];
-        for i in 0..m {
-            let a = &acts[i * nb..(i + 1) * nb];
-            out[r * m + i] = match format {
-                BlockFormat::Q4_1 => dot_q4_1_scalar(wr, a),
-                BlockFormat::Q8_0 => dot_q8_0_scalar(wr, a),
-            };
-        }
-    }
-}
-
-/// Register tiles: two weight rows × four activation rows for full tiles (each unpacked
-/// weight block and each loaded activation block is used several times), four weight
-/// rows × one activation row otherwise (independent accumulators hide FMA latency).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn item_product_avx2<const Q8: bool>(
-    w: &[u8],
-    count: usize,
-    row_bytes: usize,
-    acts: &[ActBlock],
-    m: usize,
-    nb: usize,
-    out: &mut [f32],
-) {
+    let panel_bytes = nb * PANEL * format.block_bytes();
     let mut i = 0;
     while i < m {
         let tile = (m - i).min(ACT_ROWS_PER_TILE);
-        let a = &acts[i * nb..];
-        if tile == ACT_ROWS_PER_TILE {
-            let mut r = 0;
-            while r < count {
-                let wr = &w[r * row_bytes..];
-                if r + 2 <= count {
-                    let res = kernel::<Q8, 2, 4>(wr, row_bytes, a, nb);
-                    for (dr, row) in res.iter().enumerate() {
-                        out[(r + dr) * m + i..(r + dr) * m + i + 4].copy_from_slice(row);
-                    }
-                    r += 2;
-                } else {
-                    out[r * m + i..r * m + i + 4]
-                        .copy_from_slice(&kernel::<Q8, 1, 4>(wr, row_bytes, a, nb)[0]);
-                    r += 1;
-                }
-            }
-        } else {
-            for g in 0..tile {
-                let a = &acts[(i + g) * nb..];
-                let mut r = 0;
-                while r < count {
-                    let wr = &w[r * row_bytes..];
-                    if r + 4 <= count {
-                        let res = kernel::<Q8, 4, 1>(wr, row_bytes, a, nb);
-                        for (dr, row) in res.iter().enumerate() {
-                            out[(r + dr) * m + i + g] = row[0];
-                        }
-                        r += 4;
-                    } else {
-                        out[r * m + i + g] = kernel::<Q8, 1, 1>(wr, row_bytes, a, nb)[0][0];
-                        r += 1;
-                    }
-                }
+        let a = &acts[i * nb..(i + tile) * nb];
+        for (p, panel) in w.chunks_exact(panel_bytes).enumerate() {
+            let res = panel_product(format, panel, a, tile, nb);
+            let lanes = (count - p * PANEL).min(PANEL);
+            for (g, row) in res[..tile].iter().enumerate() {
+                let at = out.add((i + g) * stride + p * PANEL);
+                std::ptr::copy_nonoverlapping(row.as_ptr(), at, lanes);
             }
         }
         i += tile;
     }
 }
 
-/// Dot products of `R` weight rows (`row_bytes` apart in `w`) with `G` activation rows
-/// (`nb` blocks apart in `acts`): Q8_0 weights when `Q8`, Q4_1 otherwise.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kernel<const Q8: bool, const R: usize, const G: usize>(
-    w: &[u8],
-    row_bytes: usize,
+/// Products of one panel's 8 rows with `tile` (≤ 4) activation rows: `[act][row]`.
+fn panel_product(
+    format: BlockFormat,
+    panel: &[u8],
     acts: &[ActBlock],
+    tile: usize,
     nb: usize,
-) -> [[f32; G]; R] {
-    use std::arch::x86_64::*;
-    let block_bytes = if Q8 { Q8_0_BYTES } else { Q4_1_BYTES };
-    debug_assert!(w.len() >= (R - 1) * row_bytes + nb * block_bytes && acts.len() >= G * nb);
-    let mut acc = [[_mm256_setzero_ps(); G]; R];
-    let mut offsets = [[0f32; G]; R];
-    let low_nibbles = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    for b in 0..nb {
-        // Unpack this block of every weight row: unsigned 8-bit operand for maddubs (and,
-        // for Q8_0, the signs to move onto the activations), scale and offset.
-        let mut qw = [_mm256_setzero_si256(); R];
-        let mut signs = [_mm256_setzero_si256(); R];
-        let mut dw = [0f32; R];
-        let mut mw = [0f32; R];
-        for r in 0..R {
-            let wb = w.as_ptr().add(r * row_bytes + b * block_bytes);
-            // F16C here: half's scalar conversion re-checks CPU features on every call
-            // in a build without them enabled at compile time.
-            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128((wb as *const i32).read_unaligned()));
-            dw[r] = _mm_cvtss_f32(scales);
-            if Q8 {
-                let q = _mm256_loadu_si256(wb.add(2) as *const __m256i);
-                qw[r] = _mm256_sign_epi8(q, q);
-                signs[r] = q;
-            } else {
-                mw[r] = _mm_cvtss_f32(_mm_movehdup_ps(scales));
-                // Element j is the low nibble of byte j, element j+16 its high nibble.
-                let packed = _mm_loadu_si128(wb.add(4) as *const __m128i);
-                qw[r] = _mm256_and_si256(
-                    _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                    low_nibbles,
-                );
-            }
-        }
-        for g in 0..G {
-            let ab = acts.get_unchecked(g * nb + b);
-            let qa = _mm256_load_si256(ab.qs.as_ptr() as *const __m256i);
-            for r in 0..R {
-                let qa = if Q8 {
-                    _mm256_sign_epi8(qa, signs[r])
-                } else {
-                    qa
-                };
-                // u8 × i8 pairs summed to i16 (|w| ≤ 128, |a| ≤ 127: at most 2·128·127, no
-                // saturation), then to i32.
-                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(qw[r], qa), ones);
-                acc[r][g] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(dw[r] * ab.d),
-                    _mm256_cvtepi32_ps(sums),
-                    acc[r][g],
-                );
-                if !Q8 {
-                    offsets[r][g] += mw[r] * ab.s;
+) -> [[f32; PANEL]; ACT_ROWS_PER_TILE] {
+    debug_assert!(panel.len() == nb * PANEL * format.block_bytes() && acts.len() == tile * nb);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx2_fma_f16c() {
+            use crate::quant_kernels::panel_avx2;
+            let mut out = [[0f32; PANEL]; ACT_ROWS_PER_TILE];
+            let q8 = format == BlockFormat::Q8_0;
+            // SAFETY: the CPU has the features; `panel` holds `nb` panel blocks and `acts`
+            // `tile` rows of `nb` blocks (checked above).
+            unsafe {
+                let p = panel.as_ptr();
+                match (q8, tile) {
+                    (false, 4) => out[..4].copy_from_slice(&panel_avx2::<false, 4>(p, acts, nb)),
+                    (false, 3) => out[..3].copy_from_slice(&panel_avx2::<false, 3>(p, acts, nb)),
+                    (false, 2) => out[..2].copy_from_slice(&panel_avx2::<false, 2>(p, acts, nb)),
+                    (false, _) => out[..1].copy_from_slice(&panel_avx2::<false, 1>(p, acts, nb)),
+                    (true, 4) => out[..4].copy_from_slice(&panel_avx2::<true, 4>(p, acts, nb)),
+                    (true, 3) => out[..3].copy_from_slice(&panel_avx2::<true, 3>(p, acts, nb)),
+                    (true, 2) => out[..2].copy_from_slice(&panel_avx2::<true, 2>(p, acts, nb)),
+                    (true, _) => out[..1].copy_from_slice(&panel_avx2::<true, 1>(p, acts, nb)),
                 }
             }
+            return out;
         }
     }
-    let mut out = [[0f32; G]; R];
-    for r in 0..R {
-        for g in 0..G {
-            out[r][g] = crate::simd::hsum256(acc[r][g]) + offsets[r][g];
+    panel_scalar(format, panel, acts, tile, nb)
+}
+
+/// The panel product without SIMD, with the same operations per product: per block the
+/// exact integer dot product, times `d_w·d_a` fused-added into the sum; `m_w·s_a`
+/// fused-added into a second sum (Q4_1); the two sums added at the end.
+fn panel_scalar(
+    format: BlockFormat,
+    panel: &[u8],
+    acts: &[ActBlock],
+    tile: usize,
+    nb: usize,
+) -> [[f32; PANEL]; ACT_ROWS_PER_TILE] {
+    let bb = format.block_bytes();
+    let (head, body) = (format.head_bytes(), bb - format.head_bytes());
+    let half = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    let mut out = [[0f32; PANEL]; ACT_ROWS_PER_TILE];
+    for (g, out) in out[..tile].iter_mut().enumerate() {
+        for (lane, out) in out.iter_mut().enumerate() {
+            let (mut acc, mut offs) = (0f32, 0f32);
+            for b in 0..nb {
+                let pb = &panel[b * PANEL * bb..(b + 1) * PANEL * bb];
+                let a = &acts[g * nb + b];
+                let q = &pb[PANEL * head + lane * body..PANEL * head + (lane + 1) * body];
+                let isum: i32 = match format {
+                    BlockFormat::Q4_1 => (0..QK / 2)
+                        .map(|j| {
+                            (q[j] & 0x0F) as i32 * a.qs[j] as i32
+                                + (q[j] >> 4) as i32 * a.qs[j + QK / 2] as i32
+                        })
+                        .sum(),
+                    BlockFormat::Q8_0 => q
+                        .iter()
+                        .zip(&a.qs)
+                        .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                        .sum(),
+                };
+                acc = (isum as f32).mul_add(half(pb, lane * 2) * a.d, acc);
+                if format == BlockFormat::Q4_1 {
+                    offs = half(pb, 2 * PANEL + lane * 2).mul_add(a.s, offs);
+                }
+            }
+            *out = acc + offs;
         }
     }
     out
@@ -422,42 +402,6 @@ fn quantize_block(x: &[f32]) -> ActBlock {
     }
 }
 
-fn block_scales(w: &[u8]) -> (f32, f32) {
-    (
-        f16::from_le_bytes([w[0], w[1]]).to_f32(),
-        f16::from_le_bytes([w[2], w[3]]).to_f32(),
-    )
-}
-
-fn dot_q4_1_scalar(w: &[u8], a: &[ActBlock]) -> f32 {
-    let mut total = 0f32;
-    for (wb, ab) in w.chunks_exact(Q4_1_BYTES).zip(a) {
-        let (d, m) = block_scales(wb);
-        let mut sum = 0i32;
-        for j in 0..QK / 2 {
-            let byte = wb[4 + j];
-            sum += (byte & 0x0F) as i32 * ab.qs[j] as i32;
-            sum += (byte >> 4) as i32 * ab.qs[j + QK / 2] as i32;
-        }
-        total += d * ab.d * sum as f32 + m * ab.s;
-    }
-    total
-}
-
-fn dot_q8_0_scalar(w: &[u8], a: &[ActBlock]) -> f32 {
-    let mut total = 0f32;
-    for (wb, ab) in w.chunks_exact(Q8_0_BYTES).zip(a) {
-        let d = f16::from_le_bytes([wb[0], wb[1]]).to_f32();
-        let sum: i32 = wb[2..]
-            .iter()
-            .zip(&ab.qs)
-            .map(|(&q, &a)| q as i8 as i32 * a as i32)
-            .sum();
-        total += d * ab.d * sum as f32;
-    }
-    total
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -467,7 +411,8 @@ mod tests {
         for wb in w.chunks_exact(format.block_bytes()) {
             match format {
                 BlockFormat::Q4_1 => {
-                    let (d, m) = block_scales(wb);
+                    let half = |at: usize| f16::from_le_bytes([wb[at], wb[at + 1]]).to_f32();
+                    let (d, m) = (half(0), half(2));
                     let mut block = [0f32; QK];
                     for j in 0..QK / 2 {
                         block[j] = (wb[4 + j] & 0x0F) as f32 * d + m;
@@ -530,8 +475,8 @@ mod tests {
 
     #[test]
     fn matmul_matches_dequantized_weights() {
-        // 1, 7 and 8 activation rows: single rows, a tile of four plus three single rows,
-        // two tiles; 37 weight rows: work items of 16, 16 and 5 rows.
+        // 1, 7 and 8 activation rows: single rows, a tile of four plus a tile of three,
+        // two tiles; 37 weight rows: work items of 16, 16 and 5 rows (a padded panel).
         for m in [1, 7, 8] {
             check_matmul(m);
         }
@@ -547,10 +492,10 @@ mod tests {
         for format in [BlockFormat::Q4_1, BlockFormat::Q8_0] {
             let data = matrix(format, rows, cols);
             let w = dequantize(format, &data);
-            let got = QuantMatrix::new(format, data.clone(), rows, cols)
-                .unwrap()
-                .matmul(&x, m);
-            let row_bytes = nb * format.block_bytes();
+            let matrix = QuantMatrix::new(format, data.clone(), rows, cols).unwrap();
+            let got = matrix.matmul(&x, m);
+            let alone: Vec<Vec<f32>> = x.chunks_exact(cols).map(|r| matrix.matmul(r, 1)).collect();
+            let panel_bytes = nb * PANEL * format.block_bytes();
             for i in 0..m {
                 for j in 0..rows {
                     let exact: f32 = (0..cols).map(|k| x[i * cols + k] * w[j * cols + k]).sum();
@@ -563,15 +508,21 @@ mod tests {
                         (g - exact).abs() <= 0.01 * scale,
                         "{format:?} {i},{j}: {g} vs {exact}"
                     );
-                    let wj = &data[j * row_bytes..(j + 1) * row_bytes];
+                    // The SIMD path does exactly the scalar path's arithmetic.
+                    let panel =
+                        &matrix.data[j / PANEL * panel_bytes..(j / PANEL + 1) * panel_bytes];
                     let a = &acts[i * nb..(i + 1) * nb];
-                    let scalar = match format {
-                        BlockFormat::Q4_1 => dot_q4_1_scalar(wj, a),
-                        BlockFormat::Q8_0 => dot_q8_0_scalar(wj, a),
-                    };
-                    assert!(
-                        (g - scalar).abs() < 1e-4 * scalar.abs().max(1.0),
+                    let scalar = panel_scalar(format, panel, a, 1, nb)[0][j % PANEL];
+                    assert_eq!(
+                        g.to_bits(),
+                        scalar.to_bits(),
                         "{format:?}: simd {g} vs scalar {scalar}"
+                    );
+                    // A row's result does not depend on how many rows share the step.
+                    assert_eq!(
+                        g.to_bits(),
+                        alone[i][j].to_bits(),
+                        "{format:?} row {i} batched vs alone"
                     );
                 }
             }

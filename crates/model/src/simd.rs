@@ -67,8 +67,8 @@ pub(crate) fn exp256(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
 }
 
-/// Replaces every `x` by `exp(x - max)` and returns their sum (AVX2 when the CPU has it).
-pub(crate) fn exp_shifted(xs: &mut [f32]) -> f32 {
+/// Replaces every `x` by `exp(x - max)` and returns `(max, sum)` (AVX2 when the CPU has it).
+pub(crate) fn exp_shifted(xs: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     {
         if avx2_fma_f16c() {
@@ -82,12 +82,12 @@ pub(crate) fn exp_shifted(xs: &mut [f32]) -> f32 {
         *x = (*x - max).exp();
         sum += *x;
     }
-    sum
+    (max, sum)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn exp_shifted_avx2(xs: &mut [f32]) -> f32 {
+fn exp_shifted_avx2(xs: &mut [f32]) -> (f32, f32) {
     use std::arch::x86_64::*;
     let (body, tail) = xs.as_chunks_mut::<8>();
     // SAFETY (all loads and stores below): each chunk is eight f32.
@@ -113,7 +113,7 @@ fn exp_shifted_avx2(xs: &mut [f32]) -> f32 {
         *x = (*x - max).exp();
         sum += *x;
     }
-    sum
+    (max, sum)
 }
 
 /// `out = silu(gate) · up` elementwise (AVX2 when the CPU has it).
@@ -186,7 +186,7 @@ mod tests {
         let mut a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.61).sin() * 9.0).collect();
         let max = a.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let want: Vec<f32> = a.iter().map(|x| (x - max).exp()).collect();
-        let sum = exp_shifted(&mut a);
+        let (_, sum) = exp_shifted(&mut a);
         assert!((sum - want.iter().sum::<f32>()).abs() < 1e-5 * sum);
         for (g, w) in a.iter().zip(&want) {
             assert!((g - w).abs() <= 1e-6 * w.max(1e-3), "{g} vs {w}");

@@ -65,14 +65,19 @@ fn exported_blocks_continue_decoding_identically() {
 #[test]
 fn batched_step_equals_each_sequence_alone() {
     let model = Model::load(&model_path()).unwrap();
+    // The last prompt is long enough (> 256 positions) that its attention is split into
+    // several parts of the context, computed by both threads.
+    let long = "Summarise: the river town traded grain, salt and cloth for centuries. ".repeat(24);
     let prompts: Vec<Vec<u32>> = [
         "Hi!",
         "Write a haiku about the sea.",
         "What is 12 times 7? Explain step by step.",
+        long.as_str(),
     ]
     .iter()
     .map(|p| chat_prompt(&model, p))
     .collect();
+    assert!(prompts[3].len() > 2 * 128, "{}", prompts[3].len());
     let steps = 4;
     let tables: Vec<Vec<u32>> = (0..prompts.len() as u32)
         .map(|i| {
