@@ -27,10 +27,13 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt;
-use pdserve_protocol::{sse, ApiError, BootstrapParams, GenerationParams, StopSequences, Usage};
+use pdserve_protocol::{
+    sse, ApiError, BootstrapParams, GenerationParams, OneOrMany, StopSequences, Usage,
+};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::generate_rooms::sample_rooms;
 use super::generation::{Generation, Piece, ResolvedLogprob};
 use super::server::{parse_json, sse_response};
 use super::validate::{choice_count, generation_request, top_logprobs, MAX_STOP_STRINGS};
@@ -39,14 +42,6 @@ use crate::request::GenerationRequest;
 
 /// SGLang's `max_new_tokens` when a request gives none.
 const DEFAULT_MAX_NEW_TOKENS: i64 = 128;
-
-/// One value for every input, or one per input.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-enum OneOrMany<T> {
-    One(T),
-    Many(Vec<T>),
-}
 
 /// `POST /generate` body.
 #[derive(Debug, Deserialize)]
@@ -280,66 +275,6 @@ pub async fn handle(
     })
 }
 
-/// The bootstrap fields of input `i` of `inputs` for each of its `samples` samples, as
-/// SGLang normalises them (see the module doc); empty without `bootstrap_room`.
-fn bootstrap_fields(
-    req: &GenerateRequest,
-    i: usize,
-    inputs: usize,
-    samples: usize,
-) -> Result<Vec<BootstrapParams>, ApiError> {
-    let Some(rooms) = &req.bootstrap_room else {
-        return Ok(Vec::new());
-    };
-    let total = inputs * samples;
-    let slot = |s: usize| i + s * inputs;
-    let mismatch = |field: &str, len: usize| {
-        ApiError::bad_request(format!(
-            "{field} has {len} entries for {inputs} inputs of {samples} samples (give one, \
-             one per input or one per output)"
-        ))
-        .with_param(field)
-    };
-    fn value<T: Clone>(
-        field: &Option<OneOrMany<T>>,
-        i: usize,
-        slot: usize,
-        inputs: usize,
-        total: usize,
-    ) -> Option<Result<T, usize>> {
-        match field.as_ref()? {
-            OneOrMany::One(v) => Some(Ok(v.clone())),
-            OneOrMany::Many(list) if list.len() == total => Some(Ok(list[slot].clone())),
-            OneOrMany::Many(list) if list.len() == inputs => Some(Ok(list[i].clone())),
-            OneOrMany::Many(list) => Some(Err(list.len())),
-        }
-    }
-    (0..samples)
-        .map(|s| {
-            let room = match rooms {
-                OneOrMany::One(r) => r.checked_add(slot(s) as u64),
-                OneOrMany::Many(list) if list.len() == total => Some(list[slot(s)]),
-                OneOrMany::Many(list) if list.len() == inputs => list[i].checked_add(s as u64),
-                OneOrMany::Many(list) => return Err(mismatch("bootstrap_room", list.len())),
-            }
-            .ok_or_else(|| {
-                ApiError::bad_request("bootstrap_room + n overflows").with_param("bootstrap_room")
-            })?;
-            let host = value(&req.bootstrap_host, i, slot(s), inputs, total)
-                .transpose()
-                .map_err(|len| mismatch("bootstrap_host", len))?;
-            let port = value(&req.bootstrap_port, i, slot(s), inputs, total)
-                .transpose()
-                .map_err(|len| mismatch("bootstrap_port", len))?;
-            Ok(BootstrapParams {
-                bootstrap_room: room,
-                bootstrap_host: host.unwrap_or_default(),
-                bootstrap_port: port.flatten(),
-            })
-        })
-        .collect()
-}
-
 /// Checks and tokenizes input `i` of `n` (`samples` outputs each).
 async fn prepare(
     app: &Arc<AppState>,
@@ -425,7 +360,14 @@ async fn prepare(
         }
         request.stop_token_ids.extend(ids);
     }
-    let bootstrap = bootstrap_fields(req, i, n, samples)?;
+    let bootstrap = sample_rooms(
+        &req.bootstrap_host,
+        &req.bootstrap_port,
+        &req.bootstrap_room,
+        i,
+        n,
+        samples,
+    )?;
     let rid =
         pick(&req.rid, i, n, "rid")?.unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
     Ok(Item {

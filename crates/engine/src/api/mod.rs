@@ -6,6 +6,7 @@ pub mod choices;
 mod completions;
 mod error;
 pub mod generate;
+mod generate_rooms;
 pub mod generation;
 pub mod http_layers;
 pub mod prepared;
