@@ -188,7 +188,7 @@ fn main() {
             threads,
         );
     }
-    // The shape of ../shared/tools/llamacpp_bench.py: 64-token prompts (500 for the long
+    // The shape of scripts/llamacpp_bench.py: 64-token prompts (500 for the long
     // context), then 32 decode steps per sequence (the first token comes from prefill).
     for (i, batch) in [1usize, 4, 8, 16].into_iter().enumerate() {
         FIRST_TOKENS.store(0, Ordering::SeqCst);
