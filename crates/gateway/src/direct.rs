@@ -89,6 +89,23 @@ impl Conn {
 #[derive(Debug, Default)]
 struct Idle {
     by_addr: HashMap<String, Vec<(IdleConn, Instant)>>,
+    /// When every worker's list was last cleared of expired connections.
+    swept: Option<Instant>,
+}
+
+impl Idle {
+    /// Closes expired connections of every worker, at most once per `timeout`: a worker
+    /// that left the roster gets no more check-ins, and its idle sockets would stay open.
+    fn sweep(&mut self, timeout: Duration) {
+        if self.swept.is_some_and(|at| at.elapsed() < timeout) {
+            return;
+        }
+        self.swept = Some(Instant::now());
+        self.by_addr.retain(|_, list| {
+            list.retain(|(_, since)| since.elapsed() < timeout);
+            !list.is_empty()
+        });
+    }
 }
 
 struct IdleConn(Conn);
@@ -187,6 +204,7 @@ impl DirectClient {
         }
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let timeout = self.idle_timeout;
+        idle.sweep(timeout);
         let list = idle.by_addr.entry(addr).or_default();
         list.retain(|(_, since)| since.elapsed() < timeout);
         if list.len() < MAX_IDLE_PER_WORKER {
@@ -428,6 +446,25 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_of_a_worker_that_gets_no_more_requests_are_closed() {
+        let client = DirectClient::new(Duration::from_millis(100), Duration::from_secs(5));
+        let (gone, _) = worker(usize::MAX).await;
+        let (stays, _) = worker(usize::MAX).await;
+        events(&client, &gone).await;
+        let pooled = |addr: &str| {
+            let idle = client.idle.lock().unwrap();
+            idle.by_addr.get(addr).map_or(0, Vec::len)
+        };
+        assert_eq!(pooled(&gone), 1);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        // Only the other worker is used now; its check-in retires the expired one.
+        events(&client, &stays).await;
+        assert_eq!(pooled(&gone), 0);
+        assert!(!client.idle.lock().unwrap().by_addr.contains_key(&gone));
+        assert_eq!(pooled(&stays), 1);
     }
 
     #[tokio::test]
