@@ -286,13 +286,7 @@ impl<'a> Exchange<'a> {
         if status.is_success() {
             return Ok(response);
         }
-        // The error body is read within the same limit; a worker that sends a status and
-        // then nothing still gets its status reported.
-        let body = match timeout_at(self.deadline, response.bytes()).await {
-            Ok(Ok(b)) => b,
-            _ => Bytes::new(),
-        };
-        Err(self.status_error(status, body))
+        Err(self.error_with_body(status, response.bytes()).await)
     }
 
     /// Sends `request` to `addr` on a direct connection (see [`crate::direct`]); returns
@@ -312,11 +306,7 @@ impl<'a> Exchange<'a> {
             return Ok(response);
         }
         let status = response.status;
-        let body = match timeout_at(self.deadline, response.body.concat()).await {
-            Ok(Ok(b)) => b,
-            _ => Bytes::new(),
-        };
-        Err(self.status_error(status, body))
+        Err(self.error_with_body(status, response.body.concat()).await)
     }
 
     /// [`Self::send_direct`], then the whole 2xx body, within the limit.
@@ -337,6 +327,20 @@ impl<'a> Exchange<'a> {
             Ok(Err(e)) => Err(self.direct_transport(&e)),
             Ok(Ok(b)) => Ok(b),
         }
+    }
+
+    /// The failure for a non-2xx `status`, its body read within the same limit: a worker
+    /// that sends a status and then nothing still gets its status reported.
+    async fn error_with_body<E>(
+        &self,
+        status: StatusCode,
+        body: impl std::future::Future<Output = Result<Bytes, E>>,
+    ) -> LegError {
+        let body = match timeout_at(self.deadline, body).await {
+            Ok(Ok(b)) => b,
+            _ => Bytes::new(),
+        };
+        self.status_error(status, body)
     }
 
     /// The failure for a non-2xx `status` with its `body`: 4xx passed through, else 502.
