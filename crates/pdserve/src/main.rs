@@ -4,6 +4,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+mod placement;
 mod up;
 
 #[derive(Debug, Parser)]

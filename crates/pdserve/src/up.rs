@@ -17,6 +17,8 @@ use pdserve_protocol::WorkerRole;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
+use crate::placement::{place, CoreLayout, Placement};
+
 /// How long past its `--shutdown-timeout` a member may take to exit before it is killed.
 const STOP_MARGIN: Duration = Duration::from_secs(5);
 
@@ -98,6 +100,13 @@ pub struct UpArgs {
     /// require it too (their --api-key). Prefer the environment variable.
     #[arg(long, env = "PDSERVE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// How P/D workers share the cores. `shared`: prefill workers also compute on the
+    /// decode workers' cores at a lower priority (nice 10), borrowing what decode leaves
+    /// idle between its steps (on 2 cores: prefill on both with 2 threads, decode on
+    /// core 1 with 1). `split`: each worker on its own cores only. Aggregated workers are
+    /// always split.
+    #[arg(long, env = "PDSERVE_CORE_LAYOUT", value_enum, default_value_t = CoreLayout::Shared)]
+    core_layout: CoreLayout,
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -303,13 +312,13 @@ impl Stack<'_> {
         }
         let mut worker_urls = Vec::new();
         let mut summary = Vec::new();
-        for (role, cpus) in roles.iter().zip(split_cores(roles.len(), cores)) {
+        for (role, placement) in roles.iter().zip(place(&roles, cores, args.core_layout)) {
             let port = free_port()?;
             let url = format!("http://127.0.0.1:{port}");
-            let mut worker = self.worker(*role, "127.0.0.1", port, &cpus)?;
+            let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
             let name = format!("{role} worker {}", worker_urls.len());
             gateway.args([gateway_flag(*role), &url]);
-            let mut line = format!("{role} worker at {url} on cores {cpus:?}");
+            let mut line = format!("{role} worker at {url} on {}", describe(&placement));
             if sglang && *role == WorkerRole::Prefill {
                 // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.
                 let bootstrap = free_port()?.to_string();
@@ -317,7 +326,7 @@ impl Stack<'_> {
                 gateway.arg(&bootstrap);
                 line.push_str(&format!(", bootstrap port {bootstrap}"));
             }
-            members.push(spawn(&name, false, worker, &cpus)?);
+            members.push(spawn(&name, false, worker, &placement)?);
             summary.push(line);
             worker_urls.push(url);
         }
@@ -325,7 +334,7 @@ impl Stack<'_> {
         for url in &worker_urls {
             wait_ready(members, url, limit).await?;
         }
-        members.push(spawn("gateway", true, gateway, &[])?);
+        members.push(spawn("gateway", true, gateway, &Placement::anywhere())?);
         let gateway_url = format!("http://{}:{}", args.host, args.port);
         wait_ready(members, &gateway_url, Duration::from_secs(30)).await?;
         Ok((gateway_url, summary))
@@ -348,24 +357,39 @@ impl Stack<'_> {
                  worker as the entry point: --aggregated, --decode and --gateway-arg do not apply"
             );
         }
-        let workers = usize::from(args.prefill) + 1;
-        let mut shares = split_cores(workers, cores);
-        let decode_cpus = shares.pop().expect("at least two workers");
+        let roles: Vec<WorkerRole> = std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
+            .chain([WorkerRole::Decode])
+            .collect();
+        let mut shares = place(&roles, cores, args.core_layout);
+        let decode_placement = shares.pop().expect("at least two workers");
         let mut summary = Vec::new();
         let mut prefill_urls = Vec::new();
-        for (i, cpus) in shares.iter().enumerate() {
+        for (i, placement) in shares.iter().enumerate() {
             let port = free_port()?;
             let url = format!("http://127.0.0.1:{port}");
-            let worker = self.worker(WorkerRole::Prefill, "127.0.0.1", port, cpus)?;
-            members.push(spawn(&format!("prefill worker {i}"), false, worker, cpus)?);
-            summary.push(format!("prefill worker at {url} on cores {cpus:?}"));
+            let worker = self.worker(WorkerRole::Prefill, "127.0.0.1", port, &placement.cpus)?;
+            members.push(spawn(
+                &format!("prefill worker {i}"),
+                false,
+                worker,
+                placement,
+            )?);
+            summary.push(format!(
+                "prefill worker at {url} on {}",
+                describe(placement)
+            ));
             prefill_urls.push(url);
         }
         let limit = Duration::from_secs(args.ready_timeout_secs);
         for url in &prefill_urls {
             wait_ready(members, url, limit).await?;
         }
-        let mut decode = self.worker(WorkerRole::Decode, &args.host, args.port, &decode_cpus)?;
+        let mut decode = self.worker(
+            WorkerRole::Decode,
+            &args.host,
+            args.port,
+            &decode_placement.cpus,
+        )?;
         decode
             .args(["--prefill", &prefill_urls.join(",")])
             .args(["--handoff", handoff_name(args.handoff)]);
@@ -373,13 +397,14 @@ impl Stack<'_> {
             "decode worker (orchestrator)",
             true,
             decode,
-            &decode_cpus,
+            &decode_placement,
         )?);
         let entry = format!("http://{}:{}", args.host, args.port);
         wait_ready(members, &entry, limit).await?;
         summary.push(format!(
-            "decode worker (orchestrator, {} handoff) at {entry} on cores {decode_cpus:?}",
-            handoff_name(args.handoff)
+            "decode worker (orchestrator, {} handoff) at {entry} on {}",
+            handoff_name(args.handoff),
+            describe(&decode_placement)
         ));
         Ok((entry, summary))
     }
@@ -399,35 +424,30 @@ fn handoff_name(mode: HandoffMode) -> &'static str {
     }
 }
 
-/// The cores each worker is pinned to: disjoint, contiguous shares while there are
-/// enough cores (the compute pools spin-wait, so shared cores collapse throughput), with
-/// leftover cores going to the last (decode) workers; past that, round-robin.
-fn split_cores(workers: usize, cores: usize) -> Vec<Vec<usize>> {
-    if workers > cores {
-        return (0..workers).map(|i| vec![i % cores]).collect();
+/// "cores [0, 1]", with the niceness when it is not the default.
+fn describe(placement: &Placement) -> String {
+    match placement.nice {
+        0 => format!("cores {:?}", placement.cpus),
+        nice => format!("cores {:?} (nice {nice})", placement.cpus),
     }
-    let share = cores / workers;
-    let extra = cores % workers;
-    let mut next = 0;
-    (0..workers)
-        .map(|i| {
-            let n = share + usize::from(i >= workers - extra);
-            let set: Vec<usize> = (next..next + n).collect();
-            next += n;
-            set
-        })
-        .collect()
 }
 
-/// Starts a member, pinned to `cpus` (anywhere when empty).
-fn spawn(name: &str, front: bool, mut cmd: Command, cpus: &[usize]) -> anyhow::Result<Member> {
+/// Starts a member, pinned to its placement's cores (anywhere when none) at its niceness.
+fn spawn(
+    name: &str,
+    front: bool,
+    mut cmd: Command,
+    placement: &Placement,
+) -> anyhow::Result<Member> {
     cmd.stdin(Stdio::null()).kill_on_drop(true);
-    let cpus = cpus.to_vec();
-    // SAFETY: setpgid(2), prctl(2) and sched_setaffinity(2) are async-signal-safe and
-    // touch only the child. Its own process group keeps a terminal's Ctrl-C from reaching
-    // it directly, so `up` decides the order of the drain; the death signal stops it with
-    // this process even if `up` is killed without a chance to stop it; the mask pins it
-    // (its threads inherit it).
+    let cpus = placement.cpus.clone();
+    let nice = placement.nice;
+    // SAFETY: setpgid(2), prctl(2), sched_setaffinity(2) and setpriority(2) are
+    // async-signal-safe and touch only the child. Its own process group keeps a
+    // terminal's Ctrl-C from reaching it directly, so `up` decides the order of the
+    // drain; the death signal stops it with this process even if `up` is killed without
+    // a chance to stop it; the mask pins it and the niceness slows it (its threads
+    // inherit both).
     unsafe {
         cmd.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
@@ -445,6 +465,9 @@ fn spawn(name: &str, front: bool, mut cmd: Command, cpus: &[usize]) -> anyhow::R
                 if libc::sched_setaffinity(0, size, &set) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
@@ -556,17 +579,4 @@ async fn all_exited(members: &mut [&mut Member], limit: Duration) {
 fn free_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("no free local port")?;
     Ok(listener.local_addr()?.port())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::split_cores;
-
-    #[test]
-    fn cores_are_split_disjointly_then_shared() {
-        assert_eq!(split_cores(2, 2), vec![vec![0], vec![1]]);
-        assert_eq!(split_cores(1, 4), vec![vec![0, 1, 2, 3]]);
-        assert_eq!(split_cores(2, 3), vec![vec![0], vec![1, 2]]);
-        assert_eq!(split_cores(3, 2), vec![vec![0], vec![1], vec![0]]);
-    }
 }

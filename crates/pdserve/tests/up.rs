@@ -15,12 +15,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-#[test]
-fn up_serves_through_the_gateway_and_stops_cleanly() {
+/// `pdserve up --port P --cores 2 <extra>` once it printed its summary, and the summary's
+/// worker lines.
+fn start_up(port: u16, extra: &[&str]) -> (std::process::Child, Vec<String>) {
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
-    let port = free_port();
     let mut up = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args(["up", "--port", &port.to_string(), "--cores", "2"])
+        .args(extra)
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::piped())
@@ -34,7 +35,7 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
             let _ = tx.send(line);
         }
     });
-    let mut worker_urls = Vec::new();
+    let mut worker_lines = Vec::new();
     loop {
         let line = match rx.recv_timeout(Duration::from_secs(180)) {
             Ok(l) => l,
@@ -43,14 +44,28 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
                 panic!("pdserve up did not come up: {e}");
             }
         };
-        if let Some(at) = line.find(" worker at ") {
-            let rest = &line[at + " worker at ".len()..];
-            worker_urls.push(rest.split(' ').next().unwrap().to_string());
+        if line.contains(" worker at ") {
+            worker_lines.push(line.trim().to_string());
         }
         if line.starts_with("Ctrl-C stops everything") {
             break;
         }
     }
+    (up, worker_lines)
+}
+
+/// The URL in a summary line "<role> worker at <url> on cores [..]".
+fn url_of(line: &str) -> String {
+    let at = line.find(" worker at ").unwrap();
+    let rest = &line[at + " worker at ".len()..];
+    rest.split(' ').next().unwrap().to_string()
+}
+
+#[test]
+fn up_serves_through_the_gateway_and_stops_cleanly() {
+    let port = free_port();
+    let (mut up, worker_lines) = start_up(port, &[]);
+    let worker_urls: Vec<String> = worker_lines.iter().map(|l| url_of(l)).collect();
     // The default stack is disaggregated: one prefill and one decode worker.
     assert_eq!(worker_urls.len(), 2, "{worker_urls:?}");
 
@@ -99,5 +114,90 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
                 .is_ok()
         });
         assert!(!alive, "{url} outlived pdserve up");
+    }
+}
+
+/// The running children of `pid` (from every thread's `children` list).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut children = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let path = task.unwrap().path().join("children");
+        let list = std::fs::read_to_string(path).unwrap_or_default();
+        children.extend(list.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
+    }
+    children
+}
+
+/// A process's (command line, allowed CPUs, niceness), from /proc.
+fn process_facts(pid: u32) -> (String, String, i64) {
+    let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+        .unwrap()
+        .replace('\0', " ");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let cpus = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    // Field 19 of /proc/PID/stat, counted after the parenthesised command name.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let nice = after_name.split(' ').nth(16).unwrap().parse().unwrap();
+    (cmdline, cpus, nice)
+}
+
+#[test]
+fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_worker() {
+    let port = free_port();
+    let (mut up, worker_lines) = start_up(port, &["--core-layout", "shared"]);
+    assert_eq!(worker_lines.len(), 2, "{worker_lines:?}");
+    assert!(
+        worker_lines[0].starts_with("prefill worker at ")
+            && worker_lines[0].ends_with("on cores [0, 1] (nice 10)"),
+        "{worker_lines:?}"
+    );
+    assert!(
+        worker_lines[1].starts_with("decode worker at ") && worker_lines[1].ends_with("on cores [1]"),
+        "{worker_lines:?}"
+    );
+    // What the kernel was told, not only what was printed.
+    let mut seen = Vec::new();
+    for child in children_of(up.id()) {
+        let (cmdline, cpus, nice) = process_facts(child);
+        if cmdline.contains("--role prefill") {
+            assert!(cmdline.contains("--threads 2"), "{cmdline}");
+            seen.push(("prefill", cpus, nice));
+        } else if cmdline.contains("--role decode") {
+            assert!(cmdline.contains("--threads 1"), "{cmdline}");
+            seen.push(("decode", cpus, nice));
+        }
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![("decode", "1".to_string(), 0), ("prefill", "0-1".to_string(), 10)]
+    );
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let status = rt.block_on(async {
+        reqwest::Client::new()
+            .post(format!("http://127.0.0.1:{port}/v1/completions"))
+            .json(&serde_json::json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0}))
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    assert_eq!(status, 200);
+    // SAFETY: signalling our own child process.
+    unsafe {
+        libc::kill(up.id() as libc::pid_t, libc::SIGINT);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while up.try_wait().unwrap().is_none() {
+        assert!(std::time::Instant::now() < deadline, "up did not stop");
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
