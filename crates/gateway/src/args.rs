@@ -91,6 +91,18 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_DISAGG_THRESHOLD")]
     pub disagg_threshold: Option<usize>,
 
+    /// With --disagg-threshold: skip the prefill leg only while every live prefill
+    /// worker has at least this many prefill legs in flight; an idle prefill worker still
+    /// takes short prompts (worth it where prefill workers have more compute than a
+    /// decode worker, e.g. `pdserve up`'s shared cores). 0: whatever their load.
+    #[arg(
+        long,
+        env = "PDSERVE_DISAGG_MIN_PREFILL_LOAD",
+        default_value_t = 0,
+        requires = "disagg_threshold"
+    )]
+    pub disagg_min_prefill_load: u32,
+
     /// Name the chosen workers in response headers (`x-pdserve-prefill`,
     /// `x-pdserve-decode`, `x-pdserve-worker`).
     #[arg(long, env = "PDSERVE_EXPOSE_ROUTING")]
@@ -344,6 +356,8 @@ pub struct GatewayConfig {
     pub max_retries: u32,
     /// Prompts with fewer uncached tokens skip the prefill leg.
     pub disagg_threshold: Option<usize>,
+    /// ...while every live prefill worker has at least this many prefill legs in flight.
+    pub disagg_min_prefill_load: u32,
     /// Whether responses name the chosen workers.
     pub expose_routing: bool,
     /// Limit for the whole prefill leg.
@@ -407,6 +421,7 @@ impl GatewayConfig {
             max_body_bytes: 32 * 1024 * 1024,
             max_retries: 2,
             disagg_threshold: None,
+            disagg_min_prefill_load: 0,
             expose_routing: false,
             prefill_timeout: Duration::from_secs(300),
             decode_timeout: Duration::from_secs(300),
@@ -577,6 +592,7 @@ impl GatewayArgs {
             max_body_bytes: self.max_body_bytes,
             max_retries: self.max_retries,
             disagg_threshold: self.disagg_threshold,
+            disagg_min_prefill_load: self.disagg_min_prefill_load,
             expose_routing: self.expose_routing,
             prefill_timeout: self.prefill_timeout_secs,
             decode_timeout: self.decode_timeout_secs,

@@ -1,5 +1,7 @@
 //! Conditional disaggregation (`--disagg-threshold N`): a prompt whose uncached part is
 //! shorter than N tokens is not worth a KV handoff; a decode worker prefills it itself.
+//! With `--disagg-min-prefill-load L` that holds only while every prefill worker has L
+//! prefill legs in flight: an idle prefill worker still takes short prompts.
 
 use std::sync::Arc;
 
@@ -30,10 +32,26 @@ pub fn uncached_tokens(state: &Arc<AppState>, route: &RouteRequest<'_>) -> Optio
     Some((len - cached).div_ceil(per_token))
 }
 
-/// Whether this request skips the prefill leg.
+/// Whether this request skips the prefill leg: its uncached part is short, and (with
+/// `--disagg-min-prefill-load`) no prefill worker is idle enough to take it.
 pub fn skips_prefill(state: &Arc<AppState>, route: &RouteRequest<'_>) -> bool {
     let Some(threshold) = state.config.disagg_threshold else {
         return false;
     };
+    if !prefill_pool_busy(state, state.config.disagg_min_prefill_load) {
+        return false;
+    }
     uncached_tokens(state, route).is_some_and(|uncached| uncached < threshold)
+}
+
+/// Whether every live prefill worker has at least `min_load` prefill legs in flight.
+fn prefill_pool_busy(state: &Arc<AppState>, min_load: u32) -> bool {
+    if min_load == 0 {
+        return true;
+    }
+    let roster = state.registry.snapshot();
+    roster
+        .live(WorkerRole::Prefill)
+        .iter()
+        .all(|worker| worker.in_flight() >= i64::from(min_load))
 }

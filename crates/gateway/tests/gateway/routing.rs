@@ -303,6 +303,61 @@ async fn conditional_disaggregation_sends_short_prompts_straight_to_decode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_min_prefill_load_keeps_short_prompts_on_an_idle_prefill_worker() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.disagg_threshold = Some(64);
+        config.disagg_min_prefill_load = 1;
+        let gw = Gateway::start(config).await;
+        let short =
+            json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                   "max_tokens": 3});
+        let ask = || {
+            let url = gw.at("/v1/chat/completions");
+            let body = short.clone();
+            async move {
+                client()
+                    .post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            }
+        };
+        // P is idle: the short prompt still gets its handoff.
+        assert_eq!(ask().await, 200);
+        assert_eq!(p.requests().len(), 1);
+        assert_eq!(
+            d.requests()[0].body["kv_transfer_params"]["remote_engine_id"],
+            "engine-P"
+        );
+        // P is busy with a slow prefill leg: the next short prompt is prefilled on D.
+        p.set(Behavior::Delay(Duration::from_millis(1500)));
+        let slow = tokio::spawn(ask());
+        p.wait_for_requests(2).await;
+        assert_eq!(ask().await, 200);
+        assert_eq!(p.requests().len(), 2, "the busy prefill worker got no leg");
+        assert!(d.requests()[1].body.get("kv_transfer_params").is_none());
+        assert_eq!(slow.await.unwrap(), 200);
+        assert_eq!(
+            d.requests()[2].body["kv_transfer_params"]["remote_engine_id"],
+            "engine-P"
+        );
+        let text = metrics(&gw).await;
+        for needle in [
+            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"} 1"#,
+            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 2"#,
+        ] {
+            assert!(text.contains(needle), "missing {needle} in {text}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_aware_keeps_every_turn_of_a_conversation_on_its_first_workers() {
     bounded(async {
         let p1 = Double::start(Role::Prefill, "P1").await;
