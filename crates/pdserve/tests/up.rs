@@ -158,7 +158,8 @@ fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_worker()
         "{worker_lines:?}"
     );
     assert!(
-        worker_lines[1].starts_with("decode worker at ") && worker_lines[1].ends_with("on cores [1]"),
+        worker_lines[1].starts_with("decode worker at ")
+            && worker_lines[1].ends_with("on cores [1]"),
         "{worker_lines:?}"
     );
     // What the kernel was told, not only what was printed.
@@ -176,7 +177,10 @@ fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_worker()
     seen.sort();
     assert_eq!(
         seen,
-        vec![("decode", "1".to_string(), 0), ("prefill", "0-1".to_string(), 10)]
+        vec![
+            ("decode", "1".to_string(), 0),
+            ("prefill", "0-1".to_string(), 10)
+        ]
     );
 
     let rt = tokio::runtime::Runtime::new().unwrap();
