@@ -44,9 +44,6 @@ pub enum DirectError {
     /// The connection did not open within the connect timeout.
     #[error("connecting to {0} timed out")]
     ConnectTimeout(String),
-    /// The URL is not `http://host:port/...`.
-    #[error("unsupported worker URL {0}")]
-    Url(String),
     /// The HTTP exchange failed (connection reset, bad framing, ...).
     #[error("{0}")]
     Http(#[from] hyper::Error),
@@ -153,10 +150,9 @@ impl DirectClient {
                 if let Poll::Ready(r) = pending.as_mut().poll(cx) {
                     return Poll::Ready(r);
                 }
-                if conn.drive(cx) {
-                    // The connection may have received the head just now.
-                    return pending.as_mut().poll(cx);
-                }
+                // Write the request and read the head (or notice the connection closed),
+                // then look at the response once more.
+                conn.drive(cx);
                 pending.as_mut().poll(cx)
             })
             .await;

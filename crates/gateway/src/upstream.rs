@@ -138,11 +138,7 @@ impl Upstream {
             .header(header::HOST, HeaderValue::from_str(&addr).ok()?)
             .header(header::CONTENT_TYPE, "application/json")
             .header(X_REQUEST_ID, headers.request_id.clone());
-        if let Some(auth) = self
-            .worker_authorization
-            .as_ref()
-            .or(headers.authorization.as_ref())
-        {
+        if let Some(auth) = self.authorization(headers) {
             request = request.header(header::AUTHORIZATION, auth.clone());
         }
         if let Some(rank) = rank {
@@ -166,15 +162,18 @@ impl Upstream {
 
     fn with_headers(&self, builder: RequestBuilder, headers: &ForwardHeaders) -> RequestBuilder {
         let builder = builder.header(X_REQUEST_ID, headers.request_id.clone());
-        // The workers' own key when configured; else the client's header as it came.
-        match self
-            .worker_authorization
-            .as_ref()
-            .or(headers.authorization.as_ref())
-        {
+        match self.authorization(headers) {
             Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),
             None => builder,
         }
+    }
+
+    /// The `Authorization` a leg carries: the workers' own key when configured, else the
+    /// client's header as it came.
+    fn authorization<'a>(&'a self, headers: &'a ForwardHeaders) -> Option<&'a HeaderValue> {
+        self.worker_authorization
+            .as_ref()
+            .or(headers.authorization.as_ref())
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use pdserve_protocol::WorkerRole;
 
 use crate::policy::{RoutePrompt, RouteRequest};
+use crate::registry::Roster;
 use crate::state::AppState;
 
 /// Characters per token assumed when only prompt text is known (English BPE averages
@@ -17,13 +18,16 @@ const CHARS_PER_TOKEN: usize = 4;
 /// The prompt's tokens that a decode worker would have to compute itself: the whole
 /// prompt, less the prefix the decode policy's prefix tree says a decode worker already
 /// holds. `None` when the request has no prompt to measure.
-pub fn uncached_tokens(state: &Arc<AppState>, route: &RouteRequest<'_>) -> Option<usize> {
+fn uncached_tokens(
+    state: &Arc<AppState>,
+    roster: &Roster,
+    route: &RouteRequest<'_>,
+) -> Option<usize> {
     let prompt = route.prompt()?;
     let (len, per_token) = match &prompt {
         RoutePrompt::TokenIds(ids) => (ids.len(), 1),
         RoutePrompt::Text(text) => (text.chars().count(), CHARS_PER_TOKEN),
     };
-    let roster = state.registry.snapshot();
     let decode = roster.live(WorkerRole::Decode);
     let cached = state
         .policy(WorkerRole::Decode)
@@ -33,23 +37,22 @@ pub fn uncached_tokens(state: &Arc<AppState>, route: &RouteRequest<'_>) -> Optio
 }
 
 /// Whether this request skips the prefill leg: its uncached part is short, and (with
-/// `--disagg-min-prefill-load`) no prefill worker is idle enough to take it.
-pub fn skips_prefill(state: &Arc<AppState>, route: &RouteRequest<'_>) -> bool {
+/// `--disagg-min-prefill-load`) no prefill worker in `roster` is idle enough to take it.
+pub fn skips_prefill(state: &Arc<AppState>, roster: &Roster, route: &RouteRequest<'_>) -> bool {
     let Some(threshold) = state.config.disagg_threshold else {
         return false;
     };
-    if !prefill_pool_busy(state, state.config.disagg_min_prefill_load) {
+    if !prefill_pool_busy(roster, state.config.disagg_min_prefill_load) {
         return false;
     }
-    uncached_tokens(state, route).is_some_and(|uncached| uncached < threshold)
+    uncached_tokens(state, roster, route).is_some_and(|uncached| uncached < threshold)
 }
 
 /// Whether every live prefill worker has at least `min_load` prefill legs in flight.
-fn prefill_pool_busy(state: &Arc<AppState>, min_load: u32) -> bool {
+fn prefill_pool_busy(roster: &Roster, min_load: u32) -> bool {
     if min_load == 0 {
         return true;
     }
-    let roster = state.registry.snapshot();
     roster
         .live(WorkerRole::Prefill)
         .iter()

@@ -88,7 +88,7 @@ pub async fn generate(
     match roster.mode() {
         Mode::Disaggregated => {
             let route = ctx.route_for(&request, conversation_id.as_deref());
-            if conditional::skips_prefill(state, &route) {
+            if conditional::skips_prefill(state, &roster, &route) {
                 state.metrics.record_disaggregation("prefill_skipped");
                 // The decode worker's final KV handle still serves the conversation's next
                 // turn, as after a handoff.
