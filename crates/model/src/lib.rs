@@ -43,6 +43,7 @@ mod quant_kernels;
 mod quant_matmul;
 mod reference_attention;
 mod simd;
+mod takeover;
 mod threads;
 mod tokenizer;
 

@@ -5,11 +5,16 @@
 //! activations are quantized to 8 bits per 32-value block (scale `d`, and `s = d·Σq` for
 //! the Q4_1 offset term) and each Q4_1 weight block contributes
 //! `d_w·d_a·Σ q_w·q_a + m_w·s_a`, the same arithmetic as llama.cpp's `q4_1 × q8_1`; a Q8_0
-//! block contributes `d_w·d_a·Σ q_w·q_a`. Keeping these on rayon (instead of candle's own
-//! spinning barrier pool) leaves one set of worker threads per process.
+//! block contributes `d_w·d_a·Σ q_w·q_a`. Decode-sized steps run on rayon (instead of
+//! candle's own spinning barrier pool); prefill-sized ones on the [`TakeoverPool`], whose
+//! regions do not wait for a thread another process has preempted.
+
+use std::sync::Arc;
 
 use half::f16;
 use rayon::prelude::*;
+
+use crate::takeover::{RegionJob, TakeoverPool};
 
 /// Values per quantized block.
 pub(crate) const QK: usize = 32;
@@ -65,7 +70,8 @@ const PANEL: usize = 8;
 /// products are reduced into one vector of row sums, scaled and accumulated once.
 pub(crate) struct QuantMatrix {
     format: BlockFormat,
-    data: Vec<u8>,
+    /// Shared with prefill work items, which may outlive a call (see [`crate::takeover`]).
+    data: Arc<[u8]>,
     rows: usize,
     cols: usize,
 }
@@ -76,7 +82,7 @@ impl QuantMatrix {
         let size = rows * cols / QK * format.block_bytes();
         (cols.is_multiple_of(QK) && data.len() == size).then(|| Self {
             format,
-            data: repack(format, &data, rows, cols / QK),
+            data: repack(format, &data, rows, cols / QK).into(),
             rows,
             cols,
         })
@@ -96,13 +102,24 @@ impl QuantMatrix {
         } else {
             WEIGHT_ROWS_PER_ITEM
         };
-        let weights = |first: usize, count: usize| {
-            let panels = count.div_ceil(PANEL);
-            &self.data[first / PANEL * panel_bytes..(first / PANEL + panels) * panel_bytes]
-        };
+        let mut out = vec![0f32; self.rows * m];
+        if m >= TAKEOVER_MIN_ROWS {
+            // Prefill: long regions, run where a preempted thread cannot hold them up.
+            let job = MatmulItems {
+                format: self.format,
+                weights: Arc::clone(&self.data),
+                acts,
+                m,
+                nb,
+                rows: self.rows,
+                per_item,
+                out: SharedOut(out.as_mut_ptr()),
+            };
+            TakeoverPool::global().run(Arc::new(job));
+            return out;
+        }
         // Each item writes its columns `first..first + count` of every row of `[m, rows]`
         // directly (8 contiguous floats per panel and activation row).
-        let mut out = vec![0f32; self.rows * m];
         let dst = SharedOut(out.as_mut_ptr());
         let rows = self.rows;
         (0..rows.div_ceil(per_item))
@@ -110,7 +127,7 @@ impl QuantMatrix {
             .for_each(|item| {
                 let first = item * per_item;
                 let count = per_item.min(rows - first);
-                let w = weights(first, count);
+                let w = panels(&self.data, panel_bytes, first, count);
                 // SAFETY: only this item writes columns `first..first + count`, and every
                 // write is at `i * rows + first + r` with `i < m`, `r < count`.
                 unsafe {
@@ -123,10 +140,88 @@ impl QuantMatrix {
                         nb,
                         dst.get().add(first),
                         rows,
+                        &|| false,
                     )
                 };
             });
         out
+    }
+}
+
+/// Activation rows from which a matmul runs on the [`TakeoverPool`] (prefill chunks);
+/// below, regions are too short to pay for waking its threads.
+const TAKEOVER_MIN_ROWS: usize = 64;
+
+/// The panels holding weight rows `first..first + count`.
+fn panels(data: &[u8], panel_bytes: usize, first: usize, count: usize) -> &[u8] {
+    let n = count.div_ceil(PANEL);
+    &data[first / PANEL * panel_bytes..(first / PANEL + n) * panel_bytes]
+}
+
+/// One prefill matmul as [`TakeoverPool`] items: item `k` is weight rows
+/// `k·per_item..` against every activation row, computed as `[m, count]` in scratch.
+struct MatmulItems {
+    format: BlockFormat,
+    weights: Arc<[u8]>,
+    acts: Vec<ActBlock>,
+    m: usize,
+    nb: usize,
+    rows: usize,
+    per_item: usize,
+    /// `[m, rows]`, written only by `publish`.
+    out: SharedOut,
+}
+
+// SAFETY: `out` is written only through `publish`, at most once per item and only while
+// the pool's `run` waits (the buffer is alive); everything else is owned or shared.
+unsafe impl Send for MatmulItems {}
+
+impl MatmulItems {
+    fn span(&self, item: usize) -> (usize, usize) {
+        let first = item * self.per_item;
+        (first, self.per_item.min(self.rows - first))
+    }
+}
+
+impl RegionJob for MatmulItems {
+    fn items(&self) -> usize {
+        self.rows.div_ceil(self.per_item)
+    }
+
+    fn compute(&self, item: usize, scratch: &mut Vec<f32>, published: &dyn Fn() -> bool) -> bool {
+        let (first, count) = self.span(item);
+        let need = self.m * count;
+        if scratch.len() < need {
+            scratch.resize(need, 0.0);
+        }
+        let panel_bytes = self.nb * PANEL * self.format.block_bytes();
+        let w = panels(&self.weights, panel_bytes, first, count);
+        // SAFETY: `scratch` holds `m * count` floats, written at `i * count + r`.
+        unsafe {
+            item_product(
+                self.format,
+                w,
+                count,
+                &self.acts,
+                self.m,
+                self.nb,
+                scratch.as_mut_ptr(),
+                count,
+                published,
+            )
+        }
+    }
+
+    unsafe fn publish(&self, item: usize, scratch: &[f32]) {
+        let (first, count) = self.span(item);
+        for (i, row) in scratch[..self.m * count].chunks_exact(count).enumerate() {
+            // SAFETY (caller): the output is alive and only this call writes these columns.
+            std::ptr::copy_nonoverlapping(
+                row.as_ptr(),
+                self.out.get().add(i * self.rows + first),
+                count,
+            );
+        }
     }
 }
 
@@ -174,7 +269,8 @@ const ACT_ROWS_PER_TILE: usize = 4;
 
 /// `out[i * stride + r] = w_r · act_i` for the `count` weight rows of one work item (`w`
 /// holds their panels). Every product is computed the same way whatever `m` and the tile
-/// it falls in, so a row's result does not depend on the batch.
+/// it falls in, so a row's result does not depend on the batch. Gives up, returning
+/// `false`, once `published()` says another thread delivered the item.
 ///
 /// # Safety
 /// `out` is valid for writes at `i * stride + r` for every `i < m`, `r < count`.
@@ -188,10 +284,14 @@ unsafe fn item_product(
     nb: usize,
     out: *mut f32,
     stride: usize,
-) {
+    published: &dyn Fn() -> bool,
+) -> bool {
     let panel_bytes = nb * PANEL * format.block_bytes();
     let mut i = 0;
     while i < m {
+        if published() {
+            return false;
+        }
         let tile = (m - i).min(ACT_ROWS_PER_TILE);
         let a = &acts[i * nb..(i + tile) * nb];
         for (p, panel) in w.chunks_exact(panel_bytes).enumerate() {
@@ -204,6 +304,7 @@ unsafe fn item_product(
         }
         i += tile;
     }
+    true
 }
 
 /// Products of one panel's 8 rows with `tile` (≤ 4) activation rows: `[act][row]`.
@@ -478,12 +579,14 @@ mod tests {
         // 1, 7 and 8 activation rows: single rows, a tile of four plus a tile of three,
         // two tiles; 37 weight rows: work items of 16, 16 and 5 rows (a padded panel).
         for m in [1, 7, 8] {
-            check_matmul(m);
+            check_matmul(m, 37);
         }
+        // A prefill-sized step, on the takeover pool: items of 48, 48 and 5 rows.
+        check_matmul(70, 101);
     }
 
-    fn check_matmul(m: usize) {
-        let (rows, cols) = (37, 96);
+    fn check_matmul(m: usize, rows: usize) {
+        let cols = 96;
         let x: Vec<f32> = (0..m * cols)
             .map(|i| ((i * 31 % 17) as f32 - 8.0) * 0.1)
             .collect();
