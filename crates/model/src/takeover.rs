@@ -45,6 +45,8 @@ const DONE: u8 = 2;
 const LATE_FACTOR: u64 = 2;
 /// Never recompute an item held for less than this.
 const MIN_LATE: Duration = Duration::from_micros(300);
+/// The lateness bar before any item of the region has been published.
+const NO_MEAN_LATE: Duration = Duration::from_millis(5);
 /// How long an idle worker spins for the next region before sleeping (regions of one
 /// forward pass follow each other within microseconds, apart from attention).
 const IDLE_SPIN: Duration = Duration::from_micros(200);
@@ -145,11 +147,13 @@ impl Region {
     /// The longest-held unpublished item, if it has been held past the lateness bar.
     fn late_item(&self) -> Option<usize> {
         let published = self.published.load(Ordering::Relaxed) as u64;
-        if published == 0 {
-            return None;
-        }
-        let mean = self.busy_ns.load(Ordering::Relaxed) / published;
-        let bar = (LATE_FACTOR * mean).max(MIN_LATE.as_nanos() as u64);
+        let bar = match published {
+            // No item time to go by yet (the holders got every item): wait about as long
+            // as a decode step would keep a holder away.
+            0 => NO_MEAN_LATE.as_nanos() as u64,
+            n => (LATE_FACTOR * self.busy_ns.load(Ordering::Relaxed) / n)
+                .max(MIN_LATE.as_nanos() as u64),
+        };
         let now = self.now_ns();
         (0..self.state.len())
             .filter(|&i| self.state[i].load(Ordering::Relaxed) == PENDING)
