@@ -60,11 +60,10 @@ struct Region {
     state: Box<[AtomicU8]>,
     /// When each item was first claimed, in ns after `epoch` (0: not yet).
     claimed_at: Box<[AtomicU64]>,
-    /// Items not yet published.
-    remaining: AtomicUsize,
-    /// Compute time of published items, and their count (for the lateness bar).
-    busy_ns: AtomicU64,
+    /// Items published; the region is complete when this reaches the item count.
     published: AtomicUsize,
+    /// Compute time of published items (for the lateness bar).
+    busy_ns: AtomicU64,
     epoch: Instant,
 }
 
@@ -76,9 +75,8 @@ impl Region {
             next: AtomicUsize::new(0),
             state: (0..n).map(|_| AtomicU8::new(PENDING)).collect(),
             claimed_at: (0..n).map(|_| AtomicU64::new(0)).collect(),
-            remaining: AtomicUsize::new(n),
-            busy_ns: AtomicU64::new(0),
             published: AtomicUsize::new(0),
+            busy_ns: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
@@ -88,7 +86,7 @@ impl Region {
     }
 
     fn is_complete(&self) -> bool {
-        self.remaining.load(Ordering::Acquire) == 0
+        self.published.load(Ordering::Acquire) == self.state.len()
     }
 
     /// Claims items until none are left, then recomputes late ones until every item is
@@ -135,13 +133,13 @@ impl Region {
             return;
         }
         // SAFETY: the state moved PENDING → PUBLISHING once, here; the caller of `run`
-        // waits for `remaining` to reach 0, which needs this item's DONE below.
+        // waits until every item is counted in `published`, which this one is only after
+        // the copy.
         unsafe { self.job.publish(item, scratch) };
         state.store(DONE, Ordering::Release);
         self.busy_ns
             .fetch_add(self.now_ns().saturating_sub(started), Ordering::Relaxed);
-        self.published.fetch_add(1, Ordering::Relaxed);
-        self.remaining.fetch_sub(1, Ordering::AcqRel);
+        self.published.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The longest-held unpublished item, if it has been held past the lateness bar.
