@@ -13,7 +13,7 @@
 //! output does not depend on which thread computed which item.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -35,11 +35,6 @@ pub(crate) trait RegionJob: Send + Sync {
     unsafe fn publish(&self, item: usize, scratch: &[f32]);
 }
 
-/// Item states.
-const PENDING: u8 = 0;
-const PUBLISHING: u8 = 1;
-const DONE: u8 = 2;
-
 /// An item held this much longer than the region's mean item time is recomputed by an
 /// idle thread (a preempted holder is typically gone for a whole decode step, ≥ 5 ms).
 const LATE_FACTOR: u64 = 2;
@@ -56,8 +51,9 @@ struct Region {
     job: Arc<dyn RegionJob>,
     /// Next item nobody has claimed.
     next: AtomicUsize,
-    /// [`PENDING`], [`PUBLISHING`] or [`DONE`], per item.
-    state: Box<[AtomicU8]>,
+    /// Per item: a thread has won the right to publish it (it is being or has been copied
+    /// into the output; completion is counted by `published`).
+    taken: Box<[AtomicBool]>,
     /// When each item was first claimed, in ns after `epoch` (0: not yet).
     claimed_at: Box<[AtomicU64]>,
     /// Items published; the region is complete when this reaches the item count.
@@ -73,7 +69,7 @@ impl Region {
         Self {
             job,
             next: AtomicUsize::new(0),
-            state: (0..n).map(|_| AtomicU8::new(PENDING)).collect(),
+            taken: (0..n).map(|_| AtomicBool::new(false)).collect(),
             claimed_at: (0..n).map(|_| AtomicU64::new(0)).collect(),
             published: AtomicUsize::new(0),
             busy_ns: AtomicU64::new(0),
@@ -86,13 +82,13 @@ impl Region {
     }
 
     fn is_complete(&self) -> bool {
-        self.published.load(Ordering::Acquire) == self.state.len()
+        self.published.load(Ordering::Acquire) == self.taken.len()
     }
 
     /// Claims items until none are left, then recomputes late ones until every item is
     /// published.
     fn work(&self, scratch: &mut Vec<f32>) {
-        let n = self.state.len();
+        let n = self.taken.len();
         loop {
             let item = self.next.fetch_add(1, Ordering::Relaxed);
             if item >= n {
@@ -120,23 +116,22 @@ impl Region {
 
     /// Computes one item and publishes it unless another thread did first.
     fn compute_item(&self, item: usize, scratch: &mut Vec<f32>) {
-        let state = &self.state[item];
+        let taken = &self.taken[item];
         let started = self.now_ns();
-        let published = || state.load(Ordering::Relaxed) != PENDING;
+        let published = || taken.load(Ordering::Relaxed);
         if !self.job.compute(item, scratch, &published) {
             return;
         }
-        if state
-            .compare_exchange(PENDING, PUBLISHING, Ordering::AcqRel, Ordering::Relaxed)
+        if taken
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
         {
             return;
         }
-        // SAFETY: the state moved PENDING → PUBLISHING once, here; the caller of `run`
+        // SAFETY: `taken` went false → true once, here; the caller of `run`
         // waits until every item is counted in `published`, which this one is only after
         // the copy.
         unsafe { self.job.publish(item, scratch) };
-        state.store(DONE, Ordering::Release);
         self.busy_ns
             .fetch_add(self.now_ns().saturating_sub(started), Ordering::Relaxed);
         self.published.fetch_add(1, Ordering::AcqRel);
@@ -153,8 +148,8 @@ impl Region {
                 .max(MIN_LATE.as_nanos() as u64),
         };
         let now = self.now_ns();
-        (0..self.state.len())
-            .filter(|&i| self.state[i].load(Ordering::Relaxed) == PENDING)
+        (0..self.taken.len())
+            .filter(|&i| !self.taken[i].load(Ordering::Relaxed))
             .filter_map(|i| {
                 let at = self.claimed_at[i].load(Ordering::Relaxed);
                 (at != 0 && now.saturating_sub(at) > bar).then_some((at, i))
