@@ -89,46 +89,15 @@ impl Upstream {
         &self.client
     }
 
-    /// A JSON POST of a generation leg to `worker`, naming the data-parallel rank that
-    /// should run it when the worker has several.
-    pub fn post_leg(
+    /// A JSON POST to `url` for the direct client, naming `rank` when given: the worker's
+    /// `host:port` and the request (`None` when `url` is not `http://`).
+    pub fn direct_post(
         &self,
-        worker: &Worker,
-        endpoint: crate::endpoint::Endpoint,
-        body: Bytes,
-        headers: &ForwardHeaders,
-    ) -> RequestBuilder {
-        self.post_leg_at(worker, endpoint, body, headers, worker.next_dp_rank())
-    }
-
-    /// A JSON POST of a generation leg to `worker` that names `rank` (chosen by the
-    /// caller: the replica the encoders published a request's embeddings to).
-    pub fn post_leg_at(
-        &self,
-        worker: &Worker,
-        endpoint: crate::endpoint::Endpoint,
-        body: Bytes,
-        headers: &ForwardHeaders,
-        rank: Option<u32>,
-    ) -> RequestBuilder {
-        let request = self.post_json(worker.url(endpoint), body, headers);
-        match rank {
-            Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
-            None => request,
-        }
-    }
-
-    /// The same generation leg as [`Self::post_leg_at`], for the direct client: the
-    /// worker's `host:port` and the request (`None` when its URL is not `http://`).
-    pub fn direct_leg(
-        &self,
-        worker: &Worker,
-        endpoint: crate::endpoint::Endpoint,
+        url: &Url,
         body: Bytes,
         headers: &ForwardHeaders,
         rank: Option<u32>,
     ) -> Option<(String, http::Request<Full<Bytes>>)> {
-        let url = worker.url(endpoint);
         let addr = crate::direct::authority(url)?;
         let path = match url.query() {
             Some(query) => format!("{}?{query}", url.path()),
@@ -146,6 +115,25 @@ impl Upstream {
         }
         let request = request.body(Full::new(body)).ok()?;
         Some((addr, request))
+    }
+
+    /// A JSON POST of a leg to `url`: on the direct client when `url` is `http://`, else
+    /// through the pooled client.
+    pub fn leg_request(
+        &self,
+        url: &Url,
+        body: Bytes,
+        headers: &ForwardHeaders,
+        rank: Option<u32>,
+    ) -> LegRequest {
+        if let Some((addr, request)) = self.direct_post(url, body.clone(), headers, rank) {
+            return LegRequest::Direct { addr, request };
+        }
+        let request = self.post_json(url, body, headers);
+        LegRequest::Pooled(match rank {
+            Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
+            None => request,
+        })
     }
 
     /// A JSON POST to `url` with the forwarded headers.
@@ -174,6 +162,49 @@ impl Upstream {
         self.worker_authorization
             .as_ref()
             .or(headers.authorization.as_ref())
+    }
+}
+
+/// A leg's request, for whichever client can send it.
+pub enum LegRequest {
+    /// For the direct client: the worker's `host:port` and the request.
+    Direct {
+        /// `host:port`.
+        addr: String,
+        /// The request, its path relative to `addr`.
+        request: http::Request<Full<Bytes>>,
+    },
+    /// For the pooled reqwest client (a worker URL the direct client cannot reach).
+    Pooled(RequestBuilder),
+}
+
+/// A worker's 2xx answer to a [`LegRequest`].
+// The direct variant holds its connection's state inline; it is moved a few times per
+// leg, which costs less than boxing it (an allocation per leg).
+#[allow(clippy::large_enum_variant)]
+pub enum LegResponse {
+    /// From the direct client: reading the body drives its connection.
+    Direct(DirectResponse),
+    /// From the pooled client.
+    Pooled(reqwest::Response),
+}
+
+impl LegResponse {
+    /// The answer's `Content-Type`.
+    pub fn content_type(&self) -> Option<&HeaderValue> {
+        match self {
+            Self::Direct(r) => r.headers.get(header::CONTENT_TYPE),
+            Self::Pooled(r) => r.headers().get(header::CONTENT_TYPE),
+        }
+    }
+
+    /// The body as a stream of chunks.
+    pub fn into_stream(self) -> crate::handoff::relay::Upstream {
+        use futures::{StreamExt, TryStreamExt};
+        match self {
+            Self::Direct(r) => r.body.err_into().boxed(),
+            Self::Pooled(r) => r.bytes_stream().err_into().boxed(),
+        }
     }
 }
 
@@ -308,15 +339,27 @@ impl<'a> Exchange<'a> {
         Err(self.error_with_body(status, response.body.concat()).await)
     }
 
-    /// [`Self::send_direct`], then the whole 2xx body, within the limit.
-    pub async fn send_and_read_direct(
+    /// Sends a leg on the client it was built for; returns the answer when it is 2xx.
+    pub async fn send_leg(
         &self,
         client: &DirectClient,
-        addr: &str,
-        request: http::Request<Full<Bytes>>,
-    ) -> Result<Bytes, LegError> {
-        let response = self.send_direct(client, addr, request).await?;
-        self.read_direct(response).await
+        request: LegRequest,
+    ) -> Result<LegResponse, LegError> {
+        match request {
+            LegRequest::Direct { addr, request } => self
+                .send_direct(client, &addr, request)
+                .await
+                .map(LegResponse::Direct),
+            LegRequest::Pooled(request) => self.send(request).await.map(LegResponse::Pooled),
+        }
+    }
+
+    /// Reads the whole body of a leg's answer within the limit.
+    pub async fn read_leg(&self, response: LegResponse) -> Result<Bytes, LegError> {
+        match response {
+            LegResponse::Direct(r) => self.read_direct(r).await,
+            LegResponse::Pooled(r) => self.read(r).await,
+        }
     }
 
     /// Reads the whole body of a direct response within the limit.

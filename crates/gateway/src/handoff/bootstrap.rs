@@ -33,7 +33,8 @@ use futures::{FutureExt, Stream, StreamExt};
 use http::{header, HeaderMap, HeaderValue, StatusCode};
 use pdserve_protocol::sse::{data_event, DONE};
 use pdserve_protocol::{ApiError, BootstrapShape, WorkerRole};
-use reqwest::{RequestBuilder, Url};
+use reqwest::Url;
+use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -50,7 +51,7 @@ use crate::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::{Mode, Worker};
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind, X_DATA_PARALLEL_RANK};
+use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind, LegRequest};
 use crate::validation::{append_verbatim, body_rejection, GenerateRequest};
 
 /// The routes served with SGLang's bootstrap handoff.
@@ -331,11 +332,12 @@ async fn attempt(
             first,
             upstream,
             content_type,
+            decoded_elsewhere,
         } => {
             let relay = Relay {
                 first,
                 upstream,
-                decoded_elsewhere: true,
+                decoded_elsewhere,
                 idle_timeout: state.config.stream_idle_timeout,
                 conversation: None,
                 metrics: state.metrics.clone(),
@@ -393,23 +395,19 @@ fn leg_request(
     route: SglangRoute,
     worker: &Worker,
     body: Bytes,
-) -> Result<RequestBuilder, String> {
-    let endpoint = match route {
-        SglangRoute::Chat => Endpoint::Chat,
-        SglangRoute::Completions => Endpoint::Completions,
+) -> Result<LegRequest, String> {
+    let rank = worker.next_dp_rank();
+    let generate_url;
+    let url = match route {
+        SglangRoute::Chat => worker.url(Endpoint::Chat),
+        SglangRoute::Completions => worker.url(Endpoint::Completions),
         SglangRoute::Generate => {
-            let url = Url::parse(&format!("{}{GENERATE_ROUTE}", worker.base))
+            generate_url = Url::parse(&format!("{}{GENERATE_ROUTE}", worker.base))
                 .map_err(|e| format!("has no /generate URL: {e}"))?;
-            let request = state.upstream.post_json(&url, body, &ctx.headers);
-            return Ok(match worker.next_dp_rank() {
-                Some(rank) => request.header(X_DATA_PARALLEL_RANK, rank),
-                None => request,
-            });
+            &generate_url
         }
     };
-    Ok(state
-        .upstream
-        .post_leg(worker, endpoint, body, &ctx.headers))
+    Ok(state.upstream.leg_request(url, body, &ctx.headers, rank))
 }
 
 /// How D's answer began.
@@ -421,6 +419,8 @@ enum DecodeStart {
         first: Bytes,
         upstream: super::relay::Upstream,
         content_type: HeaderValue,
+        /// Whether the upstream is decoded on a connection task of its own.
+        decoded_elsewhere: bool,
     },
 }
 
@@ -435,15 +435,20 @@ async fn start_decode(
     let exchange = Exchange::new(decode, "decode worker", state.config.decode_timeout);
     let request = leg_request(state, ctx, plan.route, decode, body)
         .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
+    let decoded_elsewhere = matches!(request, LegRequest::Pooled(_));
     let sent = Instant::now();
-    let response = exchange.send(request).await?;
+    let response = exchange.send_leg(&state.upstream.direct, request).await?;
     if !plan.stream {
         // The whole generation: bounded as a stream's silence is.
         let body = Exchange::new(decode, "decode worker", state.config.stream_idle_timeout)
-            .read(response)
+            .read_leg(response)
             .await?;
         state.metrics.observe_decode_ttfb(sent.elapsed());
-        if !serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_object() || v.is_array()) {
+        // Checked without building the value: valid JSON that opens with `{` or `[`.
+        let opens = body.trim_ascii_start().first();
+        if !(matches!(opens, Some(b'{' | b'['))
+            && serde_json::from_slice::<IgnoredAny>(&body).is_ok())
+        {
             return Err(exchange.error(
                 LegErrorKind::Transport,
                 "answered 200 with a body that is not JSON",
@@ -461,6 +466,7 @@ async fn start_decode(
         first,
         upstream,
         content_type,
+        decoded_elsewhere,
     })
 }
 
@@ -503,9 +509,9 @@ impl PrefillLeg {
             let result: Result<Bytes, LegError> = async {
                 let request = leg_request(&state, &ctx, route, &worker, body)
                     .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
-                let response = exchange.send(request).await?;
+                let response = exchange.send_leg(&state.upstream.direct, request).await?;
                 let _ = head_tx.send(());
-                let body = exchange.read(response).await?;
+                let body = exchange.read_leg(response).await?;
                 check_prefill_answer(&body)
                     .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
                 state.metrics.observe_prefill(sent.elapsed());

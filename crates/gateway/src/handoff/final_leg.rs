@@ -8,7 +8,7 @@ use std::time::Instant;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use http::{header, HeaderValue, StatusCode};
 use pdserve_protocol::WorkerRole;
 use serde::de::IgnoredAny;
@@ -21,7 +21,7 @@ use crate::error::Failure;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::{InFlight, Worker};
 use crate::state::AppState;
-use crate::upstream::{Exchange, LegError, LegErrorKind};
+use crate::upstream::{Exchange, LegError, LegErrorKind, LegRequest, LegResponse};
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -163,52 +163,29 @@ async fn send_leg(
     let sent = Instant::now();
     let body = leg.body.clone();
     let rank = leg.dp_rank.or_else(|| worker.next_dp_rank());
-    // Legs go over a direct connection that this task drives itself: a stream's burst of
-    // events is relayed in one write to the client, and no connection task is woken.
-    if let Some((addr, request)) =
-        state
-            .upstream
-            .direct_leg(&worker, ctx.endpoint, body.clone(), &ctx.headers, rank)
-    {
-        let response = exchange
-            .send_direct(&state.upstream.direct, &addr, request)
-            .await?;
-        if !leg.stream {
-            state.metrics.observe_decode_ttfb(sent.elapsed());
-            let body = Exchange::new(&worker, &label, state.config.stream_idle_timeout)
-                .read_direct(response)
-                .await?;
-            return finish_body(state, ctx, leg, in_flight, &exchange, body);
-        }
-        let content_type = stream_content_type(response.headers.get(header::CONTENT_TYPE));
-        let head =
-            first_event_of(&exchange, content_type, response.body.err_into().boxed()).await?;
-        state.metrics.observe_decode_ttfb(sent.elapsed());
-        return Ok(relay_response(
-            state, ctx, leg, worker, in_flight, head, false,
-        ));
-    }
+    // Legs go over a direct connection that this task drives itself where the worker's
+    // URL allows: a stream's burst of events is relayed in one write to the client, and
+    // no connection task is woken.
     let request = state
         .upstream
-        .post_leg_at(&worker, ctx.endpoint, body, &ctx.headers, rank);
-    let response = exchange.send(request).await?;
-
+        .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
+    let pooled = matches!(request, LegRequest::Pooled(_));
+    let response = exchange.send_leg(&state.upstream.direct, request).await?;
     if !leg.stream {
         state.metrics.observe_decode_ttfb(sent.elapsed());
         // A non-stream answer's body may take the whole generation: bound it by the
         // stream idle limit, as a stream's silence is.
         let body = Exchange::new(&worker, &label, state.config.stream_idle_timeout)
-            .read(response)
+            .read_leg(response)
             .await?;
         return finish_body(state, ctx, leg, in_flight, &exchange, body);
     }
-
     // Wait for the first byte before answering: until then a failure can still become
     // a proper error status or a retry on another worker.
     let head = first_event(&exchange, response).await?;
     state.metrics.observe_decode_ttfb(sent.elapsed());
     Ok(relay_response(
-        state, ctx, leg, worker, in_flight, head, true,
+        state, ctx, leg, worker, in_flight, head, pooled,
     ))
 }
 
@@ -310,30 +287,17 @@ pub(super) struct StreamHead {
     pub upstream: Upstream,
 }
 
-/// A streamed answer's `Content-Type` (SSE when the worker named none).
-fn stream_content_type(value: Option<&HeaderValue>) -> HeaderValue {
-    value
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"))
-}
-
 /// Waits, within `exchange`'s deadline, for the first chunk of a streamed `response`:
 /// a stream that ends or fails before it is a transport error.
 pub(super) async fn first_event(
     exchange: &Exchange<'_>,
-    response: reqwest::Response,
+    response: LegResponse,
 ) -> Result<StreamHead, LegError> {
-    let content_type = stream_content_type(response.headers().get(header::CONTENT_TYPE));
-    let upstream = response.bytes_stream().err_into().boxed();
-    first_event_of(exchange, content_type, upstream).await
-}
-
-/// [`first_event`] for any upstream stream.
-async fn first_event_of(
-    exchange: &Exchange<'_>,
-    content_type: HeaderValue,
-    mut upstream: Upstream,
-) -> Result<StreamHead, LegError> {
+    let content_type = response
+        .content_type()
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+    let mut upstream = response.into_stream();
     let first = match timeout_at(exchange.deadline(), upstream.next()).await {
         Err(_) => return Err(exchange.timed_out()),
         Ok(Some(Ok(first))) => first,

@@ -289,24 +289,12 @@ async fn prefill_once(
     let mut in_flight = state.start_request(worker.clone());
     let sent = Instant::now();
     let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
-    let direct = state
+    let request = state
         .upstream
-        .direct_leg(worker, ctx.endpoint, body.clone(), &ctx.headers, rank);
+        .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
     let result = async {
-        let body = match direct {
-            Some((addr, request)) => {
-                exchange
-                    .send_and_read_direct(&state.upstream.direct, &addr, request)
-                    .await?
-            }
-            None => {
-                let request =
-                    state
-                        .upstream
-                        .post_leg_at(worker, ctx.endpoint, body, &ctx.headers, rank);
-                exchange.send_and_read(request).await?
-            }
-        };
+        let response = exchange.send_leg(&state.upstream.direct, request).await?;
+        let body = exchange.read_leg(response).await?;
         state.metrics.observe_prefill(sent.elapsed());
         parse_prefill_answer(&body).map_err(|why| exchange.error(LegErrorKind::Status, why))
     }
