@@ -160,6 +160,7 @@ fn main() {
     let model = Arc::new(Model::load(&path).expect("load model"));
     let runner = ModelRunner::new(model.clone(), 1024);
     let config = SchedulerConfig {
+        policy: scheduler::SchedulingPolicy::Fcfs,
         max_num_seqs: 32,
         max_waiting: 1024,
         max_num_batched_tokens: arg("--max-num-batched-tokens")

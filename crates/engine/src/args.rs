@@ -55,6 +55,23 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
     pub max_num_batched_tokens: usize,
 
+    /// Which requests get each step's token budget first. `fcfs`: running requests in
+    /// admission order, then waiting ones in arrival order. `shortest-prefill-first`: the
+    /// request with the fewest prompt tokens left to compute, waiting ones included (a
+    /// short prompt that arrives during a long prefill gets its first token after its own
+    /// compute); requests older than --scheduling-age-limit-secs go first, oldest first.
+    #[arg(long, env = "PDSERVE_SCHEDULING_POLICY", value_enum, default_value_t = PolicyName::Fcfs)]
+    pub scheduling_policy: PolicyName,
+
+    /// With `shortest-prefill-first`: seconds after its arrival a request stops yielding
+    /// to requests with less work, so long prompts are delayed but never starved.
+    #[arg(
+        long,
+        env = "PDSERVE_SCHEDULING_AGE_LIMIT_SECS",
+        default_value_t = 10.0
+    )]
+    pub scheduling_age_limit_secs: f64,
+
     /// Most tokens (prompt plus completion) per request. Default: the model's context
     /// length, capped by the KV cache size.
     #[arg(long, env = "PDSERVE_MAX_MODEL_LEN")]
@@ -289,5 +306,34 @@ mod tests {
         .args;
         assert_eq!(args.prefill, ["http://a:1", "http://b:2", "http://c:3"]);
         assert_eq!(args.handoff, HandoffMode::Concurrent);
+    }
+}
+
+/// `--scheduling-policy` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PolicyName {
+    /// First come, first served.
+    Fcfs,
+    /// Fewest prompt tokens left to compute first, with an age limit.
+    ShortestPrefillFirst,
+}
+
+impl WorkerArgs {
+    /// The scheduling policy the flags name; an age limit that is not a finite,
+    /// non-negative number of seconds is refused.
+    pub fn scheduling_policy(&self) -> Result<crate::scheduler::SchedulingPolicy, String> {
+        use crate::scheduler::SchedulingPolicy;
+        match self.scheduling_policy {
+            PolicyName::Fcfs => Ok(SchedulingPolicy::Fcfs),
+            PolicyName::ShortestPrefillFirst => {
+                let secs = self.scheduling_age_limit_secs;
+                let age_limit = std::time::Duration::try_from_secs_f64(secs).map_err(|_| {
+                    format!(
+                        "--scheduling-age-limit-secs must be a number of seconds >= 0, got {secs}"
+                    )
+                })?;
+                Ok(SchedulingPolicy::ShortestPrefillFirst { age_limit })
+            }
+        }
     }
 }

@@ -61,6 +61,7 @@ fn start() -> Harness {
         release: release_rx,
     };
     let config = SchedulerConfig {
+        policy: crate::scheduler::SchedulingPolicy::Fcfs,
         max_num_seqs: 4,
         max_waiting: 8,
         max_num_batched_tokens: 256,

@@ -15,6 +15,7 @@ pub mod kv;
 pub mod metrics;
 pub mod orchestrator;
 pub mod output_text;
+pub mod policy;
 pub mod profile;
 pub mod request;
 pub mod sampling;

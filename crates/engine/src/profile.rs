@@ -271,6 +271,7 @@ mod tests {
     #[test]
     fn the_scheduler_records_steps_into_a_chrome_trace() {
         let config = SchedulerConfig {
+            policy: crate::scheduler::SchedulingPolicy::Fcfs,
             max_num_seqs: 4,
             max_waiting: 16,
             max_num_batched_tokens: 8,

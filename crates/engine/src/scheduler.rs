@@ -18,6 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 use crate::block_manager::{BlockError, BlockManager, PrefixHit};
 use crate::health::{Heartbeat, SchedulerCondition};
 use crate::metrics::Metrics;
+use crate::policy::Priority;
+pub use crate::policy::SchedulingPolicy;
 use crate::profile::{token_split, Profiler, StepSpan};
 use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
 use crate::sequence::Sequence;
@@ -40,6 +42,17 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Most tokens (prompt plus generated) of one sequence.
     pub max_model_len: usize,
+    /// Which sequences get each step's token budget first.
+    pub policy: SchedulingPolicy,
+}
+
+/// How far one pass over the running batch got.
+#[derive(Debug, Default)]
+struct RunningPass {
+    /// Sequences were preempted for blocks (no admission this step).
+    preempted: bool,
+    /// The pass stopped here so that a waiting sequence with less work goes first.
+    yielded_at: Option<usize>,
 }
 
 /// Why a request was not accepted.
@@ -413,31 +426,106 @@ impl<M: StepModel> Scheduler<M> {
         let mut budget = self.config.max_num_batched_tokens;
         // (index into `running`, tokens to run this step)
         let mut scheduled: Vec<(usize, usize)> = Vec::new();
-        let mut preempted = false;
+        let policy = self.config.policy;
+        // The first waiting sequence a running prompt chunk yields to.
+        let mut next_waiting = None;
+        if policy.reorders() {
+            let now = Instant::now();
+            self.running
+                .sort_by_cached_key(|seq| policy.running(seq, now));
+            self.waiting
+                .make_contiguous()
+                .sort_by_cached_key(|seq| policy.waiting(seq, now));
+            if self.running.len() < self.config.max_num_seqs {
+                next_waiting = self.waiting.front().map(|seq| policy.waiting(seq, now));
+            }
+        }
+        let running = self.running.len();
+        let pass =
+            self.schedule_running(0..running, &mut budget, &mut scheduled, next_waiting, true);
+        // Admitting while preempting would only churn blocks.
+        if !pass.preempted {
+            let before = pass.yielded_at.map(|i| {
+                let now = Instant::now();
+                policy.running(&self.running[i], now)
+            });
+            self.admit(&mut budget, &mut scheduled, before);
+        }
+        if let Some(i) = pass.yielded_at {
+            // What admission left, for the sequences that yielded (the admitted ones sit
+            // past them, already scheduled, so nothing may be preempted now).
+            self.schedule_running(i..running, &mut budget, &mut scheduled, None, false);
+        }
 
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        if !scheduled.is_empty() {
+            self.run_batch(&scheduled);
+        }
+        self.update_gauges();
+        !scheduled.is_empty()
+    }
+
+    /// Gives the running sequences at `indices` their next tokens within `budget`.
+    /// Stops at a sequence with more work than `yield_to` (a waiting sequence's priority)
+    /// so that one is admitted first; preempts the last running sequences when blocks run
+    /// out if `may_preempt`, else stops there.
+    fn schedule_running(
+        &mut self,
+        indices: std::ops::Range<usize>,
+        budget: &mut usize,
+        scheduled: &mut Vec<(usize, usize)>,
+        yield_to: Option<Priority>,
+        may_preempt: bool,
+    ) -> RunningPass {
+        let mut pass = RunningPass::default();
+        let now = Instant::now();
+        let mut end = indices.end;
+        let mut i = indices.start;
+        while i < end && *budget > 0 {
             let seq = &self.running[i];
-            let num_new = seq.num_uncomputed().min(budget);
+            if !pass.preempted && yield_to.is_some_and(|w| w < self.config.policy.running(seq, now))
+            {
+                pass.yielded_at = Some(i);
+                return pass;
+            }
+            let num_new = seq.num_uncomputed().min(*budget);
             let missing = seq.blocks_missing(seq.num_computed + num_new);
             if self.blocks.num_free() < missing {
-                // Preempt the most recently admitted sequence (possibly this one).
-                self.preempt(self.running.len() - 1);
-                preempted = true;
+                if !may_preempt {
+                    break;
+                }
+                // Preempt the last sequence in order (possibly this one).
+                end -= 1;
+                self.preempt(end);
+                pass.preempted = true;
                 continue;
             }
             let new_blocks = self.blocks.allocate(missing).unwrap_or_default();
             self.running[i].blocks.extend(new_blocks);
             scheduled.push((i, num_new));
-            budget -= num_new;
+            *budget -= num_new;
             i += 1;
         }
+        pass
+    }
 
-        // Admitting while preempting would only churn blocks.
-        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+    /// Admits waiting sequences (prefix-cache lookup first) while budget, batch slots and
+    /// blocks allow; under a reordering policy only those that go before `before`.
+    fn admit(
+        &mut self,
+        budget: &mut usize,
+        scheduled: &mut Vec<(usize, usize)>,
+        before: Option<Priority>,
+    ) {
+        let policy = self.config.policy;
+        let now = Instant::now();
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            if before.is_some_and(|b| policy.waiting(&seq, now) >= b) {
+                self.waiting.push_front(seq);
+                break;
+            }
             // Imported KV replaces the prefix-cache lookup.
             let imported = seq.kv_import().map_or(0, |import| import.num_tokens);
             let hit = if imported > 0 {
@@ -446,7 +534,7 @@ impl<M: StepModel> Scheduler<M> {
                 self.blocks.match_prefix(&seq.tokens)
             };
             let start = hit.num_tokens() + imported;
-            let num_new = (seq.tokens.len() - start).min(budget);
+            let num_new = (seq.tokens.len() - start).min(*budget);
             let missing = (start + num_new).div_ceil(BLOCK_SIZE) - hit.blocks.len();
             let Some(new_blocks) = self.blocks.allocate(missing) else {
                 if let Err(e) = self.blocks.release(&hit.blocks) {
@@ -500,14 +588,8 @@ impl<M: StepModel> Scheduler<M> {
             self.release_queue_slot(&mut seq);
             self.running.push(seq);
             scheduled.push((self.running.len() - 1, num_new));
-            budget -= num_new;
+            *budget -= num_new;
         }
-
-        if !scheduled.is_empty() {
-            self.run_batch(&scheduled);
-        }
-        self.update_gauges();
-        !scheduled.is_empty()
     }
 
     fn write_imported(&mut self, ids: &[BlockId], blocks: &[Vec<u8>]) -> Result<(), ModelError> {

@@ -13,6 +13,7 @@ const DEADLINE: Duration = Duration::from_secs(20);
 
 fn config() -> SchedulerConfig {
     SchedulerConfig {
+        policy: crate::scheduler::SchedulingPolicy::Fcfs,
         max_num_seqs: 8,
         max_waiting: 64,
         max_num_batched_tokens: 256,
@@ -355,4 +356,115 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
     );
     stop(prefill, prefill_thread);
     stop(decode, decode_thread);
+}
+
+/// Submits a `long_len`-token prompt, and once it is admitted (its prefill running in
+/// chunks of `budget`) a `short_len`-token one; checks both outputs and answers which of
+/// the two sampled its first token first.
+fn first_token_of_long_and_short(
+    policy: SchedulingPolicy,
+    long_len: usize,
+    short_len: usize,
+    budget: usize,
+) -> &'static str {
+    let mut model = FakeModel::new(64);
+    model.step_delay = Duration::from_millis(5);
+    let cfg = SchedulerConfig {
+        policy,
+        max_num_batched_tokens: budget,
+        ..config()
+    };
+    let (handle, thread, _) = start(model, cfg);
+    let long = prompt(long_len, 3);
+    let short = prompt(short_len, 4);
+    let mut long_rx = handle.submit(request(long.clone(), 2)).unwrap();
+    let started = Instant::now();
+    loop {
+        match long_rx.try_recv() {
+            Ok(SeqEvent::Admitted { .. }) => break,
+            Ok(other) => panic!("before admission: {other:?}"),
+            Err(_) => {
+                assert!(started.elapsed() < DEADLINE, "never admitted");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    let mut short_rx = handle.submit(request(short.clone(), 2)).unwrap();
+    let mut first = None;
+    let mut outputs = [Vec::new(), Vec::new()];
+    let mut ended = [false, false];
+    while !(ended[0] && ended[1]) {
+        assert!(started.elapsed() < DEADLINE, "did not finish");
+        for (k, rx) in [&mut long_rx, &mut short_rx].into_iter().enumerate() {
+            if ended[k] {
+                continue;
+            }
+            match rx.try_recv() {
+                Ok(SeqEvent::Token { id, .. }) => {
+                    first.get_or_insert(["long", "short"][k]);
+                    outputs[k].push(id);
+                }
+                Ok(SeqEvent::Admitted { .. }) => {}
+                Ok(_) => ended[k] = true,
+                Err(mpsc::error::TryRecvError::Empty) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    // Whatever the order, the outputs are the reference continuations.
+    assert_eq!(outputs[0], reference(&long, 2));
+    assert_eq!(outputs[1], reference(&short, 2));
+    stop(handle, thread);
+    first.expect("tokens came")
+}
+
+#[test]
+fn shortest_prefill_first_lets_a_short_prompt_pass_a_long_prefill() {
+    let spf = SchedulingPolicy::ShortestPrefillFirst {
+        age_limit: Duration::from_secs(60),
+    };
+    assert_eq!(first_token_of_long_and_short(spf, 200, 5, 8), "short");
+    // First come, first served: the long prompt keeps the whole budget until it is done.
+    assert_eq!(
+        first_token_of_long_and_short(SchedulingPolicy::Fcfs, 200, 5, 8),
+        "long"
+    );
+    // Past the age limit (here at once) a request keeps its place.
+    let aged = SchedulingPolicy::ShortestPrefillFirst {
+        age_limit: Duration::ZERO,
+    };
+    assert_eq!(first_token_of_long_and_short(aged, 200, 5, 8), "long");
+    // The short prompt joins the long one's last chunk with budget to spare: each is
+    // scheduled once (scheduling the admitted one again overran its prompt).
+    first_token_of_long_and_short(spf, 100, 10, 64);
+}
+
+#[test]
+fn shortest_prefill_first_stays_correct_when_blocks_run_out() {
+    // 8 blocks of 16 tokens for prompts of mixed length that together need more.
+    let mut model = FakeModel::new(8);
+    model.step_delay = Duration::from_millis(1);
+    let cfg = SchedulerConfig {
+        policy: SchedulingPolicy::ShortestPrefillFirst {
+            age_limit: Duration::from_secs(60),
+        },
+        max_num_batched_tokens: 24,
+        ..config()
+    };
+    let (handle, thread, metrics) = start(model, cfg);
+    let prompts: Vec<_> = [60, 5, 40, 12, 30, 3]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| prompt(len, 40 + i as u32))
+        .collect();
+    let mut rxs: Vec<_> = prompts
+        .iter()
+        .map(|p| handle.submit(request(p.clone(), 20)).unwrap())
+        .collect();
+    for (p, rx) in prompts.iter().zip(&mut rxs) {
+        assert_eq!(collect(rx).0, reference(p, 20));
+    }
+    wait_for_blocks_used(&metrics, 0);
+    stop(handle, thread);
 }

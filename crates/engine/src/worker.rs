@@ -195,6 +195,7 @@ impl Worker {
                 max_waiting: args.max_waiting,
                 max_num_batched_tokens: args.max_num_batched_tokens,
                 max_model_len,
+                policy: args.scheduling_policy().map_err(WorkerError::InvalidArgs)?,
             },
             metrics.clone(),
         )?;

@@ -51,6 +51,7 @@ fn read_of(params: &KvTransferParams, tokens: &[u32]) -> ReadRequest {
 async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
     let metrics = Arc::new(Metrics::new());
     let config = SchedulerConfig {
+        policy: crate::scheduler::SchedulingPolicy::Fcfs,
         max_num_seqs: 4,
         max_waiting: 8,
         max_num_batched_tokens: 256,
@@ -207,6 +208,7 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
 async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
     let metrics = Arc::new(Metrics::new());
     let config = SchedulerConfig {
+        policy: crate::scheduler::SchedulingPolicy::Fcfs,
         max_num_seqs: 4,
         max_waiting: 8,
         max_num_batched_tokens: 256,
@@ -334,6 +336,7 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
 async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
     let metrics = Arc::new(Metrics::new());
     let config = SchedulerConfig {
+        policy: crate::scheduler::SchedulingPolicy::Fcfs,
         max_num_seqs: 4,
         max_waiting: 8,
         max_num_batched_tokens: 256,
