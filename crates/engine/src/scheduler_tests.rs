@@ -59,6 +59,17 @@ fn collect(rx: &mut SeqEvents) -> (Vec<u32>, SeqEvent) {
     }
 }
 
+/// Submits every prompt at once and checks each output against the reference.
+fn generate_all_and_check(handle: &EngineHandle, prompts: &[Vec<u32>], max_new_tokens: usize) {
+    let mut rxs: Vec<_> = prompts
+        .iter()
+        .map(|p| handle.submit(request(p.clone(), max_new_tokens)).unwrap())
+        .collect();
+    for (p, rx) in prompts.iter().zip(&mut rxs) {
+        assert_eq!(collect(rx).0, reference(p, max_new_tokens));
+    }
+}
+
 fn start(
     model: FakeModel,
     config: SchedulerConfig,
@@ -127,13 +138,7 @@ fn concurrent_requests_batch_together_and_stay_correct() {
     let batches = model.batches.clone();
     let (handle, thread, metrics) = start(model, config());
     let prompts: Vec<_> = (0..6).map(|i| prompt(5 + i * 9, i as u32)).collect();
-    let mut rxs: Vec<_> = prompts
-        .iter()
-        .map(|p| handle.submit(request(p.clone(), 12)).unwrap())
-        .collect();
-    for (p, rx) in prompts.iter().zip(&mut rxs) {
-        assert_eq!(collect(rx).0, reference(p, 12));
-    }
+    generate_all_and_check(&handle, &prompts, 12);
     assert!(batches.lock().unwrap().iter().any(|&b| b > 1));
     assert!(metrics.batch_size_max.get() > 1);
     stop(handle, thread);
@@ -187,13 +192,7 @@ fn out_of_blocks_preempts_and_recomputes_without_wrong_tokens() {
     model.step_delay = Duration::from_millis(1);
     let (handle, thread, metrics) = start(model, config());
     let prompts: Vec<_> = (0..3).map(|i| prompt(20, 20 + i)).collect();
-    let mut rxs: Vec<_> = prompts
-        .iter()
-        .map(|p| handle.submit(request(p.clone(), 20)).unwrap())
-        .collect();
-    for (p, rx) in prompts.iter().zip(&mut rxs) {
-        assert_eq!(collect(rx).0, reference(p, 20));
-    }
+    generate_all_and_check(&handle, &prompts, 20);
     assert!(
         metrics.preemptions.get() > 0,
         "the pool was too small for all three"
@@ -458,13 +457,7 @@ fn shortest_prefill_first_stays_correct_when_blocks_run_out() {
         .enumerate()
         .map(|(i, &len)| prompt(len, 40 + i as u32))
         .collect();
-    let mut rxs: Vec<_> = prompts
-        .iter()
-        .map(|p| handle.submit(request(p.clone(), 20)).unwrap())
-        .collect();
-    for (p, rx) in prompts.iter().zip(&mut rxs) {
-        assert_eq!(collect(rx).0, reference(p, 20));
-    }
+    generate_all_and_check(&handle, &prompts, 20);
     wait_for_blocks_used(&metrics, 0);
     stop(handle, thread);
 }
