@@ -452,9 +452,12 @@ impl<M: StepModel> Scheduler<M> {
             self.admit(&mut budget, &mut scheduled, before);
         }
         if let Some(i) = pass.yielded_at {
-            // What admission left, for the sequences that yielded (the admitted ones sit
-            // past them, already scheduled, so nothing may be preempted now).
-            self.schedule_running(i..running, &mut budget, &mut scheduled, None, false);
+            // What admission left, for the sequences that yielded. Admitted ones sit past
+            // them, already scheduled, and must keep their indices: preempting is only
+            // safe when nothing was admitted — and then needed, or a sequence short of
+            // blocks would wait forever behind a waiting one that cannot be admitted.
+            let may_preempt = self.running.len() == running;
+            self.schedule_running(i..running, &mut budget, &mut scheduled, None, may_preempt);
         }
 
         if !scheduled.is_empty() {
