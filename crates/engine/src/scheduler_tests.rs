@@ -461,3 +461,47 @@ fn shortest_prefill_first_stays_correct_when_blocks_run_out() {
     wait_for_blocks_used(&metrics, 0);
     stop(handle, thread);
 }
+
+#[test]
+fn a_prefill_short_of_blocks_is_not_stuck_behind_a_waiting_prompt_that_cannot_be_admitted() {
+    // Driven step by step (no thread): two 40-token prompts half prefilled hold all four
+    // blocks, and a 5-token prompt waits. It goes first under the policy but cannot be
+    // admitted; the running prefills must still move (one preempted for the other's
+    // block) rather than the step scheduling nothing, forever. Only the schedule is
+    // checked: their first 32 positions were never written, so the fake fails the batch.
+    let model = FakeModel::new(4);
+    let batches = model.batches.clone();
+    let mut scheduler = Scheduler {
+        blocks: BlockManager::new(4),
+        model,
+        config: SchedulerConfig {
+            policy: SchedulingPolicy::ShortestPrefillFirst {
+                age_limit: Duration::from_secs(60),
+            },
+            ..config()
+        },
+        metrics: Arc::new(Metrics::new()),
+        queued: Arc::default(),
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        stopping: false,
+        heartbeat: Arc::default(),
+        profiler: Arc::default(),
+    };
+    let (events, _receiver) = mpsc::unbounded_channel();
+    for salt in [1, 2] {
+        let mut seq = Sequence::new(request(prompt(40, salt), 4), events.clone());
+        seq.blocks = scheduler.blocks.allocate(2).unwrap();
+        seq.num_computed = 32;
+        seq.cached_tokens = Some(0);
+        seq.holds_queue_slot = false;
+        scheduler.running.push(seq);
+    }
+    let mut short = Sequence::new(request(prompt(5, 3), 4), events);
+    short.holds_queue_slot = false;
+    scheduler.waiting.push_back(short);
+    assert_eq!(scheduler.blocks.num_free(), 0);
+    assert!(scheduler.step(), "the step scheduled nothing");
+    assert_eq!(batches.lock().unwrap().len(), 1);
+    assert_eq!(scheduler.metrics.preemptions.get(), 1);
+}
