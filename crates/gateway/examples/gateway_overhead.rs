@@ -191,10 +191,7 @@ impl Child {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    pdserve_http_server::free_local_port().unwrap()
 }
 
 fn spawn_self(args: &[String]) -> Child {

@@ -7,6 +7,7 @@
 //! connections, and the same graceful drain as `axum::serve(..).with_graceful_shutdown`.
 
 mod body;
+mod port;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -28,6 +29,7 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
 pub use body::{is_body_read_timeout, BodyReadTimeout};
+pub use port::free_local_port;
 
 /// Limits every connection is served under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,6 @@
 //! door first (its in-flight requests still need the workers), then the workers; a
 //! second signal kills whatever is left.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -575,8 +574,8 @@ async fn all_exited(members: &mut [&mut Member], limit: Duration) {
     }
 }
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A port on 127.0.0.1 that was free a moment ago, from outside the ephemeral range (see
+/// [`pdserve_http_server::free_local_port`]).
 fn free_port() -> anyhow::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("no free local port")?;
-    Ok(listener.local_addr()?.port())
+    pdserve_http_server::free_local_port().context("no free local port")
 }

@@ -55,9 +55,10 @@ async fn start_worker(role: &str, model: &Path, extra: &[&str]) -> (Worker, Stri
     (worker, url)
 }
 
+/// A free port from outside the ephemeral range, where no `bind(0)` or outgoing
+/// connection of a sibling test can take it before the process it is for binds it.
 fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
+    pdserve_http_server::free_local_port().unwrap()
 }
 
 struct Stack {
@@ -101,16 +102,8 @@ const LONG: &str = "The history of the printing press begins in the fifteenth ce
                     Johannes Gutenberg combined movable metal type with oil-based ink and a \
                     screw press. Explain in one sentence why this mattered";
 
-/// Both tests here start servers on ports picked by `free_port` (bound, released, passed
-/// on) — `pdserve up` does the same for its members — and the suite's in-process gateway
-/// binds port 0: run concurrently, one test could be handed a port the other has just
-/// picked (seen once in CI: `up`'s gateway port answered by the suite's gateway, then
-/// refused when the suite ended). One at a time, neither can.
-static ONE_TEST_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 #[test]
 fn sglang_handoff_matches_aggregated_and_leaks_nothing() {
-    let _one_at_a_time = ONE_TEST_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -334,8 +327,6 @@ async fn no_leaks(stack: &Stack, workers: &[&str]) {
 fn up_runs_the_stack_in_sglang_mode() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
-
-    let _one_at_a_time = ONE_TEST_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
 
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
     let port = free_port();

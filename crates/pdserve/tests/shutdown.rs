@@ -15,12 +15,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Longest wait for a worker (or the whole `up` stack) to load the model and be ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(240);
 
+/// A free port from outside the ephemeral range, where no `bind(0)` or outgoing
+/// connection of a sibling test can take it before the process it is for binds it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    pdserve_http_server::free_local_port().unwrap()
 }
 
 fn log_file(name: &str) -> (PathBuf, Stdio) {

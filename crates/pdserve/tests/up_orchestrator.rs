@@ -31,12 +31,10 @@ impl Drop for LogOnPanic {
 
 const API_KEY: &str = "up-orchestrator-test-key";
 
+/// A free port from outside the ephemeral range, where no `bind(0)` or outgoing
+/// connection of a sibling test can take it before the process it is for binds it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    pdserve_http_server::free_local_port().unwrap()
 }
 
 #[test]
