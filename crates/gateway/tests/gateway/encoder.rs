@@ -28,8 +28,11 @@ pub enum Behavior {
     Custom(Reply),
     /// This status and body.
     Status(u16, &'static str),
-    /// Never answer; recorded as cancelled when the gateway drops the request.
-    Hold,
+    /// Never answer (recorded as cancelled when the gateway drops the request); signals
+    /// (`notify_one`) once the sub-request is being held.
+    HoldSignalling(Arc<Notify>),
+    /// This status and body once the signal came (e.g. another encoder holds its part).
+    StatusAfter(u16, &'static str, Arc<Notify>),
 }
 
 /// One sub-request as the encoder received it.
@@ -186,6 +189,23 @@ impl Drop for CancelGuard {
     }
 }
 
+fn status_answer(code: u16, text: &'static str) -> Response {
+    (
+        StatusCode::from_u16(code).unwrap(),
+        [(header::CONTENT_TYPE, "application/json")],
+        text,
+    )
+        .into_response()
+}
+
+/// Never returns; the sub-request counts as cancelled once the gateway drops it.
+async fn hold(shared: &Arc<Shared>, signal: &Notify) -> ! {
+    let _guard = CancelGuard(shared.clone());
+    signal.notify_one();
+    std::future::pending::<()>().await;
+    unreachable!()
+}
+
 async fn encode(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,
@@ -200,19 +220,12 @@ async fn encode(
         Behavior::Normal => Some(normal_params(&shared.name, &body)),
         Behavior::Silent => None,
         Behavior::Custom(reply) => Some(reply(&body)),
-        Behavior::Status(code, text) => {
-            return (
-                StatusCode::from_u16(code).unwrap(),
-                [(header::CONTENT_TYPE, "application/json")],
-                text,
-            )
-                .into_response()
+        Behavior::Status(code, text) => return status_answer(code, text),
+        Behavior::StatusAfter(code, text, signal) => {
+            signal.notified().await;
+            return status_answer(code, text);
         }
-        Behavior::Hold => {
-            let _guard = CancelGuard(shared.clone());
-            std::future::pending::<()>().await;
-            unreachable!()
-        }
+        Behavior::HoldSignalling(signal) => hold(&shared, &signal).await,
     };
     let request_id = headers
         .get("x-request-id")

@@ -1,6 +1,7 @@
 //! Encoder disaggregation when things fail: encoder errors, decode 500s (re-encode and
 //! retry), missing encoders; text-only requests; the profiling fan-out.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -19,8 +20,12 @@ async fn an_encoder_failure_fails_the_request_fast_and_cancels_the_other_sub_req
         let (slow, failing) = (Encoder::start("slow").await, Encoder::start("bad").await);
         let worker = Double::start(Role::Decode, "pd").await;
         let gateway = epd_gateway(&[&slow, &failing], &[], &[], &[&worker], |_| {}).await;
-        slow.set(Behavior::Hold);
-        failing.set(Behavior::Status(500, "encoder exploded"));
+        // The failing encoder answers once the slow one holds its part: else, on a busy
+        // machine, the failure could come before the slow sub-request arrived, and there
+        // would be nothing in flight to cancel.
+        let held = Arc::new(tokio::sync::Notify::new());
+        slow.set(Behavior::HoldSignalling(held.clone()));
+        failing.set(Behavior::StatusAfter(500, "encoder exploded", held));
         let started = Instant::now();
         let (status, body) =
             chat(&gateway, "r", &mm_request(&[image("a"), image("b")], false)).await;
