@@ -227,6 +227,27 @@ mod tests {
     }
 
     #[test]
+    fn scheduling_policy_flags_name_a_policy_or_a_clear_error() {
+        let parse = |extra: &[&str]| {
+            let argv = ["worker"].iter().chain(extra).copied();
+            Cli::try_parse_from(argv).unwrap().args.scheduling_policy()
+        };
+        assert_eq!(parse(&[]), Ok(crate::scheduler::SchedulingPolicy::Fcfs));
+        assert_eq!(
+            parse(&["--scheduling-policy", "shortest-prefill-first"]),
+            Ok(crate::scheduler::SchedulingPolicy::ShortestPrefillFirst {
+                age_limit: std::time::Duration::from_secs(10)
+            })
+        );
+        let bad = parse(&[
+            "--scheduling-policy",
+            "shortest-prefill-first",
+            "--scheduling-age-limit-secs=-1",
+        ]);
+        assert!(bad.unwrap_err().contains("--scheduling-age-limit-secs"));
+    }
+
+    #[test]
     fn flags_are_consistent_and_default_sensibly() {
         Cli::command().debug_assert();
         let args = Cli::try_parse_from(["worker"]).unwrap().args;

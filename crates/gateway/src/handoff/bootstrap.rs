@@ -328,12 +328,12 @@ async fn attempt(
             );
             response
         }
-        DecodeStart::Stream {
+        DecodeStart::Stream(StreamHead {
             first,
             upstream,
             content_type,
             decoded_elsewhere,
-        } => {
+        }) => {
             let relay = Relay {
                 first,
                 upstream,
@@ -415,13 +415,7 @@ enum DecodeStart {
     /// A non-stream answer, complete.
     Body(Bytes),
     /// A stream's first bytes and the rest.
-    Stream {
-        first: Bytes,
-        upstream: super::relay::Upstream,
-        content_type: HeaderValue,
-        /// Whether the upstream is decoded on a connection task of its own.
-        decoded_elsewhere: bool,
-    },
+    Stream(StreamHead),
 }
 
 /// Sends D's leg and waits for its first byte (a non-stream answer: all of it).
@@ -435,7 +429,6 @@ async fn start_decode(
     let exchange = Exchange::new(decode, "decode worker", state.config.decode_timeout);
     let request = leg_request(state, ctx, plan.route, decode, body)
         .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
-    let decoded_elsewhere = matches!(request, LegRequest::Pooled(_));
     let sent = Instant::now();
     let response = exchange.send_leg(&state.upstream.direct, request).await?;
     if !plan.stream {
@@ -456,18 +449,9 @@ async fn start_decode(
         }
         return Ok(DecodeStart::Body(body));
     }
-    let StreamHead {
-        content_type,
-        first,
-        upstream,
-    } = first_event(&exchange, response).await?;
+    let head = first_event(&exchange, response).await?;
     state.metrics.observe_decode_ttfb(sent.elapsed());
-    Ok(DecodeStart::Stream {
-        first,
-        upstream,
-        content_type,
-        decoded_elsewhere,
-    })
+    Ok(DecodeStart::Stream(head))
 }
 
 /// P's leg, running as a task of its own so that it progresses while D's bytes are

@@ -21,7 +21,7 @@ use crate::error::Failure;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::{InFlight, Worker};
 use crate::state::AppState;
-use crate::upstream::{Exchange, LegError, LegErrorKind, LegRequest, LegResponse};
+use crate::upstream::{Exchange, LegError, LegErrorKind, LegResponse};
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -169,7 +169,6 @@ async fn send_leg(
     let request = state
         .upstream
         .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
-    let pooled = matches!(request, LegRequest::Pooled(_));
     let response = exchange.send_leg(&state.upstream.direct, request).await?;
     if !leg.stream {
         state.metrics.observe_decode_ttfb(sent.elapsed());
@@ -184,9 +183,7 @@ async fn send_leg(
     // a proper error status or a retry on another worker.
     let head = first_event(&exchange, response).await?;
     state.metrics.observe_decode_ttfb(sent.elapsed());
-    Ok(relay_response(
-        state, ctx, leg, worker, in_flight, head, pooled,
-    ))
+    Ok(relay_response(state, ctx, leg, worker, in_flight, head))
 }
 
 /// The client's answer to a non-stream leg: the worker's JSON `body` without the decode
@@ -234,12 +231,12 @@ fn relay_response(
     worker: Arc<Worker>,
     in_flight: &mut Option<InFlight>,
     head: StreamHead,
-    decoded_elsewhere: bool,
 ) -> Response {
     let StreamHead {
         content_type,
         first,
         upstream,
+        decoded_elsewhere,
     } = head;
     let relay = Relay {
         first,
@@ -285,6 +282,8 @@ pub(super) struct StreamHead {
     pub first: Bytes,
     /// The rest of the stream.
     pub upstream: Upstream,
+    /// Whether the stream is decoded on a connection task of its own (reqwest's).
+    pub decoded_elsewhere: bool,
 }
 
 /// Waits, within `exchange`'s deadline, for the first chunk of a streamed `response`:
@@ -297,6 +296,7 @@ pub(super) async fn first_event(
         .content_type()
         .cloned()
         .unwrap_or_else(|| HeaderValue::from_static("text/event-stream"));
+    let decoded_elsewhere = matches!(response, LegResponse::Pooled(_));
     let mut upstream = response.into_stream();
     let first = match timeout_at(exchange.deadline(), upstream.next()).await {
         Err(_) => return Err(exchange.timed_out()),
@@ -318,5 +318,6 @@ pub(super) async fn first_event(
         content_type,
         first,
         upstream,
+        decoded_elsewhere,
     })
 }
