@@ -477,7 +477,12 @@ async fn each_choice_meets_its_own_room_and_a_failed_choice_leaves_nothing() {
             p.post("/v1/chat/completions", &to_p),
             d.post("/v1/chat/completions", &to_d),
         );
-        assert_eq!(decoded.0, 504, "{}", decoded.1);
+        // D's own wait for the room (504) and P's wait for a prefill in room 702, which
+        // answers D's read with a refusal (502), run out at about the same time: either
+        // ends D's choice, and each names why.
+        let d_timed_out = decoded.0 == 504;
+        let p_refused = decoded.0 == 502 && decoded.1.to_string().contains("bootstrap_room 702");
+        assert!(d_timed_out || p_refused, "{decoded:?}");
         assert!(prefilled.0 >= 500, "{prefilled:?}");
         assert_clean(&p).await;
         assert_clean(&d).await;
