@@ -6,8 +6,8 @@ use std::net::{Ipv4Addr, TcpListener};
 
 /// Where picks start: above the well-known and common service ports.
 const PICK_FLOOR: u16 = 20_000;
-/// Linux's default ephemeral range, when `/proc` does not say.
-const DEFAULT_EPHEMERAL: (u16, u16) = (32_768, 60_999);
+/// The start of Linux's default ephemeral range, when `/proc` does not say.
+const DEFAULT_EPHEMERAL_LOW: u16 = 32_768;
 
 /// A port on 127.0.0.1 that was free a moment ago, for a process started next to bind.
 ///
@@ -18,7 +18,7 @@ const DEFAULT_EPHEMERAL: (u16, u16) = (32_768, 60_999);
 /// never assigns ports on its own; only if that range is missing or full is a port-0 port
 /// returned.
 pub fn free_local_port() -> std::io::Result<u16> {
-    let (ephemeral_low, _) = ephemeral_range();
+    let ephemeral_low = ephemeral_low();
     if ephemeral_low > PICK_FLOOR {
         let span = u64::from(ephemeral_low - PICK_FLOOR);
         let mut hasher = RandomState::new().build_hasher();
@@ -37,15 +37,12 @@ pub fn free_local_port() -> std::io::Result<u16> {
         .port())
 }
 
-/// The kernel's ephemeral port range (`net.ipv4.ip_local_port_range`).
-fn ephemeral_range() -> (u16, u16) {
+/// The first port of the kernel's ephemeral range (`net.ipv4.ip_local_port_range`).
+fn ephemeral_low() -> u16 {
     std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
-        .and_then(|text| {
-            let mut parts = text.split_whitespace().map(str::parse::<u16>);
-            Some((parts.next()?.ok()?, parts.next()?.ok()?))
-        })
-        .unwrap_or(DEFAULT_EPHEMERAL)
+        .and_then(|text| text.split_whitespace().next()?.parse().ok())
+        .unwrap_or(DEFAULT_EPHEMERAL_LOW)
 }
 
 #[cfg(test)]
@@ -54,7 +51,7 @@ mod tests {
 
     #[test]
     fn picks_are_bindable_and_below_the_ephemeral_range() {
-        let (low, _) = ephemeral_range();
+        let low = ephemeral_low();
         for _ in 0..20 {
             let port = free_local_port().unwrap();
             if low > PICK_FLOOR {

@@ -102,18 +102,11 @@ const LONG: &str = "The history of the printing press begins in the fifteenth ce
                     Johannes Gutenberg combined movable metal type with oil-based ink and a \
                     screw press. Explain in one sentence why this mattered";
 
-#[test]
-fn sglang_handoff_matches_aggregated_and_leaks_nothing() {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(async {
-            tokio::time::timeout(SUITE_DEADLINE, suite())
-                .await
-                .expect("the SGLang suite ran past its deadline")
-        });
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_handoff_matches_aggregated_and_leaks_nothing() {
+    tokio::time::timeout(SUITE_DEADLINE, suite())
+        .await
+        .expect("the SGLang suite ran past its deadline");
 }
 
 async fn suite() {
