@@ -245,6 +245,11 @@ mod tests {
             "--scheduling-age-limit-secs=-1",
         ]);
         assert!(bad.unwrap_err().contains("--scheduling-age-limit-secs"));
+        // A bad limit is refused under fcfs too, not kept until someone switches policy.
+        let bad_unused = parse(&["--scheduling-age-limit-secs=nan"]);
+        assert!(bad_unused
+            .unwrap_err()
+            .contains("--scheduling-age-limit-secs"));
     }
 
     #[test]
@@ -341,20 +346,18 @@ pub enum PolicyName {
 
 impl WorkerArgs {
     /// The scheduling policy the flags name; an age limit that is not a finite,
-    /// non-negative number of seconds is refused.
+    /// non-negative number of seconds is refused whichever policy is named.
     pub fn scheduling_policy(&self) -> Result<crate::scheduler::SchedulingPolicy, String> {
         use crate::scheduler::SchedulingPolicy;
-        match self.scheduling_policy {
-            PolicyName::Fcfs => Ok(SchedulingPolicy::Fcfs),
+        let secs = self.scheduling_age_limit_secs;
+        let age_limit = std::time::Duration::try_from_secs_f64(secs).map_err(|_| {
+            format!("--scheduling-age-limit-secs must be a number of seconds >= 0, got {secs}")
+        })?;
+        Ok(match self.scheduling_policy {
+            PolicyName::Fcfs => SchedulingPolicy::Fcfs,
             PolicyName::ShortestPrefillFirst => {
-                let secs = self.scheduling_age_limit_secs;
-                let age_limit = std::time::Duration::try_from_secs_f64(secs).map_err(|_| {
-                    format!(
-                        "--scheduling-age-limit-secs must be a number of seconds >= 0, got {secs}"
-                    )
-                })?;
-                Ok(SchedulingPolicy::ShortestPrefillFirst { age_limit })
+                SchedulingPolicy::ShortestPrefillFirst { age_limit }
             }
-        }
+        })
     }
 }
