@@ -1,5 +1,6 @@
 //! What the HTTP side hands the scheduler, and what the scheduler streams back.
 
+use pdserve_kv_transfer::ReusedTokens;
 use pdserve_model::BlockId;
 use tokio::sync::mpsc;
 
@@ -51,6 +52,9 @@ pub struct KvImport {
     pub num_tokens: usize,
     /// One entry per block, `ceil(num_tokens / BLOCK_SIZE)` of them.
     pub blocks: Vec<Vec<u8>>,
+    /// Of `num_tokens`, those nobody computed for this request (the source's prefix-cache
+    /// hits, an earlier turn's KV): reported as `cached_tokens`.
+    pub reused: ReusedTokens,
 }
 
 /// Blocks left pinned by a finished `pin_on_finish` sequence.
@@ -62,6 +66,8 @@ pub struct PinnedKv {
     pub num_tokens: usize,
     /// Those tokens, so a reader can check its own tokens against them.
     pub tokens: Vec<u32>,
+    /// Leading prompt tokens the sequence did not compute itself, for a reader's usage.
+    pub reused: ReusedTokens,
 }
 
 /// Why a sequence stopped.
@@ -90,8 +96,11 @@ pub struct TokenUsage {
     pub prompt_tokens: usize,
     /// Generated tokens, including a final stop token.
     pub completion_tokens: usize,
-    /// Prompt tokens whose KV came from the prefix cache.
+    /// Prompt tokens computed by no one for this request: prefix-cache hits (here, or
+    /// at the peer the KV was imported from) and KV an earlier turn handed back.
     pub cached_tokens: usize,
+    /// Of `cached_tokens`, those an earlier turn of the conversation computed.
+    pub earlier_turn_tokens: usize,
     /// Prompt tokens whose KV was loaded from a peer (`kv_import`), not computed here.
     pub kv_imported_tokens: usize,
 }
@@ -101,8 +110,10 @@ pub struct TokenUsage {
 pub enum SeqEvent {
     /// The sequence joined the running batch for the first time.
     Admitted {
-        /// Prompt tokens whose KV came from the prefix cache.
+        /// Prompt tokens computed by no one for this request (see [`TokenUsage`]).
         cached_tokens: usize,
+        /// Of `cached_tokens`, those an earlier turn of the conversation computed.
+        earlier_turn_tokens: usize,
         /// Prompt tokens whose KV was loaded from a peer.
         kv_imported_tokens: usize,
     },

@@ -12,6 +12,7 @@ use std::sync::{mpsc as std_mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use pdserve_kv_transfer::ReusedTokens;
 use pdserve_model::{BlockId, ModelError, SequenceStep, BLOCK_SIZE};
 use tokio::sync::{mpsc, oneshot};
 
@@ -530,7 +531,9 @@ impl<M: StepModel> Scheduler<M> {
                 break;
             }
             // Imported KV replaces the prefix-cache lookup.
-            let imported = seq.kv_import().map_or(0, |import| import.num_tokens);
+            let (imported, reused) = seq.kv_import().map_or((0, Default::default()), |i| {
+                (i.num_tokens, i.reused.within(i.num_tokens))
+            });
             let hit = if imported > 0 {
                 PrefixHit::default()
             } else {
@@ -565,12 +568,24 @@ impl<M: StepModel> Scheduler<M> {
                 self.metrics
                     .queue_seconds
                     .observe(seq.arrived.elapsed().as_secs_f64());
-                // `cached_tokens` means prefix-cache hits only (as vLLM); KV loaded from a
-                // peer is reported on its own.
-                seq.cached_tokens = Some(hit.num_tokens());
+                // `cached_tokens`: prompt tokens nobody computed for this request. Imported
+                // KV counts only where its source had not computed it either (its prefix-
+                // cache hits, an earlier turn's KV); KV the prefill worker computed for
+                // this very request is reported apart, as imported.
+                let cached = if imported > 0 {
+                    reused
+                } else {
+                    ReusedTokens {
+                        prefix_cache_tokens: hit.num_tokens(),
+                        earlier_turn_tokens: 0,
+                    }
+                };
+                seq.cached_tokens = Some(cached.total());
+                seq.earlier_turn_tokens = cached.earlier_turn_tokens;
                 seq.kv_imported_tokens = imported;
                 seq.send(SeqEvent::Admitted {
-                    cached_tokens: hit.num_tokens(),
+                    cached_tokens: cached.total(),
+                    earlier_turn_tokens: cached.earlier_turn_tokens,
                     kv_imported_tokens: imported,
                 });
                 self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
@@ -610,6 +625,7 @@ impl<M: StepModel> Scheduler<M> {
                 blocks,
                 num_tokens: seq.num_computed,
                 tokens: seq.tokens[..seq.num_computed].to_vec(),
+                reused: seq.reused(),
             }),
             Err(e) => {
                 tracing::error!("pinning a finished sequence's blocks failed: {e}");

@@ -112,6 +112,7 @@ fn single_request_matches_the_reference_and_reports_usage() {
                 prompt_tokens: 37,
                 completion_tokens: 6,
                 cached_tokens: 0,
+                earlier_turn_tokens: 0,
                 kv_imported_tokens: 0,
             },
             pinned: None,
@@ -326,7 +327,8 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
     let mut req = request(p.clone(), 6);
     req.kv_import = Some(KvImport {
         num_tokens: 44,
-        blocks: bytes,
+        blocks: bytes.clone(),
+        reused: Default::default(),
     });
     let (ids, end) = collect(&mut decode.submit(req).unwrap());
     assert_eq!(ids, reference(&p, 6), "imported KV continues identically");
@@ -335,11 +337,35 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
     };
     assert_eq!((usage.cached_tokens, usage.kv_imported_tokens), (0, 44));
 
+    // What the KV's source had not computed either stays cached for this request.
+    let mut req = request(p.clone(), 2);
+    req.kv_import = Some(KvImport {
+        num_tokens: 44,
+        blocks: bytes,
+        reused: pdserve_kv_transfer::ReusedTokens {
+            prefix_cache_tokens: 16,
+            earlier_turn_tokens: 40,
+        },
+    });
+    let SeqEvent::Finished { usage, .. } = collect(&mut decode.submit(req).unwrap()).1 else {
+        panic!("the import failed")
+    };
+    assert_eq!(
+        (
+            usage.cached_tokens,
+            usage.earlier_turn_tokens,
+            usage.kv_imported_tokens
+        ),
+        (44, 28, 44),
+        "reused counts are cut to the imported tokens"
+    );
+
     // A malformed import fails the request, not the engine.
     let mut bad = request(p.clone(), 2);
     bad.kv_import = Some(KvImport {
         num_tokens: 44,
         blocks: vec![vec![1, 2, 3]],
+        reused: Default::default(),
     });
     assert!(matches!(
         collect(&mut decode.submit(bad).unwrap()).1,

@@ -6,6 +6,8 @@ use std::time::Instant;
 use pdserve_model::{BlockId, BLOCK_SIZE};
 use tokio::sync::mpsc;
 
+use pdserve_kv_transfer::ReusedTokens;
+
 use crate::block_manager::{BlockError, BlockHash, BlockManager};
 use crate::request::{FinishReason, GenerationRequest, KvImport, SeqEvent, TokenUsage};
 use crate::sampling::{logprobs, Sampler};
@@ -22,8 +24,11 @@ pub(crate) struct Sequence {
     pub blocks: Vec<BlockId>,
     /// Hashes of the leading full blocks already registered in the prefix cache.
     pub hashes: Vec<BlockHash>,
-    /// Prompt tokens served from the prefix cache at first admission.
+    /// Prompt tokens computed by no one for this request, set at first admission
+    /// (prefix-cache hits, or what the imported KV's source reused).
     pub cached_tokens: Option<usize>,
+    /// Of `cached_tokens`, those an earlier turn of the conversation computed.
+    pub earlier_turn_tokens: usize,
     /// Prompt tokens loaded from a peer's KV at first admission.
     pub kv_imported_tokens: usize,
     /// Still holds a slot of the bounded waiting queue (never admitted yet).
@@ -47,6 +52,7 @@ impl Sequence {
             blocks: Vec::new(),
             hashes: Vec::new(),
             cached_tokens: None,
+            earlier_turn_tokens: 0,
             kv_imported_tokens: 0,
             holds_queue_slot: true,
             arrived: Instant::now(),
@@ -98,7 +104,17 @@ impl Sequence {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.num_generated(),
             cached_tokens: self.cached_tokens.unwrap_or(0),
+            earlier_turn_tokens: self.earlier_turn_tokens,
             kv_imported_tokens: self.kv_imported_tokens,
+        }
+    }
+
+    /// The prompt tokens it did not compute, by source, for a peer importing its KV.
+    pub fn reused(&self) -> ReusedTokens {
+        let cached = self.cached_tokens.unwrap_or(0);
+        ReusedTokens {
+            prefix_cache_tokens: cached - self.earlier_turn_tokens,
+            earlier_turn_tokens: self.earlier_turn_tokens,
         }
     }
 

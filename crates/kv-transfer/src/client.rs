@@ -9,7 +9,7 @@ use tokio::time::timeout;
 use crate::auth::TransferSecret;
 use crate::error::TransferError;
 use crate::frame::{read_frame, write_frame, FrameKind};
-use crate::message::{ErrorMessage, ReadAccepted, ReadRequest, WireReadRequest};
+use crate::message::{ErrorMessage, ReadAccepted, ReadRequest, ReusedTokens, WireReadRequest};
 
 /// Limits of the pulling side.
 #[derive(Debug, Clone)]
@@ -39,6 +39,8 @@ pub struct PulledBlocks {
     pub matched_tokens: usize,
     /// The blocks, in sequence order.
     pub blocks: Vec<Vec<u8>>,
+    /// Of the matched tokens, those the peer's publishing request did not compute.
+    pub reused: ReusedTokens,
     /// Payload bytes received.
     pub bytes: usize,
     /// Time from connect to the last block.
@@ -153,6 +155,7 @@ pub async fn pull(
     let _ = stream.shutdown().await;
     Ok(PulledBlocks {
         matched_tokens: accepted.matched_tokens,
+        reused: accepted.reused.within(accepted.matched_tokens),
         bytes: blocks.len() * block_bytes,
         blocks,
         elapsed,

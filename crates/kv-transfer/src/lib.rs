@@ -17,7 +17,7 @@ pub mod server;
 pub use auth::TransferSecret;
 pub use client::{pull, PullConfig, PulledBlocks};
 pub use error::TransferError;
-pub use message::{ErrorCode, ReadAccepted, ReadRequest};
+pub use message::{ErrorCode, ReadAccepted, ReadRequest, ReusedTokens};
 pub use peers::{InvalidPeer, PeerAllowList};
 pub use pins::PinTable;
 pub use server::{BlockSource, Export, ReadOutcome, ServerConfig, TransferStats};

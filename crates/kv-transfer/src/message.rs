@@ -37,6 +37,39 @@ pub struct ReadAccepted {
     pub num_blocks: usize,
     /// Bytes in each block.
     pub block_bytes: usize,
+    /// Of the matched tokens, how many the request that published them did not compute
+    /// itself (absent from older peers: none).
+    #[serde(default)]
+    pub reused: ReusedTokens,
+}
+
+/// Leading tokens of published KV that the publishing request did not compute, by where
+/// their KV came from. A reader that imports the blocks passes these on in its usage
+/// (`cached_tokens`): they were computed by no one for this request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReusedTokens {
+    /// Found in the publisher's prefix cache.
+    #[serde(default)]
+    pub prefix_cache_tokens: usize,
+    /// Computed by an earlier turn of the conversation and handed back to the publisher.
+    #[serde(default)]
+    pub earlier_turn_tokens: usize,
+}
+
+impl ReusedTokens {
+    /// All reused tokens.
+    pub fn total(&self) -> usize {
+        self.prefix_cache_tokens + self.earlier_turn_tokens
+    }
+
+    /// The same counts cut to the first `tokens` tokens (prefix-cache hits lead).
+    pub fn within(self, tokens: usize) -> Self {
+        let prefix_cache_tokens = self.prefix_cache_tokens.min(tokens);
+        Self {
+            prefix_cache_tokens,
+            earlier_turn_tokens: self.earlier_turn_tokens.min(tokens - prefix_cache_tokens),
+        }
+    }
 }
 
 /// Why a server refused a read.
@@ -69,4 +102,29 @@ pub enum ErrorCode {
 pub struct ErrorMessage {
     pub code: ErrorCode,
     pub message: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_without_reused_counts_reads_as_none() {
+        let old: ReadAccepted =
+            serde_json::from_str(r#"{"matched_tokens":9,"num_blocks":1,"block_bytes":8}"#).unwrap();
+        assert_eq!(old.reused, ReusedTokens::default());
+    }
+
+    #[test]
+    fn reused_counts_are_cut_to_a_prefix() {
+        let r = ReusedTokens {
+            prefix_cache_tokens: 32,
+            earlier_turn_tokens: 10,
+        };
+        assert_eq!(r.within(100), r);
+        assert_eq!(r.within(40).total(), 40);
+        assert_eq!(r.within(40).earlier_turn_tokens, 8);
+        assert_eq!(r.within(16).total(), 16);
+        assert_eq!(r.within(16).earlier_turn_tokens, 0);
+    }
 }

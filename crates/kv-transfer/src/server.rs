@@ -13,7 +13,9 @@ use tokio::time::timeout;
 use crate::auth::TransferSecret;
 use crate::error::TransferError;
 use crate::frame::{read_frame, write_frame, FrameKind};
-use crate::message::{ErrorCode, ErrorMessage, ReadAccepted, ReadRequest, WireReadRequest};
+use crate::message::{
+    ErrorCode, ErrorMessage, ReadAccepted, ReadRequest, ReusedTokens, WireReadRequest,
+};
 use crate::peers::PeerAllowList;
 
 /// Blocks copied out for one read.
@@ -23,6 +25,8 @@ pub struct Export {
     pub matched_tokens: usize,
     /// The blocks, in sequence order, each `block_bytes` long.
     pub blocks: Vec<Vec<u8>>,
+    /// Of the matched tokens, those the publishing request did not compute itself.
+    pub reused: ReusedTokens,
 }
 
 /// How an accepted read ended.
@@ -255,6 +259,7 @@ async fn send_blocks(
         matched_tokens: export.matched_tokens,
         num_blocks: export.blocks.len(),
         block_bytes,
+        reused: export.reused.within(export.matched_tokens),
     };
     let json = serde_json::to_vec(&accepted).map_err(|e| TransferError::Protocol(e.to_string()))?;
     timeout(

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pdserve_kv_transfer::{
     pull, server, BlockSource, ErrorCode, Export, PeerAllowList, PullConfig, ReadOutcome,
-    ReadRequest, ServerConfig, TransferError, TransferSecret, TransferStats,
+    ReadRequest, ReusedTokens, ServerConfig, TransferError, TransferSecret, TransferStats,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -19,7 +19,14 @@ struct Pinned {
     block_ids: Vec<u64>,
     tokens: Vec<u32>,
     blocks: Vec<Vec<u8>>,
+    reused: ReusedTokens,
 }
+
+/// What every pinned entry says its publisher reused: one block's worth from each source.
+const REUSED: ReusedTokens = ReusedTokens {
+    prefix_cache_tokens: 4,
+    earlier_turn_tokens: 4,
+};
 
 #[derive(Default)]
 struct MemorySource {
@@ -54,6 +61,7 @@ impl BlockSource for MemorySource {
         Ok(Export {
             matched_tokens: matched,
             blocks: p.blocks.clone(),
+            reused: p.reused,
         })
     }
     fn finish(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
@@ -73,6 +81,7 @@ fn pin(source: &MemorySource, id: &str, n: usize) -> Vec<Vec<u8>> {
             block_ids: (10..10 + n as u64).collect(),
             tokens: (0..(n * 4) as u32).collect(),
             blocks: blocks.clone(),
+            reused: REUSED,
         },
     );
     blocks
@@ -127,6 +136,10 @@ async fn pulls_pinned_blocks_and_releases_them() {
         .unwrap();
     assert_eq!(got.blocks, blocks);
     assert_eq!(got.matched_tokens, 12);
+    assert_eq!(
+        got.reused, REUSED,
+        "the publisher's reused tokens travel with the blocks"
+    );
     assert_eq!(got.bytes, 3 * BLOCK);
     // The server finishes after the client's confirmation arrives.
     tokio::time::timeout(Duration::from_secs(2), async {
@@ -200,6 +213,14 @@ async fn token_mismatch_is_reported_not_hidden() {
     req.token_ids[5] = 999;
     let got = pull(&addr, &req, BLOCK, &quick()).await.unwrap();
     assert_eq!(got.matched_tokens, 5);
+    // Reused counts never exceed what matched.
+    assert_eq!(
+        got.reused,
+        ReusedTokens {
+            prefix_cache_tokens: 4,
+            earlier_turn_tokens: 1
+        }
+    );
 }
 
 #[tokio::test]

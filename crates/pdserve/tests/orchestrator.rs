@@ -240,6 +240,7 @@ async fn suite() {
     );
 
     oracle(&suite).await;
+    cached_tokens(&suite).await;
     session_affinity(&suite).await;
     prefill_errors(&suite).await;
     aborted_stream(&suite).await;
@@ -319,6 +320,39 @@ async fn oracle(s: &Suite) {
         )
         .await;
     assert_eq!(fallbacks, 0.0, "every concurrent read got its blocks early");
+}
+
+/// A prompt sent twice in one session (so to one prefill worker): the second time the
+/// prefill worker finds it in its prefix cache, and the orchestrator's usage counts those
+/// tokens as cached, as the aggregated worker does. The first time nothing is cached.
+async fn cached_tokens(s: &Suite) {
+    let path = "/v1/completions";
+    let cached = |v: Value| {
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+    };
+    for (d, name) in [(&s.seq, "sequential"), (&s.conc, "concurrent")] {
+        let mut body = completion(
+            // Unique from its first token: the prefill workers have seen LONG already.
+            &format!("The {name} orchestrator hears this: {LONG}"),
+            false,
+        );
+        body["user"] = json!("cached-tokens");
+        s.ok(&s.agg, path, &body).await;
+        let expected = cached(s.ok(&s.agg, path, &body).await);
+        assert!(
+            expected >= 16,
+            "the aggregated worker hit {expected} tokens"
+        );
+        let cold = cached(s.ok(d, path, &body).await);
+        let warm = cached(s.ok(d, path, &body).await);
+        assert_eq!(cold, 0, "{d}: a cold prompt");
+        assert_eq!(
+            warm, expected,
+            "{d} reports the prefill worker's prefix-cache hits"
+        );
+    }
 }
 
 /// A session (`X-Session-Id`, `user` or `conversation_id`) stays on one prefill worker;

@@ -104,10 +104,12 @@ impl Stack {
 }
 
 /// A streamed answer folded into the shape of a non-streamed one: the text (chat
-/// `message.content` or completion `text`), plus the final `kv_transfer_params`.
+/// `message.content` or completion `text`), plus the final `kv_transfer_params` and
+/// the usage event's `usage` (with `stream_options.include_usage`).
 fn sse_to_value(body: &str) -> Value {
     let mut text = String::new();
     let mut kv = Value::Null;
+    let mut usage = Value::Null;
     let mut chat = false;
     for data in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
         if data == "[DONE]" {
@@ -126,11 +128,14 @@ fn sse_to_value(body: &str) -> Value {
         if !chunk["kv_transfer_params"].is_null() {
             kv = chunk["kv_transfer_params"].clone();
         }
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
     }
     if chat {
-        json!({"choices": [{"message": {"content": text}}], "kv_transfer_params": kv})
+        json!({"choices": [{"message": {"content": text}}], "kv_transfer_params": kv, "usage": usage})
     } else {
-        json!({"choices": [{"text": text}], "kv_transfer_params": kv})
+        json!({"choices": [{"text": text}], "kv_transfer_params": kv, "usage": usage})
     }
 }
 
@@ -408,39 +413,95 @@ async fn oracle(stack: &Stack) {
     assert!(imported > 100.0, "decode imported only {imported} tokens");
 }
 
-/// Turn 2 of a conversation through the gateway: P reads turn 1's KV from D.
+/// Turn 2 of a conversation through the gateway: P reads turn 1's KV from D, and the
+/// client's usage counts those tokens as cached (computed by no one for this request) as
+/// the aggregated worker's prefix cache does for the same conversation, within a block;
+/// streamed (the usage event) and not. A cold prompt reports nothing cached, a new
+/// conversation what the aggregated worker reports (the chat template's shared start).
 async fn multi_turn_through_the_gateway(stack: &Stack) {
-    let mut turn = chat(LONG, false);
-    turn["conversation_id"] = json!("conversation-1");
-    let first = text_of(
-        &stack
-            .ok(&stack.gateway, "/v1/chat/completions", &turn)
-            .await,
-    );
-    let before = stack
-        .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
-        .await;
-    turn["messages"] = json!([
-        {"role": "user", "content": LONG},
-        {"role": "assistant", "content": first},
-        {"role": "user", "content": "Now say it in five words."},
-    ]);
-    let second = text_of(
-        &stack
-            .ok(&stack.gateway, "/v1/chat/completions", &turn)
-            .await,
-    );
-    let reused = stack
-        .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
-        .await
-        - before;
-    assert!(
-        reused > 32.0,
-        "prefill reused only {reused} tokens of turn 1"
-    );
-    turn.as_object_mut().unwrap().remove("conversation_id");
-    let expected = text_of(&stack.ok(&stack.agg, "/v1/chat/completions", &turn).await);
-    assert_eq!(second, expected);
+    let path = "/v1/chat/completions";
+    let cached = |v: &Value| {
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+    };
+    // A completion prompt (no template) no worker has seen: nothing of it is cached.
+    let cold = completion(&format!("Never seen before: {LONG}"), false);
+    let cold = stack.ok(&stack.gateway, "/v1/completions", &cold).await;
+    assert_eq!(cached(&cold), 0, "a cold prompt: {cold}");
+    for (stream, conversation) in [(false, "conversation-1"), (true, "conversation-2")] {
+        let mut turn = chat(
+            // Unique from its first token: the workers have seen LONG already.
+            &format!("({conversation}, streamed: {stream}) {LONG}"),
+            stream,
+        );
+        turn["conversation_id"] = json!(conversation);
+        if stream {
+            turn["stream_options"] = json!({"include_usage": true});
+        }
+        let user = turn["messages"][0]["content"].clone();
+        // The chat template's system prompt is the one block every chat shares: the
+        // aggregated worker's cache hits on a new conversation are what P/D must report.
+        let mut agg_first = chat(user.as_str().unwrap(), stream);
+        if stream {
+            agg_first["stream_options"] = json!({"include_usage": true});
+        }
+        let agg_first = stack.ok(&stack.agg, path, &agg_first).await;
+        let first = stack.ok(&stack.gateway, path, &turn).await;
+        assert_eq!(
+            cached(&first),
+            cached(&agg_first),
+            "a new conversation: {first}"
+        );
+        assert_eq!(
+            first["usage"]["pdserve"]["earlier_turn_tokens"].as_u64(),
+            Some(0),
+            "{first}"
+        );
+        let first_text = text_of(&first);
+        assert_eq!(text_of(&agg_first), first_text);
+        let before = stack
+            .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
+            .await;
+        turn["messages"] = json!([
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": first_text},
+            {"role": "user", "content": "Now say it in five words."},
+        ]);
+        let second = stack.ok(&stack.gateway, path, &turn).await;
+        let reused = stack
+            .metric(&stack.prefill, "pdserve_kv_transfer_imported_tokens_total")
+            .await
+            - before;
+        assert!(
+            reused > 32.0,
+            "prefill reused only {reused} tokens of turn 1"
+        );
+        let pd_cached = cached(&second);
+        assert_eq!(
+            pd_cached as f64, reused,
+            "the turn-1 tokens P reused are the client's cached tokens: {second}"
+        );
+        let details = &second["usage"]["pdserve"];
+        assert_eq!(
+            details["earlier_turn_tokens"].as_u64(),
+            Some(pd_cached),
+            "{second}"
+        );
+        assert_eq!(details["prefix_cache_tokens"].as_u64(), Some(0), "{second}");
+
+        // The same conversation on the aggregated worker: same text, and its prefix cache
+        // holds turn 1's full blocks.
+        let mut agg_turn = turn.clone();
+        agg_turn.as_object_mut().unwrap().remove("conversation_id");
+        let expected = stack.ok(&stack.agg, path, &agg_turn).await;
+        assert_eq!(text_of(&second), text_of(&expected));
+        let agg_cached = cached(&expected);
+        assert!(
+            pd_cached.abs_diff(agg_cached) < 16,
+            "P/D reports {pd_cached} cached tokens, aggregated {agg_cached} (stream: {stream})"
+        );
+    }
 }
 
 /// The same flow as vLLM's multi-turn proxy drives it, checking each leg's answer.
@@ -481,7 +542,8 @@ async fn multi_turn_by_hand(stack: &Stack) {
     reuse["do_remote_prefill"] = json!(false);
     p2["kv_transfer_params"] = reuse;
     let p2 = stack.ok(&stack.prefill, path, &p2).await;
-    // KV read from a peer is reported as imported, not as prefix-cache hits.
+    // KV read from the last turn's decode worker is imported, and cached: no one
+    // computed it for this request.
     let imported_now = p2["usage"]["pdserve"]["kv_imported_tokens"]
         .as_u64()
         .unwrap_or(0);
@@ -491,12 +553,24 @@ async fn multi_turn_by_hand(stack: &Stack) {
         "turn 2 reused {imported_now} of {prompt_tokens} prompt tokens: {p2}"
     );
     assert_eq!(
-        p2["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        p2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(imported_now),
+        "{p2}"
+    );
+    assert_eq!(
+        p2["usage"]["pdserve"]["earlier_turn_tokens"].as_u64(),
+        Some(imported_now),
         "{p2}"
     );
     let mut d2 = completion(&prompt2, false);
     d2["kv_transfer_params"] = p2["kv_transfer_params"].clone();
     let d2 = stack.ok(&stack.decode, path, &d2).await;
+    // The decode worker imported P's KV, of which P computed none of turn 1's part.
+    assert_eq!(
+        d2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(imported_now),
+        "{d2}"
+    );
     let expected = stack
         .ok(&stack.agg, path, &completion(&prompt2, false))
         .await;

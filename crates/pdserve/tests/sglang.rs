@@ -138,6 +138,7 @@ async fn suite() {
     };
 
     openai_routes(&stack).await;
+    cached_tokens(&stack).await;
     parallel_choices(&stack).await;
     native_batch(&stack).await;
     let transferred = stack
@@ -181,6 +182,33 @@ async fn openai_routes(stack: &Stack) {
             assert_eq!(text_of(&got), expected, "{path} stream={stream}");
         }
     }
+}
+
+/// A prompt sent twice: the second time the prefill worker finds it in its prefix cache,
+/// and the client's usage (the decode worker's answer) counts those tokens as cached,
+/// as the aggregated worker does for the same prompt. The first time nothing is cached.
+async fn cached_tokens(stack: &Stack) {
+    let path = "/v1/completions";
+    let body = completion(&format!("In the SGLang mode's words: {LONG}"), false);
+    let cached = |text: String| {
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+    };
+    let cold = cached(stack.ok(&stack.gateway, path, &body).await);
+    let warm = cached(stack.ok(&stack.gateway, path, &body).await);
+    stack.ok(&stack.agg, path, &body).await;
+    let expected = cached(stack.ok(&stack.agg, path, &body).await);
+    assert_eq!(cold, 0, "a cold prompt");
+    assert!(
+        expected >= 16,
+        "the aggregated worker hit {expected} tokens"
+    );
+    assert_eq!(
+        warm, expected,
+        "P/D reports the prefill worker's prefix-cache hits"
+    );
 }
 
 /// Every choice's text of an answer, streamed (folded by `index`) or not.

@@ -206,11 +206,22 @@ pub struct Usage {
     pub pdserve: Option<PdserveUsage>,
 }
 
-/// `usage.pdserve`: counts OpenAI's usage has no field for.
+/// `usage.pdserve`: where the prompt's KV came from, which OpenAI's usage has no field
+/// for. `prompt_tokens_details.cached_tokens` (prompt tokens computed by no one for this
+/// request) is `prefix_cache_tokens + earlier_turn_tokens`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PdserveUsage {
+    /// Cached prompt tokens found in a prefix cache: the answering worker's, or the
+    /// prefill worker's for KV it handed over.
+    #[serde(default)]
+    pub prefix_cache_tokens: u64,
+    /// Cached prompt tokens an earlier turn of the conversation computed, handed back by
+    /// its decode worker to this turn's prefill.
+    #[serde(default)]
+    pub earlier_turn_tokens: u64,
     /// Prompt tokens whose KV this worker loaded from a peer (P/D) instead of computing
-    /// them; unlike `cached_tokens`, which counts prefix-cache hits only.
+    /// them; those the peer computed for this request are not cached.
+    #[serde(default)]
     pub kv_imported_tokens: u64,
 }
 
@@ -232,9 +243,20 @@ impl Usage {
         }
     }
 
-    /// The same usage, reporting `kv_imported_tokens` in `usage.pdserve` when non-zero.
-    pub fn with_kv_imported(mut self, kv_imported_tokens: u64) -> Self {
-        self.pdserve = (kv_imported_tokens > 0).then_some(PdserveUsage { kv_imported_tokens });
+    /// The same usage with its `usage.pdserve` breakdown: `earlier_turn_tokens` of the
+    /// cached tokens came from an earlier turn (the rest from a prefix cache), and
+    /// `kv_imported_tokens` were loaded from a peer. Absent when all are zero.
+    pub fn with_sources(mut self, earlier_turn_tokens: u64, kv_imported_tokens: u64) -> Self {
+        let cached = self
+            .prompt_tokens_details
+            .as_ref()
+            .map_or(0, |d| d.cached_tokens);
+        let breakdown = PdserveUsage {
+            prefix_cache_tokens: cached.saturating_sub(earlier_turn_tokens),
+            earlier_turn_tokens,
+            kv_imported_tokens,
+        };
+        self.pdserve = (breakdown != PdserveUsage::default()).then_some(breakdown);
         self
     }
 }

@@ -378,7 +378,7 @@ mod tests {
     #[test]
     fn usage_counts_the_prompt_once_and_sums_completions() {
         let usage = merged_usage(&[
-            Usage::new(10, 4, 0).with_kv_imported(9),
+            Usage::new(10, 4, 0).with_sources(0, 9),
             Usage::new(10, 6, 8),
             Usage::new(10, 1, 8),
         ]);

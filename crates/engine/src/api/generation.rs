@@ -72,6 +72,7 @@ pub struct Generation {
     prompt_tokens: usize,
     completion_tokens: usize,
     cached_tokens: usize,
+    earlier_turn_tokens: usize,
     kv_imported_tokens: usize,
     /// Set when a stop string ended the output before the scheduler did.
     pending_end: Option<Vec<Piece>>,
@@ -108,6 +109,7 @@ impl Generation {
             prompt_tokens,
             completion_tokens: 0,
             cached_tokens: 0,
+            earlier_turn_tokens: 0,
             kv_imported_tokens: 0,
             pending_end: None,
             done: false,
@@ -180,7 +182,10 @@ impl Generation {
             self.completion_tokens as u64,
             self.cached_tokens as u64,
         )
-        .with_kv_imported(self.kv_imported_tokens as u64)
+        .with_sources(
+            self.earlier_turn_tokens as u64,
+            self.kv_imported_tokens as u64,
+        )
     }
 
     /// The next piece, or `None` after `End`/`Error`.
@@ -249,9 +254,11 @@ impl Generation {
             match event {
                 SeqEvent::Admitted {
                     cached_tokens,
+                    earlier_turn_tokens,
                     kv_imported_tokens,
                 } => {
                     self.cached_tokens = cached_tokens;
+                    self.earlier_turn_tokens = earlier_turn_tokens;
                     self.kv_imported_tokens = kv_imported_tokens;
                 }
                 SeqEvent::Token { id, logprobs } => {
@@ -280,6 +287,7 @@ impl Generation {
                     pinned,
                 } => {
                     self.cached_tokens = usage.cached_tokens;
+                    self.earlier_turn_tokens = usage.earlier_turn_tokens;
                     self.kv_imported_tokens = usage.kv_imported_tokens;
                     let kv_transfer_params = self.publish(pinned);
                     let tail = self.text.finish(self.app.model.tokenizer());

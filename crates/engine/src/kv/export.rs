@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use pdserve_kv_transfer::ReusedTokens;
 use pdserve_protocol::KvTransferParams;
 use serde_json::Value;
 
@@ -89,6 +90,11 @@ async fn import_conversation_prefix(
     request.kv_import = Some(KvImport {
         num_tokens: reused,
         blocks,
+        // All of it was computed by earlier turns, none for this request.
+        reused: ReusedTokens {
+            prefix_cache_tokens: 0,
+            earlier_turn_tokens: reused,
+        },
     });
     Ok(())
 }

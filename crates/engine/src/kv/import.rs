@@ -49,6 +49,9 @@ pub fn use_pulled_prompt_kv(
     request.kv_import = Some(KvImport {
         num_tokens: needed,
         blocks,
+        // What the prefill worker did not compute either (its prefix-cache hits, an
+        // earlier turn's KV) is cached for this request; the rest was computed there.
+        reused: pulled.reused.within(needed),
     });
     Ok(())
 }

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pdserve_kv_transfer::{
-    BlockSource, ErrorCode, Export, PinTable, ReadOutcome, ReadRequest, TransferStats,
+    BlockSource, ErrorCode, Export, PinTable, ReadOutcome, ReadRequest, ReusedTokens, TransferStats,
 };
 use pdserve_model::{BlockId, BLOCK_SIZE};
 use pdserve_protocol::{KvTransferParams, RemoteBlockIds};
@@ -69,6 +69,8 @@ struct Published {
     named_by_reader: bool,
     /// The keep handle of a conversation hand-back (its blocks are kept, not pinned).
     kept: Option<u64>,
+    /// Leading tokens the publishing request did not compute, told to the reader.
+    reused: ReusedTokens,
 }
 
 #[derive(Debug, Default)]
@@ -204,6 +206,7 @@ impl KvService {
                 kind,
                 named_by_reader,
                 kept,
+                reused: pinned.reused,
             };
             st.pins.insert(request_id.clone(), published, deadline);
         }
@@ -478,6 +481,7 @@ impl BlockSource for KvService {
             Ok(blocks) => Ok(Export {
                 matched_tokens: matched,
                 blocks,
+                reused: entry.reused.within(matched),
             }),
             Err(e) => {
                 self.lock().reading.remove(&request.request_id);
