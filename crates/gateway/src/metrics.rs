@@ -95,6 +95,7 @@ pub struct Metrics {
     workers: Family<RoleHealthLabels, Gauge>,
     evictions: Family<RoleLabels, Counter>,
     readmissions: Family<RoleLabels, Counter>,
+    panic_routed: Family<RoleLabels, Counter>,
     epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
@@ -217,8 +218,15 @@ impl Default for Metrics {
         let readmissions = Family::<RoleLabels, Counter>::default();
         registry.register(
             "worker_readmissions",
-            "Evicted workers re-admitted after a healthy probe",
+            "Evicted workers re-admitted after a healthy probe or a successful request",
             readmissions.clone(),
+        );
+        let panic_routed = Family::<RoleLabels, Counter>::default();
+        registry.register(
+            "panic_routed",
+            "Requests routed to an evicted worker because no worker of the role was healthy \
+             (panic routing: trying beats refusing; a success re-admits the worker)",
+            panic_routed.clone(),
         );
         let epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(stage_histogram);
@@ -250,6 +258,7 @@ impl Default for Metrics {
             workers,
             evictions,
             readmissions,
+            panic_routed,
             requests,
             worker_in_flight,
             worker_circuit,
@@ -416,6 +425,15 @@ impl Metrics {
     /// Counts a re-admission.
     pub fn inc_readmissions(&self, role: &str) {
         self.readmissions
+            .get_or_create(&RoleLabels {
+                role: role.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a request routed to an evicted worker (no worker of `role` was healthy).
+    pub fn inc_panic_routed(&self, role: &str) {
+        self.panic_routed
             .get_or_create(&RoleLabels {
                 role: role.to_string(),
             })

@@ -70,7 +70,8 @@ impl AppState {
     }
 
     /// A live worker of `role` that this request has not tried yet and whose circuit
-    /// admits it, chosen by the policy.
+    /// admits it, chosen by the policy; while no worker of `role` is live, an evicted
+    /// one (panic routing: see [`crate::registry::Routable`]).
     pub fn pick(
         &self,
         role: WorkerRole,
@@ -78,7 +79,11 @@ impl AppState {
         route: &RouteRequest<'_>,
     ) -> Option<Arc<Worker>> {
         let roster = self.registry.snapshot();
-        let live = roster.live(role);
+        let routable = roster.routable(role);
+        let live = routable.workers;
+        if routable.panic && !live.iter().all(|w| tried.iter().any(|t| t.base == w.base)) {
+            self.registry.note_panic(role, 1);
+        }
         let policy = self.policy(role);
         // The common case allocates nothing: a first attempt with every circuit closed.
         if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {

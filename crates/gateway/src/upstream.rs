@@ -435,22 +435,35 @@ impl<'a> Exchange<'a> {
 
     /// The 502 for a transport error (connection refused, reset, bad framing).
     pub fn transport(&self, e: &reqwest::Error) -> LegError {
-        let kind = if e.is_connect() {
-            LegErrorKind::Connect
-        } else {
-            LegErrorKind::Transport
-        };
-        self.error(kind, format!("failed: {}", error_chain(e)))
+        self.transport_failed(e.is_connect(), error_chain(e))
     }
 
     /// The 502 for a direct connection's transport error.
     pub fn direct_transport(&self, e: &DirectError) -> LegError {
-        let kind = if e.is_connect() {
-            LegErrorKind::Connect
-        } else {
-            LegErrorKind::Transport
-        };
-        self.error(kind, format!("failed: {}", error_chain(e)))
+        self.transport_failed(e.is_connect(), error_chain(e))
+    }
+
+    /// A 502, or a 503 when an evicted worker (tried because none of its role is
+    /// healthy) refused the connection: then no worker could take the request.
+    fn transport_failed(&self, connect: bool, why: String) -> LegError {
+        if !connect {
+            return self.error(LegErrorKind::Transport, format!("failed: {why}"));
+        }
+        if self.worker.is_evicted() {
+            return LegError {
+                failure: ApiError::service_unavailable(format!(
+                    "no healthy {role} worker: {} {} is evicted and refused the connection: {why}",
+                    self.label,
+                    self.worker.base,
+                    role = self.worker.role(),
+                ))
+                .into(),
+                kind: LegErrorKind::Connect,
+                status: None,
+                escalated: false,
+            };
+        }
+        self.error(LegErrorKind::Connect, format!("failed: {why}"))
     }
 
     /// A 502 saying the worker `what` (e.g. "answered 200 with a body that is not JSON").

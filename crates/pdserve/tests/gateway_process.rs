@@ -1,7 +1,9 @@
 //! The `pdserve gateway` process with real workers: on SIGTERM it stops accepting
 //! connections, lets an open stream run to its end, then exits 0; when a `pdserve worker`
 //! process is killed under load it is evicted with no failed client request, and it is
-//! re-admitted when it comes back on the same port.
+//! re-admitted when it comes back on the same port; when the only worker of a role
+//! restarts, the first request after it is healthy again is served (panic routing), not
+//! refused until the next probe.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -162,9 +164,14 @@ async fn sigterm_lets_an_open_stream_finish_then_exits_0() {
 
 /// Starts `pdserve worker --role both` on `port`, one thread, and waits for its /health.
 async fn worker_process(port: u16, model: &std::path::Path) -> Reaper {
+    role_process("both", port, model).await
+}
+
+/// Starts `pdserve worker --role ROLE` on `port`, one thread, and waits for its /health.
+async fn role_process(role: &str, port: u16, model: &std::path::Path) -> Reaper {
     let child = Reaper(
         Command::new(env!("CARGO_BIN_EXE_pdserve"))
-            .args(["worker", "--role", "both", "--port", &port.to_string()])
+            .args(["worker", "--role", role, "--port", &port.to_string()])
             .args(["--threads", "1", "--num-kv-blocks", "64"])
             .arg("--model")
             .arg(model)
@@ -303,6 +310,119 @@ async fn a_killed_worker_process_is_evicted_without_failed_requests_and_readmitt
             failed.len()
         );
         assert!(failed.is_empty(), "{failed:?}");
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+/// Envoy's panic threshold: the only decode (then the only prefill) worker is killed and
+/// restarted on the same port. The probe is far away (60 s), so only a request can notice:
+/// while the worker is down a request gets 503 (the evicted worker was tried and refused
+/// the connection) and `/health` says 503; the first request after the worker answers
+/// `/health` again gets 200 and re-admits it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_request_after_the_only_worker_of_a_role_restarts_is_served() {
+    tokio::time::timeout(Duration::from_secs(400), async {
+        let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+        let (port_p, port_d) = (free_port(), free_port());
+        let (url_p, url_d) = (
+            format!("http://127.0.0.1:{port_p}"),
+            format!("http://127.0.0.1:{port_d}"),
+        );
+        let mut prefill = Some(role_process("prefill", port_p, &model).await);
+        let mut decode = Some(role_process("decode", port_d, &model).await);
+        let port = free_port();
+        let gateway = format!("http://127.0.0.1:{port}");
+        let _gw = Reaper(
+            Command::new(env!("CARGO_BIN_EXE_pdserve"))
+                .args(["gateway", "--port", &port.to_string()])
+                .args(["--prefill", &url_p, "--decode", &url_d])
+                .args(["--probe-interval", "60"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        wait_for(&format!("{gateway}/health"), Duration::from_secs(30)).await;
+        let http = reqwest::Client::new();
+        let request = || async {
+            let resp = http
+                .post(format!("{gateway}/v1/completions"))
+                .json(&serde_json::json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}))
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.text().await.unwrap())
+        };
+        let (status, body) = request().await;
+        assert_eq!(status, 200, "{body}");
+
+        for (role, url, port) in [("decode", &url_d, port_d), ("prefill", &url_p, port_p)] {
+            // SIGKILL, as a crash: the next request finds nothing listening.
+            match role {
+                "decode" => drop(decode.take()),
+                _ => drop(prefill.take()),
+            }
+            // The first request finds it gone (502: it was live when chosen) and evicts it
+            // (a pooled connection's reset counts one failure; a refused connect evicts).
+            let mut failed = 0;
+            while health_in_roster(&gateway, url).await.as_deref() != Some("evicted") {
+                let (status, body) = request().await;
+                assert!(
+                    status == 502 || status == 503,
+                    "{role} down: {status} {body}"
+                );
+                failed += 1;
+                assert!(
+                    failed <= 3,
+                    "{role} not evicted after {failed} failed requests"
+                );
+            }
+            let health = reqwest::get(format!("{gateway}/health")).await.unwrap();
+            assert_eq!(health.status(), 503, "no healthy {role} worker");
+            // The next ones still try it (panic) rather than refuse, and say why they fail.
+            let (status, body) = request().await;
+            assert_eq!(status, 503, "{body}");
+            assert!(
+                body.contains("is evicted and refused the connection"),
+                "{body}"
+            );
+
+            let restarted = role_process(role, port, &model).await;
+            match role {
+                "decode" => decode = Some(restarted),
+                _ => prefill = Some(restarted),
+            }
+            let (status, body) = request().await;
+            assert_eq!(
+                status, 200,
+                "the first request after the {role} worker restarted: {body}"
+            );
+            assert_eq!(
+                health_in_roster(&gateway, url).await.as_deref(),
+                Some("live"),
+                "a served request re-admits the {role} worker before any probe"
+            );
+            let health = reqwest::get(format!("{gateway}/health")).await.unwrap();
+            assert_eq!(health.status(), 200);
+        }
+        let metrics = reqwest::get(format!("{gateway}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for role in ["decode", "prefill"] {
+            let line = format!("pdserve_gateway_panic_routed_total{{role=\"{role}\"}}");
+            assert!(
+                metrics
+                    .lines()
+                    .any(|l| l.starts_with(&line) && !l.ends_with(" 0")),
+                "{line} missing or 0 in:\n{metrics}"
+            );
+        }
     })
     .await
     .expect("test exceeded its time limit");

@@ -110,7 +110,7 @@ pub async fn generate_native(
         // Only the gateway writes KV handles (the bootstrap fields are overwritten).
         body.remove("kv_transfer_params");
         let roster = state.registry.snapshot();
-        if roster.mode() != Mode::Disaggregated {
+        if roster.routing_mode() != Mode::Disaggregated {
             return Err(ApiError::service_unavailable(format!(
                 "/generate needs prefill and decode workers: {}",
                 roster.missing().join("; ")
@@ -275,7 +275,10 @@ async fn attempt(
         }
     };
     let started = match started {
-        Ok(started) => started,
+        Ok(started) => {
+            state.registry.record_answer(&decode);
+            started
+        }
         Err(e) => {
             // D's failure may only echo P's (no KV ever came): report the cause.
             if let Some(Some(p_error)) = p_leg.failure().now_or_never() {

@@ -262,6 +262,9 @@ async fn send(
         .upstream
         .post_json(encoder.url(Endpoint::Chat), body, headers);
     let result = exchange.send_and_read(request).await;
+    if result.is_ok() {
+        state.registry.record_answer(encoder);
+    }
     in_flight.set_outcome(match &result {
         Ok(_) => RequestOutcome::Success,
         Err(e) if e.is_worker_fault() => RequestOutcome::Failure,

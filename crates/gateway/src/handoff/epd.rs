@@ -76,7 +76,7 @@ pub async fn serve(
     };
     let items = extract(chat);
     let roster = state.registry.snapshot();
-    let consumer_role = match roster.mode() {
+    let consumer_role = match roster.routing_mode() {
         Mode::Disaggregated => WorkerRole::Prefill,
         Mode::Aggregated => WorkerRole::PrefillDecode,
         Mode::Unavailable => {
@@ -87,7 +87,7 @@ pub async fn serve(
             .into())
         }
     };
-    if roster.live(WorkerRole::Encode).is_empty() {
+    if roster.routable(WorkerRole::Encode).workers.is_empty() {
         return Err(ApiError::service_unavailable(no_encoder(&roster, &items)).into());
     }
     let mode = if consumer_role == WorkerRole::Prefill {

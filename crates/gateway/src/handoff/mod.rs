@@ -85,7 +85,7 @@ pub async fn generate(
         return epd::serve(state, ctx, request, conversation_id).await;
     }
     let roster = state.registry.snapshot();
-    match roster.mode() {
+    match roster.routing_mode() {
         Mode::Disaggregated => {
             let route = ctx.route_for(&request, conversation_id.as_deref());
             if conditional::skips_prefill(state, &roster, &route) {

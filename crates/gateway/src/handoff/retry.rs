@@ -85,7 +85,10 @@ where
         }
         tried.push(worker.clone());
         match attempt(worker.clone()).await {
-            Ok(value) => return Ok((value, worker)),
+            Ok(value) => {
+                state.registry.record_answer(&worker);
+                return Ok((value, worker));
+            }
             Err(e) => {
                 state.report(&worker, &e);
                 if !e.retryable() {

@@ -106,6 +106,19 @@ pub struct Roster {
     members: Vec<Member>,
     /// Live workers per role, indexed by [`role_index`].
     live: [Vec<Arc<Worker>>; 4],
+    /// Evicted workers per role, routed to only while the role has no live worker.
+    evicted: [Vec<Arc<Worker>>; 4],
+}
+
+/// The workers a request of one role may be sent to.
+#[derive(Debug, Clone, Copy)]
+pub struct Routable<'a> {
+    /// The candidates: the live workers, or, when none is live, the evicted ones.
+    pub workers: &'a [Arc<Worker>],
+    /// The candidates are evicted workers (panic routing, as Envoy's panic threshold):
+    /// a worker that came back before its next probe serves at once instead of the
+    /// gateway refusing without trying.
+    pub panic: bool,
 }
 
 fn role_index(role: WorkerRole) -> usize {
@@ -120,10 +133,48 @@ fn role_index(role: WorkerRole) -> usize {
 impl Roster {
     fn from_members(members: Vec<Member>) -> Self {
         let mut live: [Vec<Arc<Worker>>; 4] = Default::default();
-        for m in members.iter().filter(|m| m.health == Health::Live) {
-            live[role_index(m.worker.role())].push(m.worker.clone());
+        let mut evicted: [Vec<Arc<Worker>>; 4] = Default::default();
+        for m in &members {
+            let by_health = match m.health {
+                Health::Live => &mut live,
+                Health::Evicted => &mut evicted,
+            };
+            by_health[role_index(m.worker.role())].push(m.worker.clone());
         }
-        Self { members, live }
+        Self {
+            members,
+            live,
+            evicted,
+        }
+    }
+
+    /// The workers of `role` a request may go to: the live ones, else (panic) every
+    /// evicted one. Health reporting reads [`Roster::live`] instead.
+    pub fn routable(&self, role: WorkerRole) -> Routable<'_> {
+        let i = role_index(role);
+        match &self.live[i] {
+            live if !live.is_empty() => Routable {
+                workers: live,
+                panic: false,
+            },
+            _ => Routable {
+                workers: &self.evicted[i],
+                panic: !self.evicted[i].is_empty(),
+            },
+        }
+    }
+
+    /// How requests are served now: [`Roster::mode`] over the routable workers, so an
+    /// evicted pool is still tried (panic routing) rather than refused.
+    pub fn routing_mode(&self) -> Mode {
+        let has = |role| !self.routable(role).workers.is_empty();
+        if has(WorkerRole::Prefill) && has(WorkerRole::Decode) {
+            Mode::Disaggregated
+        } else if has(WorkerRole::PrefillDecode) {
+            Mode::Aggregated
+        } else {
+            Mode::Unavailable
+        }
     }
 
     /// Every registered worker, live or evicted, in registration order.
@@ -149,7 +200,8 @@ impl Roster {
     }
 
     /// P/D when a live prefill and a live decode worker exist, else aggregated when a
-    /// live `prefill_decode` worker does.
+    /// live `prefill_decode` worker does (what `/health` reports; routing reads
+    /// [`Roster::routing_mode`]).
     pub fn mode(&self) -> Mode {
         if !self.live(WorkerRole::Prefill).is_empty() && !self.live(WorkerRole::Decode).is_empty() {
             Mode::Disaggregated
@@ -222,13 +274,19 @@ impl Registry {
         }
     }
 
-    /// `count` live workers of `role` in round-robin order, continuing where the previous
-    /// call stopped, so that a request's items (and consecutive requests) spread over the
-    /// pool instead of each starting at its first worker. Workers whose circuit is open
-    /// are passed over while another worker admits traffic. Empty when none is live.
+    /// `count` routable workers of `role` in round-robin order, continuing where the
+    /// previous call stopped, so that a request's items (and consecutive requests) spread
+    /// over the pool instead of each starting at its first worker. Workers whose circuit
+    /// is open are passed over while another worker admits traffic. Evicted workers are
+    /// assigned only while none of the role is live (panic routing). Empty when none is
+    /// registered.
     pub fn assign(&self, role: WorkerRole, count: usize) -> Vec<Arc<Worker>> {
         let roster = self.snapshot();
-        let live = roster.live(role);
+        let routable = roster.routable(role);
+        if routable.panic && count > 0 {
+            self.note_panic(role, count);
+        }
+        let live = routable.workers;
         let open: Vec<Arc<Worker>> = live
             .iter()
             .filter(|w| w.breaker.is_candidate())
@@ -360,6 +418,25 @@ impl Registry {
         }
     }
 
+    /// A worker answered a request: an evicted one (tried in panic, or evicted while the
+    /// request ran) is re-admitted at once rather than at its next probe. Costs one
+    /// atomic load when the worker is live.
+    pub fn record_answer(&self, worker: &Arc<Worker>) {
+        if worker.is_evicted() {
+            self.record_success(worker);
+        }
+    }
+
+    /// Counts and logs requests routed to evicted workers of `role` (none is live).
+    pub(crate) fn note_panic(&self, role: WorkerRole, requests: usize) {
+        self.metrics.inc_panic_routed(role.as_str());
+        tracing::warn!(
+            %role,
+            requests,
+            "no healthy {role} worker: routing to evicted workers (panic routing) rather than refusing"
+        );
+    }
+
     /// A failed probe (or request): evicts a live worker once it reaches the failure
     /// threshold, or at once when `conclusive` (nothing accepted the connection).
     /// Ignored when `worker` is no longer the registered record for its URL, so a probe
@@ -400,6 +477,7 @@ impl Registry {
         let mut members = roster.members().to_vec();
         members[i].health = to;
         members[i].evicted_since = (to == Health::Evicted).then(Instant::now);
+        members[i].worker.set_evicted(to == Health::Evicted);
         self.publish(members);
         true
     }

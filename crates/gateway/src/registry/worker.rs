@@ -1,6 +1,6 @@
 //! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
@@ -82,6 +82,9 @@ pub struct Worker {
     pub breaker: CircuitBreaker,
     /// The next data-parallel rank to name (round-robin over `dp_size`).
     dp_cursor: AtomicUsize,
+    /// Mirrors the roster's health of this record (read by requests that succeed, to
+    /// re-admit it without scanning the roster).
+    evicted: AtomicBool,
 }
 
 impl Worker {
@@ -111,6 +114,7 @@ impl Worker {
             failures: AtomicU32::new(0),
             breaker,
             dp_cursor: AtomicUsize::new(0),
+            evicted: AtomicBool::new(false),
         }
     }
 
@@ -157,9 +161,19 @@ impl Worker {
         self.failures.store(0, Ordering::Relaxed);
     }
 
+    /// Whether the roster holds this record as evicted.
+    pub fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_evicted(&self, evicted: bool) {
+        self.evicted.store(evicted, Ordering::Relaxed);
+    }
+
     /// Carries health counters over from the record this one replaces.
     pub(crate) fn inherit(&self, previous: &Worker) {
         self.failures.store(previous.failures(), Ordering::Relaxed);
+        self.set_evicted(previous.is_evicted());
         self.breaker.inherit(&previous.breaker);
         self.dp_cursor.store(
             previous.dp_cursor.load(Ordering::Relaxed),
@@ -187,6 +201,10 @@ pub struct InFlight {
     worker: Arc<Worker>,
     policy: Arc<dyn Policy>,
     outcome: RequestOutcome,
+    /// Sent while the worker was evicted (panic routing): its outcome does not move the
+    /// breaker, which steers traffic among healthy workers (health already says this one
+    /// is down, and a stale open circuit would refuse it once it is back).
+    to_evicted: bool,
 }
 
 impl InFlight {
@@ -194,6 +212,7 @@ impl InFlight {
     pub fn start(worker: Arc<Worker>, policy: Arc<dyn Policy>) -> Self {
         worker.in_flight.inc();
         Self {
+            to_evicted: worker.is_evicted(),
             worker,
             policy,
             outcome: RequestOutcome::Other,
@@ -214,7 +233,11 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.worker.in_flight.dec();
-        if let Some(state) = self.worker.breaker.record(self.outcome) {
+        let changed = match self.to_evicted {
+            true => None,
+            false => self.worker.breaker.record(self.outcome),
+        };
+        if let Some(state) = changed {
             tracing::warn!(url = %self.worker.base, circuit = ?state, "circuit breaker changed state");
         }
         self.policy.on_request_end(&self.worker, self.outcome);
