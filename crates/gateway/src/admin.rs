@@ -19,12 +19,20 @@ use serde_json::{json, Map, Value};
 use subtle::ConstantTimeEq;
 
 use crate::args::parse_worker_url;
+use crate::identity::identify;
 use crate::registry::{worker_key, Health, RegistryError, Roster, WorkerSpec};
 use crate::state::AppState;
 use crate::validation::body_rejection;
 
 /// The admin key header (vLLM's proxies use the same one).
 pub const X_API_KEY: &str = "x-api-key";
+
+/// The largest `dp_size` a registration may give (vLLM's largest data-parallel
+/// deployments have hundreds of ranks).
+pub const MAX_DP_SIZE: u32 = 1024;
+
+/// The largest admin request body: a registration is a few hundred bytes.
+pub const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 
 /// `GET /instances`: live and evicted workers per role, and each worker's state.
 pub async fn list(State(state): State<Arc<AppState>>) -> Json<Value> {
@@ -77,20 +85,42 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
 }
 
 /// `POST /instances` `{role, url, dp_size?, bootstrap_port?, ec_zmq_addrs?}` →
-/// `{"registered": bool}`.
+/// `{"registered": bool}`. A URL that answers as this gateway, or as another gateway
+/// without `--allow-gateway-workers`, is refused with 400.
 pub async fn register(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
+    let body = body.map_err(|r| body_rejection(r, MAX_ADMIN_BODY_BYTES))?;
     let spec = parse_registration(&body)?;
+    let identity = identify(
+        state.upstream.client(),
+        &spec.url,
+        &state.instance,
+        state.config.probe.timeout,
+    )
+    .await;
+    if let Err(refusal) = identity.admit(
+        &spec.key(),
+        &state.instance,
+        state.config.allow_gateway_workers,
+    ) {
+        state
+            .metrics
+            .inc_workers_refused("registration", refusal.reason());
+        tracing::warn!("refused a registration: {refusal}");
+        return Err(ApiError::bad_request(refusal.to_string()).with_param("url"));
+    }
     match state.registry.register(spec) {
         Ok(registered) => Ok(Json(json!({"registered": registered}))),
         Err(e @ (RegistryError::MixedTopology { .. } | RegistryError::RoleChange { .. })) => Err(
             ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
         ),
+        Err(e @ RegistryError::Full { .. }) => Err(ApiError::too_many_requests(format!(
+            "{e}; unregister workers or start the gateway with a larger --max-workers"
+        ))),
     }
 }
 
@@ -173,12 +203,12 @@ fn parse_registration(body: &[u8]) -> Result<WorkerSpec, ApiError> {
         None => 1,
         Some(v) => v
             .as_u64()
-            .filter(|n| *n >= 1)
-            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| (1..=u64::from(MAX_DP_SIZE)).contains(n))
+            .map(|n| n as u32)
             .ok_or_else(|| {
                 bad(
                     "dp_size",
-                    format!("`dp_size` must be an integer >= 1, got {v}"),
+                    format!("`dp_size` must be an integer from 1 to {MAX_DP_SIZE}, got {v}"),
                 )
             })?,
     };
@@ -256,6 +286,9 @@ mod tests {
         assert_eq!(ok.key(), "http://127.0.0.1:8100");
         assert_eq!((ok.dp_size, ok.bootstrap_port), (2, Some(8998)));
         let minimal = parse_registration(br#"{"role":"decode","url":"http://h:1"}"#).unwrap();
+        let widest =
+            parse_registration(br#"{"role":"decode","url":"http://h:1","dp_size":1024}"#).unwrap();
+        assert_eq!(widest.dp_size, MAX_DP_SIZE);
         assert_eq!((minimal.dp_size, minimal.bootstrap_port), (1, None));
         let consumer = parse_registration(
             br#"{"role":"prefill_decode","url":"http://h:1","dp_size":2,"ec_zmq_addrs":["tcp://a:1","tcp://b:1"]}"#,
@@ -275,6 +308,14 @@ mod tests {
             ),
             (
                 br#"{"role":"decode","url":"http://h:1","dp_size":1.5}"#,
+                "dp_size",
+            ),
+            (
+                br#"{"role":"decode","url":"http://h:1","dp_size":1025}"#,
+                "dp_size",
+            ),
+            (
+                br#"{"role":"decode","url":"http://h:1","dp_size":1000000000}"#,
                 "dp_size",
             ),
             (

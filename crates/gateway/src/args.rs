@@ -201,6 +201,24 @@ pub struct GatewayArgs {
     #[arg(long, env = "ADMIN_API_KEY", hide_env_values = true)]
     pub admin_api_key: Option<String>,
 
+    /// Most workers the roster holds (static, registered and discovered together);
+    /// registrations past it get 429.
+    #[arg(long, env = "PDSERVE_MAX_WORKERS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_workers: u32,
+
+    /// Accept worker URLs that answer as another pdserve gateway (a tier of regional
+    /// gateways behind this one). Off: registration, static flags and discovery refuse
+    /// them, so a selector that also matches gateway pods cannot make a loop. A gateway's
+    /// own URL is refused either way.
+    #[arg(long, env = "PDSERVE_ALLOW_GATEWAY_WORKERS")]
+    pub allow_gateway_workers: bool,
+
+    /// Most gateways a request may pass through, this one included; past it, or on
+    /// reaching a gateway it already passed, the request is refused with 508 Loop
+    /// Detected. Gateways name themselves in the `X-Pdserve-Hops` header of every leg.
+    #[arg(long, env = "PDSERVE_MAX_HOPS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_hops: u32,
+
     /// Seconds between health probes (`GET /health`) of every registered worker; 0 turns
     /// probing off.
     #[arg(long, env = "PDSERVE_PROBE_INTERVAL", default_value = "5", value_parser = parse_secs)]
@@ -386,6 +404,10 @@ pub struct GatewayConfig {
     pub admin_api_key: Option<String>,
     /// Health probe timing.
     pub probe: ProbeSettings,
+    /// Whether worker URLs may answer as another pdserve gateway.
+    pub allow_gateway_workers: bool,
+    /// Most gateways a request may pass through (`--max-hops`).
+    pub max_hops: u32,
     /// Eviction settings.
     pub health: HealthPolicy,
     /// Drain limit on shutdown.
@@ -439,6 +461,8 @@ impl GatewayConfig {
                 interval: Duration::from_secs(5),
                 timeout: Duration::from_secs(2),
             },
+            allow_gateway_workers: false,
+            max_hops: 4,
             health: HealthPolicy::default(),
             shutdown_timeout: Duration::from_secs(30),
             prewarm: false,
@@ -611,7 +635,10 @@ impl GatewayArgs {
                 interval: self.probe_interval,
                 timeout: self.probe_timeout,
             },
+            allow_gateway_workers: self.allow_gateway_workers,
+            max_hops: self.max_hops,
             health: HealthPolicy {
+                max_workers: self.max_workers as usize,
                 fail_threshold: self.fail_threshold,
                 evicted_ttl: (!self.evicted_ttl.is_zero()).then_some(self.evicted_ttl),
                 breaker: BreakerSettings {

@@ -17,6 +17,8 @@ pub mod direct;
 pub mod endpoint;
 pub mod error;
 pub mod handoff;
+pub mod hops;
+pub mod identity;
 pub mod metrics;
 pub mod model_len;
 pub mod policy;

@@ -56,6 +56,19 @@ struct RouteLabels {
     route: String,
 }
 
+/// Labels of `loops_refused_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct LoopLabels {
+    reason: String,
+}
+
+/// Labels of `workers_refused_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RefusedWorkerLabels {
+    source: String,
+    reason: String,
+}
+
 /// Labels of the encoder-disaggregation stage timings.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct StageLabels {
@@ -96,6 +109,8 @@ pub struct Metrics {
     evictions: Family<RoleLabels, Counter>,
     readmissions: Family<RoleLabels, Counter>,
     panic_routed: Family<RoleLabels, Counter>,
+    loops_refused: Family<LoopLabels, Counter>,
+    workers_refused: Family<RefusedWorkerLabels, Counter>,
     epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
@@ -228,6 +243,21 @@ impl Default for Metrics {
              (panic routing: trying beats refusing; a success re-admits the worker)",
             panic_routed.clone(),
         );
+        let loops_refused = Family::<LoopLabels, Counter>::default();
+        registry.register(
+            "loops_refused",
+            "Requests refused with 508 Loop Detected: they had passed through this gateway \
+             already (reason own_id) or through --max-hops gateways (reason max_hops)",
+            loops_refused.clone(),
+        );
+        let workers_refused = Family::<RefusedWorkerLabels, Counter>::default();
+        registry.register(
+            "workers_refused",
+            "Worker URLs refused because they answer as this gateway (reason self) or as \
+             another pdserve gateway without --allow-gateway-workers (reason gateway), by \
+             where the URL came from (registration, static, probe, discovery)",
+            workers_refused.clone(),
+        );
         let epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(stage_histogram);
         registry.register(
@@ -259,6 +289,8 @@ impl Default for Metrics {
             evictions,
             readmissions,
             panic_routed,
+            loops_refused,
+            workers_refused,
             requests,
             worker_in_flight,
             worker_circuit,
@@ -436,6 +468,26 @@ impl Metrics {
         self.panic_routed
             .get_or_create(&RoleLabels {
                 role: role.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a request refused as a routing loop (`own_id` or `max_hops`).
+    pub fn inc_loops_refused(&self, reason: &str) {
+        self.loops_refused
+            .get_or_create(&LoopLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a worker URL refused for answering as a gateway (`self` or `gateway`),
+    /// by where it came from.
+    pub fn inc_workers_refused(&self, source: &str, reason: &str) {
+        self.workers_refused
+            .get_or_create(&RefusedWorkerLabels {
+                source: source.to_string(),
+                reason: reason.to_string(),
             })
             .inc();
     }

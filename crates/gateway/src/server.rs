@@ -27,7 +27,7 @@ use crate::policy::RouteRequest;
 use crate::state::AppState;
 use crate::upstream::{Exchange, ForwardHeaders, LegErrorKind};
 use crate::validation::{body_rejection, GenerateRequest};
-use crate::{admin, prewarm, profile, readiness, registry};
+use crate::{admin, identity, prewarm, profile, readiness, registry};
 
 /// The gateway's routes and layers over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -47,7 +47,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             "/instances",
             get(admin::list)
                 .post(admin::register)
-                .delete(admin::unregister),
+                .delete(admin::unregister)
+                .layer(DefaultBodyLimit::max(admin::MAX_ADMIN_BODY_BYTES)),
         )
         .route("/metrics", get(metrics))
         .route("/start_profile", post(profile::start))
@@ -59,6 +60,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             crate::auth::require_api_key,
+        ))
+        // Before anything is forwarded: a request that looped back is refused here.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::hops::guard,
         ))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http())
@@ -108,6 +114,10 @@ pub async fn serve(
         &state.registry,
         state.upstream.client().clone(),
         state.config.probe,
+        registry::probe::IdentityCheck {
+            instance: state.instance.clone(),
+            allow_gateways: state.config.allow_gateway_workers,
+        },
     ));
     if state.config.prewarm {
         tasks.push(prewarm::spawn(state.clone()));
@@ -118,6 +128,7 @@ pub async fn serve(
         state.model_lens.get(&state, &member.worker);
     }
     let options = state.config.serve;
+    let state_for_check = state.clone();
     let app = router(state);
     let draining = Arc::new(tokio::sync::Notify::new());
     // Header and body read timeouts, the connection cap and TCP_NODELAY (stream chunks
@@ -129,8 +140,33 @@ pub async fn serve(
             draining.notify_one();
         }
     });
+    tokio::pin!(server);
+    // A static worker URL that is this gateway (or another one, unless allowed) would
+    // make every request loop: refuse to run. Asked while serving, since this gateway
+    // answers its own question.
+    let static_urls: Vec<_> = state_for_check
+        .config
+        .static_workers()
+        .map(|spec| spec.url)
+        .collect();
     tokio::select! {
-        () = server => {},
+        () = &mut server => return Ok(()),
+        refused = identity::first_refused(
+            state_for_check.upstream.client(),
+            static_urls.into_iter(),
+            &state_for_check.instance,
+            state_for_check.config.allow_gateway_workers,
+            state_for_check.config.probe.timeout,
+        ) => {
+            if let Some(refusal) = refused {
+                state_for_check.metrics.inc_workers_refused("static", refusal.reason());
+                return Err(GatewayError::Config(format!("a static worker flag is refused: {refusal}")));
+            }
+        }
+    }
+    drop(state_for_check);
+    tokio::select! {
+        () = &mut server => {},
         () = async {
             draining.notified().await;
             tokio::time::sleep(drain_limit).await;

@@ -8,6 +8,7 @@ use pdserve_protocol::WorkerRole;
 use crate::args::GatewayConfig;
 use crate::conversation::ConversationCache;
 use crate::error::GatewayError;
+use crate::identity::Instance;
 use crate::metrics::Metrics;
 use crate::policy::{self, Policy, RouteRequest};
 use crate::registry::{CircuitState, InFlight, Registry, Worker};
@@ -30,6 +31,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The workers' context lengths, for the length check before prefill.
     pub model_lens: crate::model_len::ModelLens,
+    /// This gateway process's identity (loop detection, refusing itself as a worker).
+    pub instance: Instance,
 }
 
 impl AppState {
@@ -65,6 +68,7 @@ impl AppState {
             policies,
             metrics,
             model_lens: Default::default(),
+            instance: Instance::new(),
             config,
         })
     }

@@ -13,6 +13,7 @@ use tokio::time::timeout_at;
 use crate::args::GatewayConfig;
 use crate::direct::{DirectClient, DirectError, DirectResponse};
 use crate::error::{error_chain, truncate, Failure};
+use crate::hops::X_PDSERVE_HOPS;
 use crate::registry::Worker;
 
 /// The request id header shared by the client response and both upstream legs.
@@ -28,6 +29,8 @@ pub struct ForwardHeaders {
     pub request_id: HeaderValue,
     /// The client's `Authorization`, forwarded so workers can check API keys.
     pub authorization: Option<HeaderValue>,
+    /// The gateways the request passed through, this one last (see [`crate::hops`]).
+    pub hops: Option<HeaderValue>,
 }
 
 impl ForwardHeaders {
@@ -41,6 +44,7 @@ impl ForwardHeaders {
         Self {
             request_id,
             authorization: headers.get(header::AUTHORIZATION).cloned(),
+            hops: headers.get(X_PDSERVE_HOPS).cloned(),
         }
     }
 
@@ -113,6 +117,9 @@ impl Upstream {
         if let Some(rank) = rank {
             request = request.header(X_DATA_PARALLEL_RANK, rank);
         }
+        if let Some(hops) = &headers.hops {
+            request = request.header(X_PDSERVE_HOPS, hops.clone());
+        }
         let request = request.body(Full::new(body)).ok()?;
         Some((addr, request))
     }
@@ -149,7 +156,10 @@ impl Upstream {
     }
 
     fn with_headers(&self, builder: RequestBuilder, headers: &ForwardHeaders) -> RequestBuilder {
-        let builder = builder.header(X_REQUEST_ID, headers.request_id.clone());
+        let mut builder = builder.header(X_REQUEST_ID, headers.request_id.clone());
+        if let Some(hops) = &headers.hops {
+            builder = builder.header(X_PDSERVE_HOPS, hops.clone());
+        }
         match self.authorization(headers) {
             Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),
             None => builder,
@@ -386,8 +396,10 @@ impl<'a> Exchange<'a> {
     }
 
     /// The failure for a non-2xx `status` with its `body`: 4xx passed through, else 502.
+    /// A 508 (a gateway downstream detected a routing loop) passes through as well and
+    /// is not retried: every worker of a looping tier would answer the same.
     fn status_error(&self, status: StatusCode, body: Bytes) -> LegError {
-        if status.is_client_error() {
+        if status.is_client_error() || status == StatusCode::LOOP_DETECTED {
             return LegError {
                 failure: Failure::from_upstream_client_error(status, body, &self.worker.base),
                 kind: LegErrorKind::ClientError,

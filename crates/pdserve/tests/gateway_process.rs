@@ -427,3 +427,36 @@ async fn the_first_request_after_the_only_worker_of_a_role_restarts_is_served() 
     .await
     .expect("test exceeded its time limit");
 }
+
+/// `pdserve gateway --worker <its own URL>` would send every request back to itself:
+/// the process refuses to run, saying why, instead of serving a loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_given_its_own_url_as_a_worker_refuses_to_start() {
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(["gateway", "--port", &port.to_string(), "--worker", &url])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = Reaper(child);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the gateway kept running with itself as a worker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(!status.success());
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(
+        stderr.contains(&url) && stderr.contains("itself"),
+        "{stderr}"
+    );
+}

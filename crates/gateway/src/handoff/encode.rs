@@ -134,6 +134,7 @@ pub async fn encode(
             let headers = ForwardHeaders {
                 request_id: child_request_id(ctx, group.items[0]),
                 authorization: ctx.headers.authorization.clone(),
+                hops: ctx.headers.hops.clone(),
             };
             async move { (g, send(state, &group.encoder, body, &headers).await) }
         })

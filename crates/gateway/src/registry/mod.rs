@@ -44,11 +44,20 @@ pub enum RegistryError {
         /// The role asked for.
         requested: WorkerRole,
     },
+    /// The roster holds `--max-workers` workers already.
+    #[error("the roster is full: it holds {max} workers, the most --max-workers allows")]
+    Full {
+        /// The limit.
+        max: usize,
+    },
 }
 
-/// Eviction settings (`--fail-threshold`, `--evicted-ttl`).
+/// Eviction settings (`--fail-threshold`, `--evicted-ttl`) and the roster's size limit
+/// (`--max-workers`).
 #[derive(Debug, Clone, Copy)]
 pub struct HealthPolicy {
+    /// Most workers the roster holds.
+    pub max_workers: usize,
     /// Consecutive failed probes that evict a live worker (at least 1).
     pub fail_threshold: u32,
     /// How long an evicted worker is still probed before it is forgotten; `None`: forever.
@@ -60,6 +69,7 @@ pub struct HealthPolicy {
 impl Default for HealthPolicy {
     fn default() -> Self {
         Self {
+            max_workers: 4096,
             fail_threshold: 3,
             evicted_ttl: Some(Duration::from_secs(900)),
             breaker: BreakerSettings::default(),
@@ -379,6 +389,11 @@ impl Registry {
             members[i].worker = updated;
             self.publish(members);
             return Ok(false);
+        }
+        if members.len() >= self.policy.max_workers {
+            return Err(RegistryError::Full {
+                max: self.policy.max_workers,
+            });
         }
         tracing::info!(role = %spec.role, url = %key, dp_size = spec.dp_size, "registered worker");
         let worker = self.new_worker(spec);

@@ -14,7 +14,7 @@ fn registry(fail_threshold: u32, ttl: Option<Duration>) -> Registry {
         HealthPolicy {
             fail_threshold,
             evicted_ttl: ttl,
-            breaker: Default::default(),
+            ..Default::default()
         },
     )
 }
@@ -182,4 +182,25 @@ fn removed_workers_leave_no_metric_series_behind() {
     assert!(metrics.encode().contains("http://127.0.0.1:7"));
     assert!(r.unregister("http://127.0.0.1:7"));
     assert!(!metrics.encode().contains("http://127.0.0.1:7"));
+}
+
+#[test]
+fn the_roster_holds_at_most_max_workers() {
+    let r = Registry::new(
+        Arc::new(Metrics::default()),
+        HealthPolicy {
+            max_workers: 2,
+            ..Default::default()
+        },
+    );
+    assert!(r.register(spec(WorkerRole::Decode, 1)).unwrap());
+    assert!(r.register(spec(WorkerRole::Decode, 2)).unwrap());
+    assert!(matches!(
+        r.register(spec(WorkerRole::Decode, 3)),
+        Err(RegistryError::Full { max: 2 })
+    ));
+    // Registering a worker already there again is still fine.
+    assert!(!r.register(spec(WorkerRole::Decode, 2)).unwrap());
+    assert!(r.unregister("http://127.0.0.1:1"));
+    assert!(r.register(spec(WorkerRole::Decode, 3)).unwrap());
 }

@@ -9,6 +9,7 @@ mod epd_failures;
 mod failures;
 mod handoff;
 mod hardening;
+mod loops;
 mod multiturn;
 mod routing;
 mod sglang_double;

@@ -1,0 +1,131 @@
+//! Loop detection: every gateway names itself in a hop header on each leg it sends, and
+//! refuses at once (508 Loop Detected) a request that already passed through it, or
+//! through `--max-hops` gateways, rather than forward it round a loop until the client
+//! gives up.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderValue, StatusCode};
+use pdserve_protocol::ApiError;
+
+use crate::state::AppState;
+
+/// The hop header: the instance ids of the gateways a request passed through, in order,
+/// comma-separated.
+pub const X_PDSERVE_HOPS: &str = "x-pdserve-hops";
+
+/// The gateway ids in `headers`' hop header(s), in order.
+pub fn received(headers: &HeaderMap) -> Vec<&str> {
+    headers
+        .get_all(X_PDSERVE_HOPS)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|id| !id.is_empty())
+        .collect()
+}
+
+/// Why a request is refused as a loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loop {
+    /// It already passed through this gateway.
+    OwnId,
+    /// It passed through `--max-hops` gateways already.
+    MaxHops,
+}
+
+impl Loop {
+    /// The metrics label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Self::OwnId => "own_id",
+            Self::MaxHops => "max_hops",
+        }
+    }
+}
+
+/// Whether a request that passed through `hops` may go on through gateway `own_id`.
+pub fn check(hops: &[&str], own_id: &str, max_hops: u32) -> Result<(), Loop> {
+    if hops.contains(&own_id) {
+        return Err(Loop::OwnId);
+    }
+    // This gateway would be hop `hops.len() + 1`.
+    if hops.len() >= max_hops as usize {
+        return Err(Loop::MaxHops);
+    }
+    Ok(())
+}
+
+/// Middleware: 508 for a looping request; otherwise the hop header is rewritten to the
+/// received ids plus this gateway's, so that every leg sent for it carries the chain.
+pub async fn guard(
+    State(state): State<Arc<AppState>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let own = state.instance.id();
+    let hops = received(request.headers());
+    if let Err(why) = check(&hops, own, state.config.max_hops) {
+        state.metrics.inc_loops_refused(why.reason());
+        let chain = hops.join(",");
+        tracing::warn!(
+            path = request.uri().path(),
+            hops = %chain,
+            reason = why.reason(),
+            "refused a routing loop"
+        );
+        let message = match why {
+            Loop::OwnId => format!(
+                "Loop detected: this request has already passed through this gateway \
+                 (instance {own}; hops: {chain}). A gateway is registered as a worker of \
+                 itself, directly or through other gateways."
+            ),
+            Loop::MaxHops => format!(
+                "Loop detected: this request has passed through {} gateways (hops: {chain}), \
+                 the most --max-hops ({}) allows.",
+                hops.len(),
+                state.config.max_hops
+            ),
+        };
+        return ApiError::new(StatusCode::LOOP_DETECTED, "loop_detected", message).into_response();
+    }
+    let mut chain = hops.join(",");
+    if !chain.is_empty() {
+        chain.push(',');
+    }
+    chain.push_str(own);
+    match HeaderValue::from_str(&chain) {
+        Ok(value) => {
+            request.headers_mut().insert(X_PDSERVE_HOPS, value);
+        }
+        // Ids that are not visible ASCII were dropped by `received`; what is left is.
+        Err(_) => {
+            request.headers_mut().remove(X_PDSERVE_HOPS);
+        }
+    }
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_that_passed_through_this_gateway_or_too_many_is_a_loop() {
+        let mut headers = HeaderMap::new();
+        assert!(received(&headers).is_empty());
+        assert_eq!(check(&[], "me", 4), Ok(()));
+        headers.append(X_PDSERVE_HOPS, HeaderValue::from_static("a, b"));
+        headers.append(X_PDSERVE_HOPS, HeaderValue::from_static("c,"));
+        let hops = received(&headers);
+        assert_eq!(hops, ["a", "b", "c"]);
+        assert_eq!(check(&hops, "me", 4), Ok(()));
+        assert_eq!(check(&hops, "b", 4), Err(Loop::OwnId));
+        assert_eq!(check(&hops, "me", 3), Err(Loop::MaxHops));
+        assert_eq!(check(&["a"], "me", 1), Err(Loop::MaxHops));
+    }
+}
