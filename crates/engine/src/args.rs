@@ -6,6 +6,10 @@ use pdserve_protocol::WorkerRole;
 
 use crate::orchestrator::HandoffMode;
 
+/// Default `--max-body-bytes`: the gateway's default, so that whatever it accepts a
+/// worker accepts too.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
 /// `pdserve worker` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
@@ -144,7 +148,7 @@ pub struct WorkerArgs {
 
     /// Largest accepted request body in bytes; larger bodies get 413 (the gateway's flag
     /// and default).
-    #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = crate::api::http_layers::DEFAULT_MAX_BODY_BYTES)]
+    #[arg(long, env = "PDSERVE_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
 
     /// Decode as orchestrator: a prefill worker (`http://host:port`; repeat the flag or

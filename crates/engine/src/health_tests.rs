@@ -3,6 +3,7 @@
 
 use std::sync::mpsc as std_mpsc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use pdserve_model::{BlockId, ModelError, SequenceStep};
 

@@ -11,6 +11,7 @@ pub mod args;
 pub mod block_manager;
 pub mod bootstrap;
 pub mod health;
+pub mod heartbeat;
 pub mod kv;
 pub mod metrics;
 pub mod orchestrator;
@@ -21,6 +22,7 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 mod sequence;
+pub mod serving;
 pub mod step_model;
 pub mod worker;
 

@@ -65,9 +65,9 @@ pub struct Metrics {
     /// token-id prompt, so an orchestrated request counts once, on the decode worker.
     pub prompts_tokenized: Counter,
     /// Decode-as-orchestrator metrics (`--prefill`).
-    pub orchestrator: crate::orchestrator::OrchestratorMetrics,
+    pub orchestrator: crate::orchestrator::metrics::OrchestratorMetrics,
     /// SGLang bootstrap rendezvous metrics (`--bootstrap-port`, `bootstrap_room`).
-    pub bootstrap: crate::bootstrap::BootstrapMetrics,
+    pub bootstrap: crate::bootstrap::metrics::BootstrapMetrics,
 }
 
 /// Metrics of the KV transfer service and of pulls from peers.

@@ -17,7 +17,7 @@ use pdserve_model::{BlockId, ModelError, SequenceStep, BLOCK_SIZE};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::block_manager::{BlockError, BlockManager, PrefixHit};
-use crate::health::{Heartbeat, SchedulerCondition};
+use crate::heartbeat::{Heartbeat, SchedulerCondition};
 use crate::metrics::Metrics;
 use crate::policy::Priority;
 pub use crate::policy::SchedulingPolicy;

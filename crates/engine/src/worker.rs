@@ -12,7 +12,6 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::api::validate::ModelLimits;
 use crate::api::{router, AppState};
 use crate::args::WorkerArgs;
 use crate::health::WorkerHealth;
@@ -20,6 +19,7 @@ use crate::kv::{KvContext, KvService, KvServiceConfig};
 use crate::metrics::Metrics;
 use crate::orchestrator::{prefill_url, Orchestrator, OrchestratorConfig};
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
+use crate::serving::{ModelLimits, ServingContext};
 use crate::step_model::ModelRunner;
 
 /// After the shutdown timeout has failed the remaining requests, how long their error
@@ -288,7 +288,7 @@ impl Worker {
             health = health.requiring_warm_prefill(orchestrator.pool().clone());
         }
         let health = Arc::new(health);
-        let state = Arc::new(AppState {
+        let serving = Arc::new(ServingContext {
             engine: engine.clone(),
             model,
             limits,
@@ -301,12 +301,15 @@ impl Worker {
                 secret: kv_secret,
             },
             metrics,
+        });
+        let state = Arc::new(AppState {
+            serving,
             health: health.clone(),
             orchestrator: orchestrator.clone(),
             bootstrap,
         });
         if let Some(orchestrator) = &orchestrator {
-            kv_tasks.extend(orchestrator.spawn_prewarm(&state));
+            kv_tasks.extend(orchestrator.spawn_prewarm(&state.serving));
             tracing::info!(
                 prefill = ?args.prefill,
                 handoff = ?args.handoff,

@@ -107,17 +107,7 @@ pub fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// An error and all its causes, `: `-separated (reqwest's own message hides the cause).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}
+pub use pdserve_protocol::error_chain;
 
 #[cfg(test)]
 mod tests {

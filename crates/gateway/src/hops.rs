@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderValue, StatusCode};
 use pdserve_protocol::ApiError;
 
-use crate::state::AppState;
+use crate::metrics::Metrics;
 
 /// The hop header: the instance ids of the gateways a request passed through, in order,
 /// comma-separated.
@@ -60,16 +60,27 @@ pub fn check(hops: &[&str], own_id: &str, max_hops: u32) -> Result<(), Loop> {
     Ok(())
 }
 
+/// What the loop guard needs: who this gateway is and how many hops it allows.
+#[derive(Debug, Clone)]
+pub struct HopGuard {
+    /// This gateway's instance id.
+    pub own_id: String,
+    /// `--max-hops`.
+    pub max_hops: u32,
+    /// Where refused loops are counted.
+    pub metrics: Arc<Metrics>,
+}
+
 /// Middleware: 508 for a looping request; otherwise the hop header is rewritten to the
 /// received ids plus this gateway's, so that every leg sent for it carries the chain.
 pub async fn guard(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<HopGuard>>,
     mut request: Request,
     next: Next,
 ) -> Response {
-    let own = state.instance.id();
+    let own = state.own_id.as_str();
     let hops = received(request.headers());
-    if let Err(why) = check(&hops, own, state.config.max_hops) {
+    if let Err(why) = check(&hops, own, state.max_hops) {
         state.metrics.inc_loops_refused(why.reason());
         let chain = hops.join(",");
         tracing::warn!(
@@ -88,7 +99,7 @@ pub async fn guard(
                 "Loop detected: this request has passed through {} gateways (hops: {chain}), \
                  the most --max-hops ({}) allows.",
                 hops.len(),
-                state.config.max_hops
+                state.max_hops
             ),
         };
         return ApiError::new(StatusCode::LOOP_DETECTED, "loop_detected", message).into_response();

@@ -9,35 +9,30 @@ use std::time::Duration;
 use pdserve_protocol::{ApiError, ModelList, Prompt};
 
 use crate::registry::Worker;
-use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders};
+use crate::upstream::{Exchange, ForwardHeaders, Upstream};
 use crate::validation::GenerateRequest;
 
 /// `max_model_len` per worker base URL (`None` while a fetch is under way or when the
 /// worker reports none).
 #[derive(Debug, Default)]
 pub struct ModelLens {
-    known: Mutex<HashMap<String, Option<u64>>>,
+    known: Arc<Mutex<HashMap<String, Option<u64>>>>,
 }
 
 impl ModelLens {
     /// The worker's context length, if fetched; the first call for a worker starts the
     /// fetch in the background (the request that triggered it is not held up).
-    pub fn get(&self, state: &Arc<AppState>, worker: &Arc<Worker>) -> Option<u64> {
+    pub fn get(&self, upstream: &Upstream, worker: &Arc<Worker>) -> Option<u64> {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(len) = known.get(&worker.base) {
             return *len;
         }
         known.insert(worker.base.clone(), None);
         drop(known);
-        let (state, worker) = (state.clone(), worker.clone());
+        let (upstream, worker, known) = (upstream.clone(), worker.clone(), self.known.clone());
         tokio::spawn(async move {
-            let len = fetch(&state, &worker).await;
-            let mut known = state
-                .model_lens
-                .known
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let len = fetch(&upstream, &worker).await;
+            let mut known = known.lock().unwrap_or_else(|e| e.into_inner());
             match len {
                 Some(len) => {
                     known.insert(worker.base.clone(), Some(len));
@@ -59,10 +54,10 @@ impl ModelLens {
 }
 
 /// The smallest `max_model_len` in the worker's model list.
-async fn fetch(state: &AppState, worker: &Worker) -> Option<u64> {
+async fn fetch(upstream: &Upstream, worker: &Worker) -> Option<u64> {
     let headers = ForwardHeaders::from_client(&http::HeaderMap::new());
     let exchange = Exchange::new(worker, "worker", Duration::from_secs(10));
-    let request = state.upstream.get(worker.models_url(), &headers);
+    let request = upstream.get(worker.models_url(), &headers);
     let body = exchange.send_and_read(request).await.ok()?;
     let list: ModelList = serde_json::from_slice(&body).ok()?;
     list.data.iter().filter_map(|card| card.max_model_len).min()

@@ -63,7 +63,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         ))
         // Before anything is forwarded: a request that looped back is refused here.
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            Arc::new(crate::hops::HopGuard {
+                own_id: state.instance.id().to_string(),
+                max_hops: state.config.max_hops,
+                metrics: state.metrics.clone(),
+            }),
             crate::hops::guard,
         ))
         .layer(PropagateRequestIdLayer::x_request_id())
@@ -125,7 +129,7 @@ pub async fn serve(
     let _tasks = BackgroundTasks(tasks);
     // The static workers' context lengths, fetched now rather than on the first request.
     for member in state.registry.snapshot().members() {
-        state.model_lens.get(&state, &member.worker);
+        state.model_lens.get(&state.upstream, &member.worker);
     }
     let options = state.config.serve;
     let state_for_check = state.clone();

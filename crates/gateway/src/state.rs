@@ -10,8 +10,9 @@ use crate::conversation::ConversationCache;
 use crate::error::GatewayError;
 use crate::identity::Instance;
 use crate::metrics::Metrics;
+use crate::policy::InFlight;
 use crate::policy::{self, Policy, RouteRequest};
-use crate::registry::{CircuitState, InFlight, Registry, Worker};
+use crate::registry::{CircuitState, Registry, Worker};
 use crate::upstream::{LegError, LegErrorKind, Upstream};
 
 /// State shared by all requests.

@@ -13,7 +13,7 @@ use serde_json::{Map, Value};
 use crate::endpoint::Endpoint;
 
 /// The gateway's own top-level field naming a conversation; never forwarded.
-pub const CONVERSATION_ID: &str = "conversation_id";
+pub use pdserve_protocol::session::CONVERSATION_ID;
 
 /// Top-level numbers the gateway reads or rewrites (the prefill leg's length fields,
 /// the bootstrap handoff's room and port); every other number is passed through untyped.
@@ -86,7 +86,7 @@ impl GenerateRequest {
         request.transport_mut().kv_transfer_params = None;
         request
             .extra_mut()
-            .remove(crate::handoff::mm_rewrite::EC_TRANSFER_PARAMS);
+            .remove(pdserve_protocol::kv::EC_TRANSFER_PARAMS);
         let conversation_id = match request.extra_mut().remove(CONVERSATION_ID) {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) if s.is_empty() => None,
@@ -120,6 +120,14 @@ impl GenerateRequest {
         match self {
             Self::Chat(r) => &mut r.transport,
             Self::Completion(r) => &mut r.transport,
+        }
+    }
+
+    /// Streaming and KV-handoff fields and sampling fields, both mutable at once.
+    pub fn params_mut(&mut self) -> (&mut TransportParams, &mut GenerationParams) {
+        match self {
+            Self::Chat(r) => (&mut r.transport, &mut r.generation),
+            Self::Completion(r) => (&mut r.transport, &mut r.generation),
         }
     }
 

@@ -127,6 +127,19 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// An error and all its causes, `: `-separated ("error sending request: connection
+/// refused"): HTTP clients' own messages hide the cause.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

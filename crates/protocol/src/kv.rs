@@ -3,6 +3,27 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+/// The request and response field that carries [`KvTransferParams`] (vLLM).
+pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+
+/// The request and encoder-answer field that carries encoder-cache references (vLLM's
+/// E+P+D: where a consumer finds an item's embedding).
+pub const EC_TRANSFER_PARAMS: &str = "ec_transfer_params";
+
+/// `kv_transfer_params` field of a prefill request (`do_remote_decode`) naming the id to
+/// publish the prompt's KV under, chosen by the reader so it can start reading before
+/// the prefill answers (concurrent handoff). pdserve's own extension; other workers
+/// ignore it and publish under an id of their own.
+pub const PUBLISH_REQUEST_ID: &str = "publish_request_id";
+
+/// A pdserve worker's route that releases the KV blocks a prefill pinned for a decode
+/// that will not come: `POST {"kv_transfer_params": ...}`.
+pub const KV_RELEASE_PATH: &str = "/v1/kv/release";
+
+/// The header that carries the KV transfer secret (`PDSERVE_KV_SECRET`) to
+/// [`KV_RELEASE_PATH`].
+pub const KV_SECRET_HEADER: &str = "x-pdserve-kv-secret";
+
 /// vLLM's `kv_transfer_params` (NIXL-style pull), carried in requests and responses.
 ///
 /// A prefill request sets `do_remote_decode`; the prefill response names where its

@@ -7,9 +7,10 @@ pub mod error;
 pub mod kv;
 pub mod openai;
 pub mod role;
+pub mod session;
 pub mod sse;
 
-pub use error::{ApiError, ErrorBody, ErrorDetail};
+pub use error::{error_chain, ApiError, ErrorBody, ErrorDetail};
 pub use kv::{BootstrapParams, BootstrapShape, KvTransferParams, RemoteBlockIds};
 pub use openai::*;
 pub use role::{UnknownRole, WorkerRole};

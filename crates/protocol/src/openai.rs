@@ -127,6 +127,23 @@ pub struct TransportParams {
     pub bootstrap_room: Option<OneOrMany<u64>>,
 }
 
+/// Makes a request the prefill leg of a P/D handoff, as vLLM's disaggregation proxies
+/// send it: one token, not streamed (so no `stream_options`), no `min_tokens` or
+/// `max_completion_tokens`, and `params` asking the prefill worker to keep the prompt's
+/// KV for the decode side.
+pub fn shape_prefill_leg(
+    transport: &mut TransportParams,
+    generation: &mut GenerationParams,
+    params: KvTransferParams,
+) {
+    transport.stream = Some(false);
+    transport.stream_options = None;
+    transport.kv_transfer_params = Some(params);
+    generation.max_tokens = Some(1);
+    generation.max_completion_tokens = None;
+    generation.min_tokens = None;
+}
+
 /// A field given once for all items, or as a list with one value per item.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]

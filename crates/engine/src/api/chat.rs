@@ -15,9 +15,9 @@ use pdserve_protocol::{
     KvTransferParams, MessageContent, TokenLogprob, TopLogprob, Usage,
 };
 
+use super::body::parse_json;
 use super::generation::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
-use super::prepared::{body_session_key, serve, Prepared, Reply};
-use super::server::parse_json;
+use super::prepared::{serve, session_key, Prepared, Reply};
 use super::unsupported::check_unsupported;
 use super::validate::{
     check_model, choice_count, generation_request, output_options, top_logprobs,
@@ -32,13 +32,17 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_json(body)?;
-    let prepared = prepare(&app, req).await?;
-    Ok(serve(&app, prepared, &headers).await)
+    let prepared = prepare(&app, req, &headers).await?;
+    Ok(serve(&app, prepared).await)
 }
 
 /// Checks `req`, renders its messages with the chat template and tokenizes them.
-async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prepared, ApiError> {
-    check_model(req.model.as_deref(), &app.limits)?;
+async fn prepare(
+    app: &Arc<AppState>,
+    req: ChatCompletionRequest,
+    headers: &HeaderMap,
+) -> Result<Prepared, ApiError> {
+    check_model(req.model.as_deref(), &app.serving.limits)?;
     check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
     let choices = choice_count(req.generation.n)?;
@@ -54,7 +58,7 @@ async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prep
         None => 0,
     };
     let turns = chat_turns(&req.messages)?;
-    let model = app.model.clone();
+    let model = app.serving.model.clone();
     let prompt = tokio::task::spawn_blocking(move || {
         let text = model
             .chat_template()
@@ -67,7 +71,7 @@ async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prep
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
-    app.metrics.prompts_tokenized.inc();
+    app.serving.metrics.prompts_tokenized.inc();
     let max_tokens = req
         .generation
         .max_completion_tokens
@@ -77,13 +81,13 @@ async fn prepare(app: &Arc<AppState>, req: ChatCompletionRequest) -> Result<Prep
         &req.generation,
         max_tokens,
         want_logprobs.then_some(top),
-        &app.limits,
+        &app.serving.limits,
         "messages",
     )?;
-    let format = ChatFormat::new(app.limits.served_model_name.clone());
+    let format = ChatFormat::new(app.serving.limits.served_model_name.clone());
     Ok(Prepared {
         request,
-        session: body_session_key(&req.extra),
+        session: session_key(headers, &req.extra),
         bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
         choices,
         kv_transfer_params: req.transport.kv_transfer_params,

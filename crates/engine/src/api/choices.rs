@@ -12,52 +12,13 @@ use futures::stream::{BoxStream, SelectAll};
 use futures::StreamExt;
 use pdserve_protocol::{sse, ApiError, BootstrapParams, KvTransferParams, Usage, WorkerRole};
 
-use super::generation::{Generation, Piece, ResolvedLogprob, ResponseFormat};
-use super::server::sse_response;
+use super::body::sse_response;
+use super::generation::{Generation, Piece, ResponseFormat};
 use super::AppState;
 use crate::request::GenerationRequest;
 
-/// One finished choice of a non-streamed answer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChoiceOutput {
-    /// The output text.
-    pub text: String,
-    /// Per-token logprobs, when the request asked for them.
-    pub logprobs: Option<Vec<ResolvedLogprob>>,
-    /// OpenAI `finish_reason`.
-    pub finish_reason: &'static str,
-}
-
-/// The request for choice `index`. With a `seed`, choice `i` samples with `seed + i`
-/// (wrapping; as vLLM derives its children's seeds), so seeded choices differ from each
-/// other yet repeat from call to call; greedy choices all equal the `n` = 1 output.
-pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRequest {
-    let mut request = request.clone();
-    if let Some(seed) = request.sampling.seed.as_mut() {
-        *seed = seed.wrapping_add(index as u64);
-    }
-    request
-}
-
-/// A request's submitted choices: one generation per choice, or (a prefill for a remote
-/// decode) one generation whose output stands for every choice.
-pub struct Submitted {
-    /// The generations, in choice order.
-    pub generations: Vec<Generation>,
-    /// How many choices the answer lists (`n`).
-    pub choices: usize,
-}
-
-impl Submitted {
-    /// One generation per choice.
-    pub fn each(generations: Vec<Generation>) -> Self {
-        let choices = generations.len();
-        Self {
-            generations,
-            choices,
-        }
-    }
-}
+pub use crate::serving::output::ChoiceOutput;
+pub use crate::serving::submission::{choice_request, Submitted};
 
 /// Submits the `choices` choices of `request`, choice `i` with `bootstrap[i]` (none when
 /// `bootstrap` is empty). Where this worker computes the prompt itself, choice 0 goes
@@ -82,7 +43,8 @@ pub async fn submit(
     // Choice `i`, with the request's `kv_transfer_params` when `with_kv`.
     let one = |i: usize, with_kv: bool| {
         crate::bootstrap::submit(
-            app,
+            &app.serving,
+            &app.bootstrap,
             bootstrap.get(i),
             kv_params.filter(|_| with_kv),
             choice_request(&request, i),
@@ -96,7 +58,8 @@ pub async fn submit(
     let mut first = None;
     let mut rest_kv = true;
     if let Some(params) = kv_params {
-        if params.do_remote_decode && (params.do_remote_prefill || app.kv.service.is_some()) {
+        if params.do_remote_decode && (params.do_remote_prefill || app.serving.kv.service.is_some())
+        {
             // A prefill for a peer (or the conflicting ask, refused): one sequence.
             return Ok(Submitted {
                 generations: vec![one(0, true).await?],
@@ -107,10 +70,8 @@ pub async fn submit(
             let mut request = choice_request(&request, 0);
             // Imported once, into choice 0. No conversation KV is kept for a next turn
             // (which choice would it continue?).
-            crate::kv::import::import_prompt_kv(&app.kv, params, &mut request).await?;
-            let prompt_tokens = request.prompt.len();
-            let events = app.submit(request)?;
-            let mut generation = Generation::new(app.clone(), events, prompt_tokens, stop.clone());
+            crate::kv::import::import_prompt_kv(&app.serving.kv, params, &mut request).await?;
+            let mut generation = app.serving.generate(request, stop.clone())?;
             if let Some(e) = generation.prime().await {
                 return Err(e);
             }

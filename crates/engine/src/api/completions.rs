@@ -14,9 +14,9 @@ use pdserve_protocol::{
 };
 use serde_json::{Map, Value};
 
+use super::body::parse_json;
 use super::generation::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
-use super::prepared::{body_session_key, serve, Prepared, Reply};
-use super::server::parse_json;
+use super::prepared::{serve, session_key, Prepared, Reply};
 use super::unsupported::check_unsupported;
 use super::validate::{
     check_model, choice_count, generation_request, output_options, top_logprobs,
@@ -31,13 +31,17 @@ pub async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_json(body)?;
-    let prepared = prepare(&app, req).await?;
-    Ok(serve(&app, prepared, &headers).await)
+    let prepared = prepare(&app, req, &headers).await?;
+    Ok(serve(&app, prepared).await)
 }
 
 /// Checks `req` and tokenizes its prompt (a token-id prompt is taken as it is).
-async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared, ApiError> {
-    check_model(req.model.as_deref(), &app.limits)?;
+async fn prepare(
+    app: &Arc<AppState>,
+    req: CompletionRequest,
+    headers: &HeaderMap,
+) -> Result<Prepared, ApiError> {
+    check_model(req.model.as_deref(), &app.serving.limits)?;
     check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
     let choices = choice_count(req.generation.n)?;
@@ -67,13 +71,13 @@ async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared
         &req.generation,
         req.generation.max_tokens,
         logprobs,
-        &app.limits,
+        &app.serving.limits,
         "prompt",
     )?;
-    let format = CompletionFormat::new(app.limits.served_model_name.clone());
+    let format = CompletionFormat::new(app.serving.limits.served_model_name.clone());
     Ok(Prepared {
         request,
-        session: body_session_key(&req.extra),
+        session: session_key(headers, &req.extra),
         bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
         choices,
         kv_transfer_params: req.transport.kv_transfer_params,
@@ -84,12 +88,12 @@ async fn prepare(app: &Arc<AppState>, req: CompletionRequest) -> Result<Prepared
 }
 
 async fn tokenize(app: &Arc<AppState>, text: String) -> Result<Vec<u32>, ApiError> {
-    let model = app.model.clone();
+    let model = app.serving.model.clone();
     let ids = tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))?;
-    app.metrics.prompts_tokenized.inc();
+    app.serving.metrics.prompts_tokenized.inc();
     Ok(ids)
 }
 

@@ -5,7 +5,7 @@ use http::header;
 use pdserve_protocol::{ApiError, ErrorBody};
 
 use crate::kv::HandoffError;
-use crate::orchestrator::PrefillError;
+use crate::orchestrator::{OrchestrateError, PrefillError};
 use crate::scheduler::SubmitError;
 
 /// A failed prefill leg as the orchestrator's client sees it: a prefill worker's 4xx
@@ -29,6 +29,15 @@ impl From<PrefillError> for ApiError {
             | PrefillError::Unreachable { .. }
             | PrefillError::Broken { .. }
             | PrefillError::BadAnswer { .. } => ApiError::bad_gateway(message),
+        }
+    }
+}
+
+impl IntoResponse for OrchestrateError {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Api(e) => e.into_response(),
+            Self::Prefill(e) => e.into_response(),
         }
     }
 }

@@ -33,9 +33,9 @@ use pdserve_protocol::{
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::body::{parse_json, sse_response};
 use super::generate_rooms::sample_rooms;
 use super::generation::{Generation, Piece, ResolvedLogprob};
-use super::server::{parse_json, sse_response};
 use super::validate::{choice_count, generation_request, top_logprobs, MAX_STOP_STRINGS};
 use super::AppState;
 use crate::request::GenerationRequest;
@@ -321,7 +321,12 @@ async fn prepare(
         .with_param("stop"));
     }
     // SGLang's default of 128 new tokens, shortened to what the context has room for.
-    let room = app.limits.max_model_len.saturating_sub(prompt.len()).max(1) as i64;
+    let room = app
+        .serving
+        .limits
+        .max_model_len
+        .saturating_sub(prompt.len())
+        .max(1) as i64;
     let max_new = sp
         .max_new_tokens
         .unwrap_or(DEFAULT_MAX_NEW_TOKENS.min(room));
@@ -348,11 +353,14 @@ async fn prepare(
         &params,
         params.max_tokens,
         logprobs.then_some(top),
-        &app.limits,
+        &app.serving.limits,
         prompt_param,
     )?;
     if let Some(ids) = &sp.stop_token_ids {
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= app.limits.vocab_size) {
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&t| t as usize >= app.serving.limits.vocab_size)
+        {
             return Err(ApiError::bad_request(format!(
                 "stop_token_ids: token id {bad} is out of range"
             ))
@@ -380,12 +388,12 @@ async fn prepare(
 }
 
 async fn tokenize(app: &Arc<AppState>, text: String) -> Result<Vec<u32>, ApiError> {
-    let model = app.model.clone();
+    let model = app.serving.model.clone();
     let ids = tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the text: {e}")))?;
-    app.metrics.prompts_tokenized.inc();
+    app.serving.metrics.prompts_tokenized.inc();
     Ok(ids)
 }
 

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+pub use crate::args::DEFAULT_MAX_BODY_BYTES;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::Next;
@@ -16,10 +17,6 @@ use pdserve_protocol::ApiError;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 use tracing::Span;
-
-/// Default `--max-body-bytes`: the gateway's default, so that whatever it accepts a
-/// worker accepts too.
-pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
 /// The header carrying a request's id.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";

@@ -1,6 +1,8 @@
 //! The worker's HTTP layer: OpenAI chat and completions, `/v1/models`, `/health` and
-//! `/metrics`. The only place engine errors become HTTP statuses and OpenAI bodies.
+//! `/metrics`, SGLang's native routes and the KV release route. The only place engine
+//! errors become HTTP statuses and OpenAI bodies.
 
+mod body;
 mod chat;
 pub mod choices;
 mod completions;
@@ -9,6 +11,7 @@ pub mod generate;
 mod generate_rooms;
 pub mod generation;
 pub mod http_layers;
+mod kv_release;
 pub mod prepared;
 pub mod sampling_fields;
 pub mod server;

@@ -15,6 +15,7 @@ use super::completions::CompletionFormat;
 use super::generation::Generation;
 use super::validate::OutputOptions;
 use super::AppState;
+use crate::orchestrator::OrchestratedRequest;
 use crate::request::GenerationRequest;
 
 /// A validated request with its prompt as token ids.
@@ -33,7 +34,7 @@ pub struct Prepared {
     pub choices: usize,
     /// The client's `model` field.
     pub model: Option<String>,
-    /// The session key the body carries (`conversation_id`, else `user`).
+    /// The request's session key (see [`session_key`]).
     pub session: Option<String>,
     /// How to answer.
     pub reply: Reply,
@@ -97,30 +98,49 @@ impl Reply {
     }
 }
 
-/// The session key in a request body: a top-level `conversation_id`, else the OpenAI
-/// `user` field (non-empty strings only).
-pub fn body_session_key(extra: &Map<String, Value>) -> Option<String> {
-    ["conversation_id", "user"]
-        .iter()
-        .filter_map(|k| extra.get(*k)?.as_str())
-        .find(|s| !s.is_empty())
-        .map(str::to_string)
+/// The session key of a request: its body's `conversation_id`, its `X-Session-Id`
+/// header or its body's `user`, in that order (non-empty strings only; the order of
+/// [`pdserve_protocol::session`], which the gateway shares).
+pub fn session_key(headers: &HeaderMap, extra: &Map<String, Value>) -> Option<String> {
+    let field = |name: &str| extra.get(name).and_then(Value::as_str);
+    pdserve_protocol::session::session_key(
+        field(pdserve_protocol::session::CONVERSATION_ID),
+        pdserve_protocol::session::header_session(headers),
+        field("user"),
+    )
+    .map(str::to_string)
 }
 
 /// Serves `prepared`: through the orchestrator (a prefill worker computes the prompt
 /// once, this worker decodes every choice) when this worker orchestrates and the client
 /// did not run the handoff itself (its own `kv_transfer_params` or bootstrap fields);
 /// otherwise on this worker alone.
-pub(super) async fn serve(
-    app: &Arc<AppState>,
-    prepared: Prepared,
-    headers: &HeaderMap,
-) -> Response {
+pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
     match &app.orchestrator {
         Some(orchestrator)
             if prepared.kv_transfer_params.is_none() && prepared.bootstrap.is_empty() =>
         {
-            orchestrator.serve(app, prepared, headers).await
+            let Prepared {
+                request,
+                stop,
+                model,
+                choices,
+                session,
+                reply,
+                ..
+            } = prepared;
+            let orchestrated = OrchestratedRequest {
+                request,
+                stop,
+                model,
+                choices,
+                session,
+                prime: reply.is_stream(),
+            };
+            match orchestrator.serve(&app.serving, orchestrated).await {
+                Ok(submitted) => reply.respond_choices(submitted).await,
+                Err(e) => e.into_response(),
+            }
         }
         _ => serve_locally(app, prepared)
             .await
@@ -149,7 +169,7 @@ mod tests {
     #[test]
     fn the_body_session_key_is_conversation_id_then_user() {
         let extra = |v: Value| v.as_object().unwrap().clone();
-        let key = |v| body_session_key(&extra(v));
+        let key = |v| session_key(&HeaderMap::new(), &extra(v));
         assert_eq!(
             key(json!({"conversation_id": "c", "user": "u"})).as_deref(),
             Some("c")
@@ -160,5 +180,19 @@ mod tests {
         );
         assert_eq!(key(json!({"user": 7})), None);
         assert_eq!(key(json!({})), None);
+    }
+
+    #[test]
+    fn the_session_header_comes_after_conversation_id_and_before_user() {
+        let extra = |v: Value| v.as_object().unwrap().clone();
+        let mut headers = HeaderMap::new();
+        headers.insert("x-session-id", "h".parse().unwrap());
+        let key = |v| session_key(&headers, &extra(v));
+        assert_eq!(
+            key(json!({"conversation_id": "c", "user": "u"})).as_deref(),
+            Some("c")
+        );
+        assert_eq!(key(json!({"user": "u"})).as_deref(), Some("h"));
+        assert_eq!(key(json!({})).as_deref(), Some("h"));
     }
 }

@@ -3,8 +3,8 @@
 
 use pdserve_protocol::{ApiError, GenerationParams};
 
-use super::validate::ModelLimits;
 use crate::sampling::SamplingParams;
+use crate::serving::ModelLimits;
 
 fn invalid(param: &str, message: String) -> ApiError {
     ApiError::bad_request(message).with_param(param)

@@ -4,16 +4,12 @@
 
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::Stream;
 use http::{header, StatusCode};
 use pdserve_protocol::{unix_now, ApiError, ModelCard, ModelList};
-use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::{chat, completions, AppState};
@@ -35,8 +31,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/start_profile", post(start_profile))
         .route("/stop_profile", post(stop_profile))
         .route(
-            crate::kv::release::RELEASE_PATH,
-            post(crate::kv::release::handle),
+            pdserve_protocol::kv::KV_RELEASE_PATH,
+            post(super::kv_release::handle),
         )
         // SGLang's native API and what its gateway probes (see `server_info`).
         .route("/generate", post(super::generate::handle))
@@ -48,45 +44,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Decodes a JSON body, answering OpenAI-shaped errors (axum's own rejections are plain
-/// text).
-pub fn parse_json<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|r| {
-        let code = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            "payload_too_large"
-        } else {
-            "invalid_request"
-        };
-        ApiError::new(r.status(), code, r.body_text())
-    })?;
-    serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))
-}
-
-/// A `text/event-stream` response over `events`.
-pub fn sse_response<S>(events: S) -> Response
-where
-    S: Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
-{
-    (
-        [
-            (header::CONTENT_TYPE, "text/event-stream"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        Body::from_stream(events),
-    )
-        .into_response()
-}
-
 async fn models(State(app): State<Arc<AppState>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
         data: vec![ModelCard {
-            id: app.limits.served_model_name.clone(),
+            id: app.serving.limits.served_model_name.clone(),
             object: "model".into(),
             created: unix_now(),
             owned_by: "pdserve".into(),
-            max_model_len: Some(app.limits.max_model_len as u64),
+            max_model_len: Some(app.serving.limits.max_model_len as u64),
             extra: Default::default(),
         }],
     })
@@ -119,7 +85,7 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        app.metrics.encode(),
+        app.serving.metrics.encode(),
     )
         .into_response()
 }
@@ -138,7 +104,12 @@ fn profile_error(e: ProfileError) -> ApiError {
 async fn start_profile(
     State(app): State<Arc<AppState>>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let started = app.engine.profiler().start().map_err(profile_error)?;
+    let started = app
+        .serving
+        .engine
+        .profiler()
+        .start()
+        .map_err(profile_error)?;
     tracing::info!(started, "profiler recording");
     Ok(Json(
         json!({"status": if started { "started" } else { "already recording" }}),
@@ -149,7 +120,7 @@ async fn start_profile(
 async fn stop_profile(
     State(app): State<Arc<AppState>>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let profiler = app.engine.profiler().clone();
+    let profiler = app.serving.engine.profiler().clone();
     let trace = tokio::task::spawn_blocking(move || profiler.stop())
         .await
         .map_err(|e| ApiError::internal(format!("profiler task failed: {e}")))?

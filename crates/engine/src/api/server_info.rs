@@ -19,7 +19,7 @@ pub async fn server_info(State(app): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({
         "model_path": b.model_path,
         "tokenizer_path": b.model_path,
-        "served_model_name": app.limits.served_model_name,
+        "served_model_name": app.serving.limits.served_model_name,
         "is_embedding": false,
         "skip_tokenizer_init": false,
         "disaggregation_mode": b.disaggregation_mode(),
@@ -29,7 +29,7 @@ pub async fn server_info(State(app): State<Arc<AppState>>) -> Json<Value> {
         "dp_size": 1,
         "pp_size": 1,
         "page_size": pdserve_model::BLOCK_SIZE,
-        "context_length": app.limits.max_model_len,
+        "context_length": app.serving.limits.max_model_len,
         "max_total_num_tokens": b.max_total_tokens,
         "version": concat!("pdserve-", env!("CARGO_PKG_VERSION")),
         "bootstrap_rooms_open": b.open_rooms(),
@@ -42,12 +42,12 @@ pub async fn model_info(State(app): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({
         "model_path": b.model_path,
         "tokenizer_path": b.model_path,
-        "served_model_name": app.limits.served_model_name,
+        "served_model_name": app.serving.limits.served_model_name,
         "is_generation": true,
         "preferred_sampling_params": null,
         "weight_version": "default",
         "has_image_understanding": false,
         "has_audio_understanding": false,
-        "max_model_len": app.limits.max_model_len,
+        "max_model_len": app.serving.limits.max_model_len,
     }))
 }

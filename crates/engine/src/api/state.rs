@@ -1,65 +1,20 @@
-//! What every handler shares, and submitting a validated request to the engine with its
-//! KV handoff applied.
+//! What every handler shares: the serving context and what only the HTTP side needs.
 
 use std::sync::Arc;
 
-use pdserve_model::Model;
-use pdserve_protocol::{ApiError, KvTransferParams};
-
-use super::generation::Generation;
-use super::validate::ModelLimits;
+use crate::bootstrap::Bootstrap;
 use crate::health::WorkerHealth;
-use crate::kv::{handoff, KvContext, PublishKind};
-use crate::metrics::Metrics;
 use crate::orchestrator::Orchestrator;
-use crate::request::{GenerationRequest, SeqEvents};
-use crate::scheduler::EngineHandle;
+use crate::serving::ServingContext;
 
 /// What every handler shares.
 pub struct AppState {
-    /// Submits sequences to the scheduler thread.
-    pub engine: EngineHandle,
-    /// Tokenizer and chat template (the forward pass runs on the scheduler thread).
-    pub model: Arc<Model>,
-    /// Model facts used to validate requests.
-    pub limits: ModelLimits,
-    /// Engine metrics.
-    pub metrics: Arc<Metrics>,
-    /// KV handoff with peers: block format, transfer service.
-    pub kv: KvContext,
+    /// The engine and what submitting to it needs.
+    pub serving: Arc<ServingContext>,
     /// What `GET /health` reports.
     pub health: Arc<WorkerHealth>,
     /// With `--prefill`: runs each request's prefill on a prefill worker first.
     pub orchestrator: Option<Arc<Orchestrator>>,
     /// SGLang's protocol: role, bootstrap rooms, what `/server_info` reports.
-    pub bootstrap: crate::bootstrap::Bootstrap,
-}
-
-impl AppState {
-    /// Queues a validated request: 429 when the waiting queue is full.
-    pub fn submit(&self, request: GenerationRequest) -> Result<SeqEvents, ApiError> {
-        Ok(self.engine.submit(request)?)
-    }
-
-    /// Applies `params` to `request` (pulling a peer's KV where they say so), submits it,
-    /// and returns its output, which publishes the finished request's blocks where
-    /// `params` ask for that.
-    pub async fn submit_with_kv(
-        self: &Arc<Self>,
-        params: Option<&KvTransferParams>,
-        mut request: GenerationRequest,
-        stop: Vec<String>,
-    ) -> Result<Generation, ApiError> {
-        let publish = handoff::prepare(&self.kv, params, &mut request).await?;
-        // A prefill for a peer must end with its one token, never be cut by a stop string
-        // (that cancels the sequence and its blocks with it).
-        let stop = if publish.as_ref().map(|p| p.kind) == Some(PublishKind::Prefill) {
-            Vec::new()
-        } else {
-            stop
-        };
-        let prompt_tokens = request.prompt.len();
-        let events = self.submit(request)?;
-        Ok(Generation::new(self.clone(), events, prompt_tokens, stop).publishing(publish))
-    }
+    pub bootstrap: Bootstrap,
 }

@@ -15,18 +15,7 @@ pub const MAX_STOP_STRINGS: usize = 16;
 /// sequence of its own in the scheduler.
 pub const MAX_CHOICES: i64 = 128;
 
-/// What validation needs to know about the served model.
-#[derive(Debug, Clone)]
-pub struct ModelLimits {
-    /// Name clients must use in `model` (or omit).
-    pub served_model_name: String,
-    /// Most tokens (prompt plus completion) of one sequence.
-    pub max_model_len: usize,
-    /// Tokens that end generation unless `ignore_eos`.
-    pub eos_token_ids: Vec<u32>,
-    /// Token ids must be below this.
-    pub vocab_size: usize,
-}
+pub use crate::serving::ModelLimits;
 
 /// Output options that the HTTP side applies (the scheduler never sees them).
 #[derive(Debug, Clone, PartialEq, Default)]

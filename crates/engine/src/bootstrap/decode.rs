@@ -5,17 +5,17 @@ use std::sync::Arc;
 
 use pdserve_protocol::{ApiError, BootstrapParams};
 
-use super::{room_id, BOOTSTRAP_ENGINE_ID};
-use crate::api::generation::Generation;
-use crate::api::AppState;
+use super::{room_id, Bootstrap, BOOTSTRAP_ENGINE_ID};
 use crate::kv::import::use_pulled_prompt_kv;
 use crate::kv::pull::{pull_blocks, KvPeer, RemoteBlocks};
 use crate::request::GenerationRequest;
+use crate::serving::{Generation, ServingContext};
 
 /// Reads the room `fields` name into `request` (bounded by `--bootstrap-timeout-secs`:
 /// 504 past it, 502 when the prefill worker refuses or fails the read) and submits it.
 pub(super) async fn submit(
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
+    bootstrap: &Bootstrap,
     fields: &BootstrapParams,
     mut request: GenerationRequest,
     stop: Vec<String>,
@@ -38,11 +38,11 @@ pub(super) async fn submit(
         port,
         engine_id: BOOTSTRAP_ENGINE_ID.into(),
     };
-    let remote = RemoteBlocks::awaited(&peer, room_id(room), request.prompt.len(), &app.kv.layout);
-    let timeout = app.bootstrap.timeout;
-    let metrics = &app.metrics.bootstrap;
+    let remote = RemoteBlocks::awaited(&peer, room_id(room), request.prompt.len(), &ctx.kv.layout);
+    let timeout = bootstrap.timeout;
+    let metrics = &ctx.metrics.bootstrap;
     let pulled =
-        match tokio::time::timeout(timeout, pull_blocks(&app.kv, remote, &request.prompt)).await {
+        match tokio::time::timeout(timeout, pull_blocks(&ctx.kv, remote, &request.prompt)).await {
             Ok(Ok(pulled)) => pulled,
             Ok(Err(e)) => {
                 metrics.rendezvous("failed");
@@ -57,12 +57,10 @@ pub(super) async fn submit(
                 )));
             }
         };
-    if let Err(e) = use_pulled_prompt_kv(&app.kv, pulled, &mut request) {
+    if let Err(e) = use_pulled_prompt_kv(&ctx.kv, pulled, &mut request) {
         metrics.rendezvous("failed");
         return Err(e.into());
     }
     metrics.rendezvous("ok");
-    let prompt_tokens = request.prompt.len();
-    let events = app.submit(request)?;
-    Ok(Generation::new(app.clone(), events, prompt_tokens, stop))
+    ctx.generate(request, stop)
 }

@@ -18,13 +18,12 @@ use pdserve_protocol::{
     ApiError, BootstrapParams, KvTransferParams, OneOrMany, TransportParams, WorkerRole,
 };
 
-use crate::api::generation::Generation;
-use crate::api::AppState;
 use crate::metrics::Metrics;
 use crate::request::GenerationRequest;
+use crate::serving::{Generation, ServingContext};
 
 mod decode;
-mod metrics;
+pub mod metrics;
 mod prefill;
 pub mod rooms;
 pub mod source;
@@ -199,17 +198,18 @@ impl Bootstrap {
 
 /// Submits `request` as its `bootstrap` fields and `kv_params` ask: on a prefill worker
 /// a room's prefill, on a decode worker a decode of a room's KV, otherwise as
-/// [`AppState::submit_with_kv`] does (an aggregated worker ignores the bootstrap fields,
+/// [`ServingContext::submit_with_kv`] does (an aggregated worker ignores the bootstrap fields,
 /// as SGLang's does).
 pub async fn submit(
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
+    protocol: &Bootstrap,
     bootstrap: Option<&BootstrapParams>,
     kv_params: Option<&KvTransferParams>,
     request: GenerationRequest,
     stop: Vec<String>,
 ) -> Result<Generation, ApiError> {
     let Some(fields) = bootstrap else {
-        return app.submit_with_kv(kv_params, request, stop).await;
+        return ctx.submit_with_kv(kv_params, request, stop).await;
     };
     if kv_params.is_some() {
         return Err(ApiError::bad_request(
@@ -217,10 +217,12 @@ pub async fn submit(
         )
         .with_param("bootstrap_room"));
     }
-    match app.bootstrap.role {
-        WorkerRole::Prefill => prefill::submit(app, fields.bootstrap_room, request, stop).await,
-        WorkerRole::Decode => decode::submit(app, fields, request, stop).await,
-        _ => app.submit_with_kv(None, request, stop).await,
+    match protocol.role {
+        WorkerRole::Prefill => {
+            prefill::submit(ctx, protocol, fields.bootstrap_room, request, stop).await
+        }
+        WorkerRole::Decode => decode::submit(ctx, protocol, fields, request, stop).await,
+        _ => ctx.submit_with_kv(None, request, stop).await,
     }
 }
 

@@ -8,22 +8,22 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::Value;
 
 use super::room_id;
-use crate::api::generation::Generation;
-use crate::api::AppState;
+use super::Bootstrap;
 use crate::kv::PUBLISH_REQUEST_ID;
 use crate::request::GenerationRequest;
+use crate::serving::{Generation, ServingContext};
 
 /// Opens `room`, submits its prefill and returns the output, which ends only once the
 /// room's KV was read (its end waits for that; a room nobody claims in time ends it
 /// with a 500 and frees the KV).
 pub(super) async fn submit(
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
+    bootstrap: &Bootstrap,
     room: u64,
     request: GenerationRequest,
     stop: Vec<String>,
 ) -> Result<Generation, ApiError> {
-    let bootstrap = &app.bootstrap;
-    let (Some(rooms), Some(service)) = (&bootstrap.rooms, &app.kv.service) else {
+    let (Some(rooms), Some(service)) = (&bootstrap.rooms, &ctx.kv.service) else {
         return Err(ApiError::bad_request(
             "bootstrap_room was sent to a prefill worker without a bootstrap port \
              (start it with --bootstrap-port)",
@@ -39,7 +39,7 @@ pub(super) async fn submit(
         .extra
         .insert(PUBLISH_REQUEST_ID.into(), Value::String(id));
     // On an error here `held` is dropped: the room closes and a waiting read fails.
-    let generation = app.submit_with_kv(Some(&params), request, stop).await?;
+    let generation = ctx.submit_with_kv(Some(&params), request, stop).await?;
     let wait = bootstrap.timeout;
     let transferred = async move {
         let result = held.transferred(wait).await;

@@ -14,7 +14,6 @@ mod export;
 pub mod handoff;
 pub mod import;
 pub mod pull;
-pub mod release;
 pub mod security;
 pub mod service;
 
@@ -22,11 +21,7 @@ pub use error::HandoffError;
 pub use service::awaited::{ExpectedPublication, AWAITED_BLOCK};
 pub use service::{KvService, KvServiceConfig, PublishKind};
 
-/// `kv_transfer_params` field of a prefill request (`do_remote_decode`) naming the id to
-/// publish the prompt's KV under, chosen by the reader so it can start reading before
-/// the prefill answers (concurrent handoff). pdserve's own extension; other workers
-/// ignore it and publish under an id of their own.
-pub const PUBLISH_REQUEST_ID: &str = "publish_request_id";
+pub use pdserve_protocol::kv::PUBLISH_REQUEST_ID;
 
 /// How the blocks a finished request leaves pinned are to be published.
 #[derive(Debug)]

@@ -6,10 +6,6 @@ use pdserve_kv_transfer::{PeerAllowList, TransferSecret};
 
 use crate::args::WorkerArgs;
 
-/// HTTP header that carries the transfer secret on the worker's KV routes
-/// (`POST /v1/kv/release`).
-pub const SECRET_HEADER: &str = "x-pdserve-kv-secret";
-
 /// The allow-list `args` configure: `--kv-peers` when given (exactly those), else
 /// loopback plus the hosts this worker is told about (`--host`, `--kv-host`, the hosts
 /// of `--prefill` URLs).

@@ -21,65 +21,61 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::response::Response;
 use pdserve_protocol::{ApiError, KvTransferParams};
 use tokio::task::{JoinError, JoinHandle};
 
 use super::leg::prefill_body;
-use super::{OrchestrateError, Orchestrator, PrefillError, PrefillWorker};
-use crate::api::choices::{choice_request, Submitted};
-use crate::api::generation::{Companion, Generation};
-use crate::api::prepared::{Prepared, Reply};
-use crate::api::AppState;
+use super::{OrchestrateError, OrchestratedRequest, Orchestrator, PrefillError, PrefillWorker};
 use crate::kv::import::{import_prompt_kv, use_pulled_prompt_kv};
 use crate::kv::pull::{pull_blocks, KvPeer, RemoteBlocks};
 use crate::kv::HandoffError;
 use crate::request::GenerationRequest;
+use crate::serving::{choice_request, Companion, ServingContext, Submitted};
 
 /// Prefill leg, then the KV read, then the decode.
 pub async fn sequential(
     orchestrator: &Orchestrator,
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
     worker: &PrefillWorker,
-    prepared: Prepared,
-) -> Result<Response, OrchestrateError> {
-    let Prepared {
+    orchestrated: OrchestratedRequest,
+) -> Result<Submitted, OrchestrateError> {
+    let OrchestratedRequest {
         mut request,
         stop,
         model,
-        reply,
+        prime,
         choices,
         ..
-    } = prepared;
+    } = orchestrated;
     let body = prefill_body(model.as_deref(), &request.prompt, None);
     let params = orchestrator.prefill(worker, &body).await?;
     match params.as_ref().filter(|p| RemoteBlocks::named_by(p)) {
-        Some(params) => import_prompt_kv(&app.kv, params, &mut request).await?,
+        Some(params) => import_prompt_kv(&ctx.kv, params, &mut request).await?,
         None => tracing::warn!(
             prefill = %worker.url,
             "the prefill worker answered without kv_transfer_params (it keeps no KV?); \
              computing the prompt here"
         ),
     }
-    Ok(decode(app, request, stop, reply, None, choices).await?)
+    Ok(decode(ctx, request, stop, prime, None, choices).await?)
 }
 
 /// The KV read starts with the prefill leg and waits for its blocks.
 pub async fn concurrent(
     orchestrator: &Arc<Orchestrator>,
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
     worker: &Arc<PrefillWorker>,
     peer: KvPeer,
-    prepared: Prepared,
-) -> Result<Response, OrchestrateError> {
-    let Prepared {
+    orchestrated: OrchestratedRequest,
+) -> Result<Submitted, OrchestrateError> {
+    let OrchestratedRequest {
         mut request,
         stop,
         model,
-        reply,
+        prime,
         choices,
         ..
-    } = prepared;
+    } = orchestrated;
     let id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
     let body = prefill_body(model.as_deref(), &request.prompt, Some(&id));
     let mut prefill = {
@@ -88,15 +84,15 @@ pub async fn concurrent(
             orchestrator.prefill(&worker, &body).await
         }))
     };
-    let remote = RemoteBlocks::awaited(&peer, id.clone(), request.prompt.len(), &app.kv.layout);
+    let remote = RemoteBlocks::awaited(&peer, id.clone(), request.prompt.len(), &ctx.kv.layout);
     let fallback = Fallback {
         orchestrator,
-        app,
+        ctx,
         worker,
         id: &id,
     };
     let (pulled, prefill_pending) = {
-        let read = pull_blocks(&app.kv, remote, &request.prompt);
+        let read = pull_blocks(&ctx.kv, remote, &request.prompt);
         tokio::pin!(read);
         tokio::select! {
             // A failed prefill wins the race: dropping the read closes its connection.
@@ -124,7 +120,7 @@ pub async fn concurrent(
             },
         }
     };
-    use_pulled_prompt_kv(&app.kv, pulled, &mut request)?;
+    use_pulled_prompt_kv(&ctx.kv, pulled, &mut request)?;
     // The blocks are here, but the prefill worker has not answered yet: the output
     // stands only if it answers with success.
     let companion: Option<Companion> = prefill_pending.then(|| {
@@ -134,13 +130,13 @@ pub async fn concurrent(
                 .map_err(ApiError::from)
         }) as Companion
     });
-    Ok(decode(app, request, stop, reply, companion, choices).await?)
+    Ok(decode(ctx, request, stop, prime, companion, choices).await?)
 }
 
 /// Reading the KV by the prefill's answer when the early read failed.
 struct Fallback<'a> {
     orchestrator: &'a Orchestrator,
-    app: &'a Arc<AppState>,
+    ctx: &'a Arc<ServingContext>,
     worker: &'a PrefillWorker,
     /// The id the early read waited for.
     id: &'a str,
@@ -179,8 +175,8 @@ impl Fallback<'_> {
         if params.remote_request_id.as_deref() != Some(self.id) {
             self.worker.ignores_publish_request_id();
         }
-        let remote = RemoteBlocks::from_params(&params, &self.app.kv.layout)?;
-        pull_blocks(&self.app.kv, remote, &request.prompt).await
+        let remote = RemoteBlocks::from_params(&params, &self.ctx.kv.layout)?;
+        pull_blocks(&self.ctx.kv, remote, &request.prompt).await
     }
 }
 
@@ -202,38 +198,36 @@ impl From<OrchestrateError> for ApiError {
     }
 }
 
-/// Submits `request` here (its `choices` choices) and answers with their output. A
-/// stream is started only once the first piece is there, so an error before any output
-/// (a failed prefill leg included) is a JSON error with its own status. With `n` > 1 the
-/// imported KV goes into choice 0 only, which runs first; the other choices take its
+/// Submits `request` here (its `choices` choices) and returns their output. With
+/// `prime` (a stream) or several choices the first piece is awaited first, so an error
+/// before any output (a failed prefill leg included) is answered with its own status.
+/// The imported KV goes into choice 0 only, which runs first; the other choices take its
 /// blocks from the prefix cache (the prefill leg, one sequence, does not carry `n`).
 async fn decode(
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
     mut request: GenerationRequest,
     stop: Vec<String>,
-    reply: Reply,
+    prime: bool,
     companion: Option<Companion>,
     choices: usize,
-) -> Result<Response, ApiError> {
+) -> Result<Submitted, ApiError> {
     let import = request.kv_import.take();
     let mut first = choice_request(&request, 0);
     first.kv_import = import;
-    let prompt_tokens = first.prompt.len();
-    let events = app.submit(first)?;
-    let mut generation = Generation::new(app.clone(), events, prompt_tokens, stop.clone());
+    let mut generation = ctx.generate(first, stop.clone())?;
     if let Some(companion) = companion {
         generation = generation.with_companion(companion);
     }
-    if reply.is_stream() || choices > 1 {
+    if prime || choices > 1 {
         if let Some(e) = generation.prime().await {
             return Err(e);
         }
     }
     let rest =
-        (1..choices).map(|i| app.submit_with_kv(None, choice_request(&request, i), stop.clone()));
+        (1..choices).map(|i| ctx.submit_with_kv(None, choice_request(&request, i), stop.clone()));
     let rest = futures::future::try_join_all(rest).await?;
     let generations = std::iter::once(generation).chain(rest).collect();
-    Ok(reply.respond_choices(Submitted::each(generations)).await)
+    Ok(Submitted::each(generations))
 }
 
 /// A task that is aborted when its handle is dropped (a client that goes away takes

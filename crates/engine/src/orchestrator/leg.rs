@@ -6,8 +6,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
-use pdserve_protocol::KvTransferParams;
-use serde_json::{json, Value};
+use pdserve_protocol::{
+    error_chain, shape_prefill_leg, CompletionRequest, KvTransferParams, Prompt,
+};
+use serde_json::Value;
 
 use crate::kv::PUBLISH_REQUEST_ID;
 
@@ -19,21 +21,24 @@ const QUOTE_LIMIT: usize = 512;
 /// Sampling fields are left out: the prefill's one token is thrown away (this worker
 /// computes the last prompt position itself and samples from its own logits).
 pub fn prefill_body(model: Option<&str>, prompt: &[u32], publish_as: Option<&str>) -> Value {
-    let mut params = serde_json::to_value(KvTransferParams::prefill_request())
-        .expect("kv_transfer_params serialize");
+    let mut params = KvTransferParams::prefill_request();
     if let Some(id) = publish_as {
-        params[PUBLISH_REQUEST_ID] = Value::from(id);
+        params
+            .extra
+            .insert(PUBLISH_REQUEST_ID.into(), Value::from(id));
     }
-    let mut body = json!({
-        "prompt": prompt,
-        "max_tokens": 1,
-        "stream": false,
-        "kv_transfer_params": params,
-    });
-    if let Some(model) = model {
-        body["model"] = Value::from(model);
-    }
-    body
+    let mut request = CompletionRequest {
+        model: model.map(str::to_string),
+        prompt: Prompt::Tokens(prompt.to_vec()),
+        logprobs: None,
+        echo: None,
+        generation: Default::default(),
+        transport: Default::default(),
+        extra: Default::default(),
+        verbatim_numbers: Vec::new(),
+    };
+    shape_prefill_leg(&mut request.transport, &mut request.generation, params);
+    serde_json::to_value(&request).expect("a completion request serializes")
 }
 
 /// A failed prefill leg.
@@ -238,21 +243,10 @@ fn quote(body: &[u8]) -> String {
     }
 }
 
-/// `e` with its sources ("error sending request: connection refused").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn the_prefill_leg_is_a_one_token_token_id_completion() {

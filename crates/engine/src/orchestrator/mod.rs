@@ -14,77 +14,28 @@
 //!   whenever a prefill worker (re)appears; `/health` is 503 until one pair is warm.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use axum::response::{IntoResponse, Response};
-use http::HeaderMap;
 use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
-use crate::api::prepared::Prepared;
-use crate::api::AppState;
 use crate::kv::pull::KvPeer;
 use crate::metrics::Metrics;
+use crate::request::GenerationRequest;
+use crate::serving::{ServingContext, Submitted};
 
+pub mod config;
 pub mod handoff;
 pub mod leg;
 pub mod metrics;
 pub mod pool;
 pub mod prewarm;
 
+pub use config::{prefill_url, HandoffMode, OrchestratorConfig};
 pub use leg::PrefillError;
 pub use metrics::OrchestratorMetrics;
 pub use pool::{PrefillPool, PrefillWorker};
-
-/// The header that names a request's session (as with the gateway's `session` policy).
-pub const SESSION_HEADER: &str = "x-session-id";
-
-/// How the KV moves from the prefill worker to this one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum HandoffMode {
-    /// The prefill worker answers with where its KV is; then this worker reads it.
-    #[default]
-    Sequential,
-    /// This worker starts reading while the prefill runs: the read waits for the blocks,
-    /// under an id this worker chose, and the prefill answer is raced against the decode.
-    Concurrent,
-}
-
-/// What `--prefill` and its companion flags configure.
-#[derive(Debug, Clone)]
-pub struct OrchestratorConfig {
-    /// Base URLs of the prefill workers (`http://host:port`, no trailing slash).
-    pub prefill: Vec<String>,
-    /// Sequential or concurrent handoff.
-    pub handoff: HandoffMode,
-    /// Longest wait for a prefill worker's answer.
-    pub prefill_timeout: Duration,
-    /// Time between pre-warm attempts, and between health probes of warm workers.
-    pub prewarm_interval: Duration,
-    /// Pre-warm attempts per appearance of a prefill worker before giving up (until its
-    /// `/health` answers again).
-    pub prewarm_attempts: u32,
-    /// Bearer key sent to the prefill workers (this worker's own `--api-key`: `pdserve up
-    /// --api-key` gives every worker the same one).
-    pub prefill_api_key: Option<String>,
-}
-
-/// Checks a `--prefill` value and returns it without a trailing slash.
-pub fn prefill_url(raw: &str) -> Result<String, String> {
-    let url = raw.trim().trim_end_matches('/');
-    let Some(rest) = url.strip_prefix("http://") else {
-        return Err(format!(
-            "--prefill {raw:?}: expected http://host:port (workers speak plain HTTP)"
-        ));
-    };
-    if rest.is_empty() || rest.contains('/') {
-        return Err(format!(
-            "--prefill {raw:?}: expected http://host:port with no path"
-        ));
-    }
-    Ok(url.to_string())
-}
 
 /// A decode worker's orchestration of prefill workers.
 #[derive(Debug)]
@@ -122,13 +73,22 @@ impl From<crate::kv::HandoffError> for OrchestrateError {
     }
 }
 
-impl IntoResponse for OrchestrateError {
-    fn into_response(self) -> Response {
-        match self {
-            Self::Api(e) => e.into_response(),
-            Self::Prefill(e) => e.into_response(),
-        }
-    }
+/// A request the orchestrator serves: its prompt as token ids and how to run its
+/// choices.
+pub struct OrchestratedRequest {
+    /// What the scheduler runs: prompt token ids, sampling, limits.
+    pub request: GenerationRequest,
+    /// Stop strings, applied to the output text.
+    pub stop: Vec<String>,
+    /// The client's `model` field, passed to the prefill worker.
+    pub model: Option<String>,
+    /// How many choices (`n`) to generate.
+    pub choices: usize,
+    /// The request's session key: its prefill worker is the session's owner.
+    pub session: Option<String>,
+    /// Wait for choice 0's first piece before returning, so that an error before any
+    /// output can still be answered on its own (a stream decides JSON vs SSE on it).
+    pub prime: bool,
 }
 
 impl Orchestrator {
@@ -161,14 +121,14 @@ impl Orchestrator {
 
     /// Starts pre-warming (and then watching) every prefill worker; the tasks run until
     /// aborted.
-    pub fn spawn_prewarm(self: &Arc<Self>, app: &Arc<AppState>) -> Vec<JoinHandle<()>> {
+    pub fn spawn_prewarm(self: &Arc<Self>, ctx: &Arc<ServingContext>) -> Vec<JoinHandle<()>> {
         self.pool
             .workers()
             .iter()
             .map(|worker| {
                 tokio::spawn(prewarm::supervise(
                     self.clone(),
-                    app.clone(),
+                    ctx.clone(),
                     worker.clone(),
                 ))
             })
@@ -180,22 +140,19 @@ impl Orchestrator {
     /// status (a prefill worker's 4xx unchanged, its other failures as 502/504).
     pub async fn serve(
         self: &Arc<Self>,
-        app: &Arc<AppState>,
-        prepared: Prepared,
-        headers: &HeaderMap,
-    ) -> Response {
-        let session = session_key(headers, prepared.session.as_deref());
-        let worker = self.pool.choose(session);
-        let result = match (self.config.handoff, worker.kv_peer()) {
+        ctx: &Arc<ServingContext>,
+        request: OrchestratedRequest,
+    ) -> Result<Submitted, OrchestrateError> {
+        let worker = self.pool.choose(request.session.as_deref());
+        match (self.config.handoff, worker.kv_peer()) {
             (HandoffMode::Concurrent, Some(peer)) if worker.supports_awaited_reads() => {
-                handoff::concurrent(self, app, &worker, peer, prepared).await
+                handoff::concurrent(self, ctx, &worker, peer, request).await
             }
             // Until a prefill worker has answered once, where its KV service is is
             // unknown, and a worker that ignores `publish_request_id` cannot be read
             // early at all.
-            _ => handoff::sequential(self, app, &worker, prepared).await,
-        };
-        result.unwrap_or_else(IntoResponse::into_response)
+            _ => handoff::sequential(self, ctx, &worker, request).await,
+        }
     }
 
     /// Sends one prefill leg to `worker` and returns the `kv_transfer_params` it
@@ -228,43 +185,5 @@ impl Orchestrator {
             Err(e) => tracing::warn!(prefill = %worker.url, "{e}"),
         }
         result
-    }
-}
-
-/// The session a request belongs to: the `X-Session-Id` header, else the body's
-/// `conversation_id` or `user` (non-empty).
-pub fn session_key<'a>(headers: &'a HeaderMap, body_key: Option<&'a str>) -> Option<&'a str> {
-    headers
-        .get(SESSION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty())
-        .or(body_key)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefill_urls_are_plain_http_bases() {
-        assert_eq!(
-            prefill_url("http://127.0.0.1:8100/").unwrap(),
-            "http://127.0.0.1:8100"
-        );
-        assert_eq!(prefill_url("http://p:1").unwrap(), "http://p:1");
-        for bad in ["127.0.0.1:8100", "https://p:1", "http://", "http://p:1/v1"] {
-            assert!(prefill_url(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn the_header_names_the_session_before_the_body() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(session_key(&headers, Some("body")), Some("body"));
-        assert_eq!(session_key(&headers, None), None);
-        headers.insert(SESSION_HEADER, "header".parse().unwrap());
-        assert_eq!(session_key(&headers, Some("body")), Some("header"));
-        headers.insert(SESSION_HEADER, "".parse().unwrap());
-        assert_eq!(session_key(&headers, Some("body")), Some("body"));
     }
 }

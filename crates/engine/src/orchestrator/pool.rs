@@ -145,38 +145,10 @@ impl PrefillPool {
     }
 }
 
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-/// FNV-1a over `bytes`, continuing from `state`.
-fn fnv1a(mut state: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        state ^= u64::from(b);
-        state = state.wrapping_mul(FNV_PRIME);
-    }
-    state
-}
-
-/// MurmurHash3's 64-bit finaliser: FNV alone leaves the high bits of similar inputs
-/// correlated, which would skew which worker wins.
-fn mix(mut h: u64) -> u64 {
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    h ^ (h >> 33)
-}
-
-/// The candidate with the highest score for `key` (`candidates` is not empty).
+/// The candidate that owns session `key` (`candidates` is not empty).
 fn owner<'w>(key: &str, candidates: &[&'w Arc<PrefillWorker>]) -> &'w Arc<PrefillWorker> {
-    // The 0xff separator cannot occur in UTF-8, so (key, url) pairs cannot collide by
-    // moving bytes from one to the other.
-    let key_hash = fnv1a(fnv1a(FNV_OFFSET, key.as_bytes()), &[0xff]);
-    let score = |w: &PrefillWorker| mix(fnv1a(key_hash, w.url.as_bytes()));
-    candidates
-        .iter()
+    pdserve_protocol::session::rendezvous_owner(key, candidates, |w| w.url.as_str())
         .copied()
-        .max_by_key(|w| score(w))
         .expect("candidates is not empty")
 }
 

@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use super::leg::prefill_body;
 use super::{Orchestrator, PrefillWorker};
-use crate::api::AppState;
 use crate::kv::import::import_prompt_kv;
 use crate::kv::pull::RemoteBlocks;
 use crate::request::{GenerationRequest, SeqEvent};
+use crate::serving::ServingContext;
 
 /// The pre-warm prompt.
 pub const PREWARM_PROMPT: &str = " x";
@@ -28,10 +28,10 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Keeps `worker` warm for as long as the task runs (see the module docs).
 pub async fn supervise(
     orchestrator: Arc<Orchestrator>,
-    app: Arc<AppState>,
+    ctx: Arc<ServingContext>,
     worker: Arc<PrefillWorker>,
 ) {
-    let prompt = match app.model.tokenizer().encode(PREWARM_PROMPT, true) {
+    let prompt = match ctx.model.tokenizer().encode(PREWARM_PROMPT, true) {
         Ok(ids) if !ids.is_empty() => ids,
         other => {
             tracing::error!(
@@ -47,7 +47,7 @@ pub async fn supervise(
         let mut attempt = 0;
         while !worker.is_warm() {
             attempt += 1;
-            match warm_once(&orchestrator, &app, &worker, &prompt).await {
+            match warm_once(&orchestrator, &ctx, &worker, &prompt).await {
                 Ok(()) => {
                     pool.mark_warm(&worker);
                     orchestrator.metrics.orchestrator.prewarm("ok");
@@ -120,7 +120,7 @@ async fn wait_until_healthy(orchestrator: &Orchestrator, worker: &PrefillWorker)
 /// its KV. Not counted as a user request anywhere.
 async fn warm_once(
     orchestrator: &Orchestrator,
-    app: &Arc<AppState>,
+    ctx: &Arc<ServingContext>,
     worker: &PrefillWorker,
     prompt: &[u32],
 ) -> Result<(), String> {
@@ -136,7 +136,7 @@ async fn warm_once(
             if let Some(peer) = crate::kv::pull::KvPeer::from_params(params) {
                 worker.set_kv_peer(peer);
             }
-            import_prompt_kv(&app.kv, params, &mut request)
+            import_prompt_kv(&ctx.kv, params, &mut request)
                 .await
                 .map_err(|e| e.to_string())?;
         }
@@ -145,7 +145,7 @@ async fn warm_once(
             "the pre-warm prefill answered without kv_transfer_params (it keeps no KV?)"
         ),
     }
-    let mut events = app.submit(request).map_err(|e| e.to_string())?;
+    let mut events = ctx.submit(request).map_err(|e| e.to_string())?;
     loop {
         match events.recv().await {
             Some(SeqEvent::Finished { .. }) => return Ok(()),

@@ -32,7 +32,7 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt};
 use http::{header, HeaderMap, HeaderValue, StatusCode};
 use pdserve_protocol::sse::{data_event, DONE};
-use pdserve_protocol::{ApiError, BootstrapShape, WorkerRole};
+use pdserve_protocol::{ApiError, WorkerRole};
 use reqwest::Url;
 use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
@@ -43,6 +43,7 @@ use super::bootstrap_merge::{wants_input_logprobs, PrefillLogprobs};
 use super::final_leg::{expose_worker, first_event, StreamHead};
 use super::relay::{split_kv_params, Relay};
 use super::retry::{with_retries, Leg};
+pub use super::sglang_route::SglangRoute;
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
 use crate::args::Protocol;
 use crate::endpoint::Endpoint;
@@ -53,27 +54,6 @@ use crate::registry::{Mode, Worker};
 use crate::state::AppState;
 use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind, LegRequest};
 use crate::validation::{append_verbatim, body_rejection, GenerateRequest};
-
-/// The routes served with SGLang's bootstrap handoff.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SglangRoute {
-    /// `/v1/chat/completions`.
-    Chat,
-    /// `/v1/completions`.
-    Completions,
-    /// SGLang's native `/generate`.
-    Generate,
-}
-
-impl SglangRoute {
-    fn shape(self) -> BootstrapShape {
-        match self {
-            Self::Chat => BootstrapShape::Chat,
-            Self::Completions => BootstrapShape::Completion,
-            Self::Generate => BootstrapShape::Generate,
-        }
-    }
-}
 
 /// The metrics label and path of SGLang's native route.
 pub const GENERATE_ROUTE: &str = "/generate";

@@ -18,8 +18,9 @@ use super::relay::{split_kv_params, ConversationSink, Relay, Upstream};
 use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
 use crate::error::Failure;
+use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::registry::{InFlight, Worker};
+use crate::registry::Worker;
 use crate::state::AppState;
 use crate::upstream::{Exchange, LegError, LegErrorKind, LegResponse};
 

@@ -13,8 +13,7 @@ use serde_json::{json, Map, Value};
 
 use super::media::{content_uuid, MediaItem, MediaKind};
 
-/// The `ec_transfer_params` field of requests and encoder answers.
-pub const EC_TRANSFER_PARAMS: &str = "ec_transfer_params";
+pub use pdserve_protocol::kv::EC_TRANSFER_PARAMS;
 
 /// Keys of the gateway's own bookkeeping; never model metadata.
 const CONTROL_KEYS: [&str; 3] = ["mm_hash", "ec_mm_hash", "transfer_id"];

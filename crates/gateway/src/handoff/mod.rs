@@ -13,6 +13,7 @@ pub mod mm_rewrite;
 pub mod relay;
 pub mod retry;
 pub mod sequential;
+pub mod sglang_route;
 
 use std::sync::Arc;
 use std::time::Instant;

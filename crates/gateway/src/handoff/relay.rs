@@ -15,8 +15,8 @@ use serde_json::Value;
 use crate::conversation::ConversationCache;
 use crate::error::error_chain;
 use crate::metrics::Metrics;
+use crate::policy::InFlight;
 use crate::policy::RequestOutcome;
-use crate::registry::InFlight;
 
 /// A partial line longer than this means the upstream is not sending SSE.
 const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;

@@ -101,7 +101,7 @@ fn context_limit(state: &Arc<AppState>) -> Option<u64> {
     [WorkerRole::Decode, WorkerRole::Prefill]
         .into_iter()
         .flat_map(|role| roster.live(role).iter())
-        .filter_map(|worker| state.model_lens.get(state, worker))
+        .filter_map(|worker| state.model_lens.get(&state.upstream, worker))
         .min()
 }
 
@@ -176,8 +176,7 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-/// The header that carries the KV transfer secret to the release route.
-pub const KV_SECRET_HEADER: &str = "x-pdserve-kv-secret";
+pub use pdserve_protocol::kv::KV_SECRET_HEADER;
 
 /// `POST /v1/kv/release {"kv_transfer_params": ...}` to the prefill worker, once: a
 /// vLLM worker answers 404 and keeps the blocks until its abort timeout.
@@ -187,6 +186,8 @@ async fn release(
     params: KvTransferParams,
     headers: ForwardHeaders,
 ) {
+    // KV_RELEASE_PATH, relative to the worker's `/v1/` so that a path prefix in its URL
+    // is kept.
     let Ok(url) = worker.models_url().join("kv/release") else {
         return;
     };
@@ -221,14 +222,8 @@ async fn release(
 /// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
 pub fn prefill_body(request: &GenerateRequest, params: KvTransferParams) -> Bytes {
     let mut prefill = request.clone();
-    let transport = prefill.transport_mut();
-    transport.stream = Some(false);
-    transport.stream_options = None;
-    transport.kv_transfer_params = Some(params);
-    let generation = prefill.generation_mut();
-    generation.max_tokens = Some(1);
-    generation.max_completion_tokens = None;
-    generation.min_tokens = None;
+    let (transport, generation) = prefill.params_mut();
+    pdserve_protocol::shape_prefill_leg(transport, generation, params);
     prefill.to_body()
 }
 

@@ -9,6 +9,7 @@
 //! `max_tree_size`) and `session` (rendezvous hashing on a session key).
 
 mod cache_aware;
+mod in_flight;
 mod power_of_two;
 pub mod prefix_tree;
 mod random;
@@ -24,9 +25,11 @@ use http::HeaderMap;
 use pdserve_protocol::{Prompt, WorkerRole};
 
 use crate::endpoint::Endpoint;
+pub use crate::registry::RequestOutcome;
 use crate::registry::Worker;
 use crate::validation::GenerateRequest;
 pub use cache_aware::CacheAware;
+pub use in_flight::InFlight;
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;
@@ -91,17 +94,6 @@ impl<'a> RouteRequest<'a> {
     }
 }
 
-/// How a routed request ended on a worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestOutcome {
-    /// The worker answered and the answer reached the client.
-    Success,
-    /// The worker failed (transport error, 5xx, malformed answer, timeout).
-    Failure,
-    /// The request ended for another reason (client error, client gone, retry elsewhere).
-    Other,
-}
-
 /// Chooses workers for requests.
 pub trait Policy: fmt::Debug + Send + Sync {
     /// The policy's name (`--policy` value).
@@ -115,18 +107,6 @@ pub trait Policy: fmt::Debug + Send + Sync {
         candidates: &[Arc<Worker>],
         request: &RouteRequest<'_>,
     ) -> Option<Arc<Worker>>;
-
-    /// A prefill worker and a decode worker for one request.
-    fn select_pair(
-        &self,
-        prefill: &[Arc<Worker>],
-        decode: &[Arc<Worker>],
-        request: &RouteRequest<'_>,
-    ) -> Option<(Arc<Worker>, Arc<Worker>)> {
-        let p = self.select(WorkerRole::Prefill, prefill, request)?;
-        let d = self.select(WorkerRole::Decode, decode, request)?;
-        Some((p, d))
-    }
 
     /// Called once for every request this policy routed, when it ends on `worker`.
     fn on_request_end(&self, worker: &Worker, outcome: RequestOutcome) {

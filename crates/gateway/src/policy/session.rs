@@ -1,24 +1,18 @@
 //! Session affinity: every request of a session goes to the same worker, by rendezvous
-//! (highest-random-weight) hashing.
-//!
-//! The session key is the gateway's `conversation_id`, else an `X-Session-Id` header,
-//! else the OpenAI `user` field. Each candidate scores hash(key, worker URL) and the
-//! highest score wins, so a worker that leaves moves only its own sessions (each to its
-//! second-best worker) and a worker that joins takes only the sessions it now wins. The
-//! hash is a fixed FNV-1a with a final mix, so a session maps the same way across gateway
-//! restarts and replicas. Requests without a key go to the fallback policy.
+//! (highest-random-weight) hashing — the key order and the hash are
+//! [`pdserve_protocol::session`]'s, shared with the orchestrating decode worker, so a
+//! session maps the same way across gateway restarts and replicas. Requests without a
+//! key go to the fallback policy.
 
 use std::sync::Arc;
 
+use pdserve_protocol::session::{header_session, rendezvous_owner};
 use pdserve_protocol::WorkerRole;
 use serde_json::Value;
 
 use super::{Policy, PolicyStats, PrefixMatch, RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::validation::GenerateRequest;
-
-/// The header that names a session when the body has no `conversation_id`.
-pub const SESSION_HEADER: &str = "x-session-id";
 
 /// Consistent hashing on the session key, with a fallback policy for keyless requests.
 #[derive(Debug)]
@@ -35,66 +29,23 @@ impl Session {
 
 /// The request's session key: `conversation_id`, `X-Session-Id` or `user` (non-empty).
 pub fn session_key<'a>(request: &RouteRequest<'a>) -> Option<&'a str> {
-    let non_empty = |s: &&str| !s.is_empty();
-    if let Some(id) = request.conversation_id.filter(non_empty) {
-        return Some(id);
-    }
-    if let Some(id) = request
-        .headers
-        .get(SESSION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(non_empty)
-    {
-        return Some(id);
-    }
-    let extra = match request.request? {
-        GenerateRequest::Chat(r) => &r.extra,
-        GenerateRequest::Completion(r) => &r.extra,
-    };
-    extra.get("user").and_then(Value::as_str).filter(non_empty)
+    let user = request.request.and_then(|r| {
+        let extra = match r {
+            GenerateRequest::Chat(r) => &r.extra,
+            GenerateRequest::Completion(r) => &r.extra,
+        };
+        extra.get("user").and_then(Value::as_str)
+    });
+    pdserve_protocol::session::session_key(
+        request.conversation_id,
+        header_session(request.headers),
+        user,
+    )
 }
 
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
-
-/// FNV-1a over `bytes`, continuing from `state`.
-fn fnv1a(mut state: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        state ^= u64::from(b);
-        state = state.wrapping_mul(FNV_PRIME);
-    }
-    state
-}
-
-/// A 64-bit finaliser (MurmurHash3's): FNV alone leaves the high bits of similar inputs
-/// correlated, which would skew which worker wins.
-fn mix(mut h: u64) -> u64 {
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    h ^ (h >> 33)
-}
-
-/// The rendezvous score of `worker` for the session whose key hashed to `key_hash`.
-fn score(key_hash: u64, worker: &Worker) -> u64 {
-    // The 0xff separator cannot occur in UTF-8, so (key, url) pairs never collide by
-    // shifting bytes between the two.
-    mix(fnv1a(fnv1a(key_hash, &[0xff]), worker.base.as_bytes()))
-}
-
-/// The candidate that owns `key` (the highest score; `candidates` is not empty).
+/// The candidate that owns `key` (`candidates` is not empty).
 fn owner<'w>(key: &str, candidates: &'w [Arc<Worker>]) -> &'w Arc<Worker> {
-    let key_hash = fnv1a(FNV_OFFSET, key.as_bytes());
-    let mut best = &candidates[0];
-    let mut best_score = score(key_hash, best);
-    for w in &candidates[1..] {
-        let s = score(key_hash, w);
-        if s > best_score {
-            (best, best_score) = (w, s);
-        }
-    }
-    best
+    rendezvous_owner(key, candidates, |w| w.base.as_str()).expect("candidates is not empty")
 }
 
 impl Policy for Session {
@@ -186,6 +137,7 @@ mod tests {
     #[test]
     fn the_hash_is_standard_fnv1a_and_stable() {
         // Published FNV-1a 64 test vectors: a fixed function, not a seeded one.
+        use pdserve_protocol::session::{fnv1a, FNV_OFFSET};
         assert_eq!(fnv1a(FNV_OFFSET, b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(FNV_OFFSET, b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(FNV_OFFSET, b"foobar"), 0x8594_4171_f739_67e8);

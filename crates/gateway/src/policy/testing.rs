@@ -8,7 +8,8 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::{Policy, RoundRobin};
 use crate::endpoint::Endpoint;
-use crate::registry::{InFlight, Worker, WorkerSpec};
+use crate::policy::InFlight;
+use crate::registry::{Worker, WorkerSpec};
 use crate::validation::GenerateRequest;
 
 /// Workers of `role` at `http://127.0.0.1:{port}`.

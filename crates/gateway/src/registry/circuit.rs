@@ -9,7 +9,16 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::gauge::Gauge;
 use serde::Serialize;
 
-use crate::policy::RequestOutcome;
+/// How a routed request ended on a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// The worker answered and the answer reached the client.
+    Success,
+    /// The worker failed (transport error, 5xx, malformed answer, timeout).
+    Failure,
+    /// The request ended for another reason (client error, client gone, retry elsewhere).
+    Other,
+}
 
 /// A circuit breaker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -17,8 +17,8 @@ use pdserve_protocol::WorkerRole;
 use tokio::sync::watch;
 
 use crate::metrics::Metrics;
-pub use circuit::{BreakerSettings, CircuitBreaker, CircuitState};
-pub use worker::{worker_key, Health, InFlight, Worker, WorkerSpec};
+pub use circuit::{BreakerSettings, CircuitBreaker, CircuitState, RequestOutcome};
+pub use worker::{worker_key, Health, Worker, WorkerSpec};
 
 /// Why a registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

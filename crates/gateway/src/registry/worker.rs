@@ -1,7 +1,6 @@
 //! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
 use prometheus_client::metrics::gauge::Gauge;
@@ -10,7 +9,6 @@ use serde::Serialize;
 
 use super::circuit::{BreakerSettings, CircuitBreaker, CircuitState};
 use crate::endpoint::Endpoint;
-use crate::policy::{Policy, RequestOutcome};
 
 /// What a worker is registered as: the fields of a `POST /instances` body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -146,6 +144,16 @@ impl Worker {
         self.in_flight.get()
     }
 
+    /// Counts a request opened on the worker (see [`crate::policy::InFlight`]).
+    pub fn request_opened(&self) {
+        self.in_flight.inc();
+    }
+
+    /// Counts a request on the worker ended.
+    pub fn request_closed(&self) {
+        self.in_flight.dec();
+    }
+
     /// Consecutive failures since the last success.
     pub fn failures(&self) -> u32 {
         self.failures.load(Ordering::Relaxed)
@@ -191,55 +199,5 @@ impl Worker {
     pub fn next_dp_rank(&self) -> Option<u32> {
         let size = self.spec.dp_size.max(1) as usize;
         (size > 1).then(|| (self.dp_cursor.fetch_add(1, Ordering::Relaxed) % size) as u32)
-    }
-}
-
-/// Counts one open request on a worker until dropped (so cancellation and errors count
-/// too), then tells the policy that routed it how it ended.
-#[derive(Debug)]
-pub struct InFlight {
-    worker: Arc<Worker>,
-    policy: Arc<dyn Policy>,
-    outcome: RequestOutcome,
-    /// Sent while the worker was evicted (panic routing): its outcome does not move the
-    /// breaker, which steers traffic among healthy workers (health already says this one
-    /// is down, and a stale open circuit would refuse it once it is back).
-    to_evicted: bool,
-}
-
-impl InFlight {
-    /// Marks a request routed by `policy` as open on `worker`.
-    pub fn start(worker: Arc<Worker>, policy: Arc<dyn Policy>) -> Self {
-        worker.in_flight.inc();
-        Self {
-            to_evicted: worker.is_evicted(),
-            worker,
-            policy,
-            outcome: RequestOutcome::Other,
-        }
-    }
-
-    /// The worker the request is open on.
-    pub fn worker(&self) -> &Arc<Worker> {
-        &self.worker
-    }
-
-    /// Records how the request ended (reported to the policy on drop).
-    pub fn set_outcome(&mut self, outcome: RequestOutcome) {
-        self.outcome = outcome;
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.worker.in_flight.dec();
-        let changed = match self.to_evicted {
-            true => None,
-            false => self.worker.breaker.record(self.outcome),
-        };
-        if let Some(state) = changed {
-            tracing::warn!(url = %self.worker.base, circuit = ?state, "circuit breaker changed state");
-        }
-        self.policy.on_request_end(&self.worker, self.outcome);
     }
 }

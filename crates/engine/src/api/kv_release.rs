@@ -18,12 +18,10 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::security::SECRET_HEADER;
-use crate::api::server::parse_json;
-use crate::api::AppState;
+use pdserve_protocol::kv::KV_SECRET_HEADER;
 
-/// Route of the release endpoint.
-pub const RELEASE_PATH: &str = "/v1/kv/release";
+use super::body::parse_json;
+use super::AppState;
 
 #[derive(Deserialize)]
 struct ReleaseBody {
@@ -36,8 +34,8 @@ pub async fn handle(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    if let Some(secret) = &app.kv.secret {
-        let offered = headers.get(SECRET_HEADER).and_then(|v| v.to_str().ok());
+    if let Some(secret) = &app.serving.kv.secret {
+        let offered = headers.get(KV_SECRET_HEADER).and_then(|v| v.to_str().ok());
         if !secret.verify(offered) {
             return Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -46,7 +44,7 @@ pub async fn handle(
             ));
         }
     }
-    let Some(service) = &app.kv.service else {
+    let Some(service) = &app.serving.kv.service else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
