@@ -19,10 +19,10 @@ use tokio::sync::{mpsc, oneshot};
 use crate::block_manager::{BlockError, BlockManager, PrefixHit};
 use crate::heartbeat::{Heartbeat, SchedulerCondition};
 use crate::metrics::Metrics;
-use crate::policy::Priority;
-pub use crate::policy::SchedulingPolicy;
 use crate::profile::{token_split, Profiler, StepSpan};
 use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
+use crate::scheduling::Priority;
+pub use crate::scheduling::SchedulingPolicy;
 use crate::sequence::Sequence;
 use crate::step_model::StepModel;
 

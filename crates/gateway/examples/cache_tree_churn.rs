@@ -15,7 +15,7 @@ use http::HeaderMap;
 use pdserve_gateway::endpoint::Endpoint;
 use pdserve_gateway::policy::{self, PolicyConfig, RouteRequest};
 use pdserve_gateway::registry::{Worker, WorkerSpec};
-use pdserve_gateway::validation::GenerateRequest;
+use pdserve_gateway::request::ClientRequest;
 use pdserve_protocol::WorkerRole;
 use prometheus_client::metrics::gauge::Gauge;
 use rand::distr::Alphanumeric;
@@ -83,7 +83,7 @@ fn main() {
         prompt_bytes += text.len();
         let body = serde_json::json!({"messages": [{"role": "user", "content": text}]});
         let (request, _) =
-            GenerateRequest::parse(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
+            ClientRequest::parse(Endpoint::Chat, body.to_string().as_bytes()).unwrap();
         let route = RouteRequest {
             endpoint: Endpoint::Chat,
             request: Some(&request),

@@ -7,7 +7,7 @@ use axum::extract::Request;
 use axum::middleware::Next;
 use axum::response::Response;
 
-use crate::upstream::X_REQUEST_ID;
+use crate::worker_client::X_REQUEST_ID;
 
 /// Middleware: logs the request once its response head is ready. Runs inside the
 /// request-id layer, so every line carries the id the workers also got.

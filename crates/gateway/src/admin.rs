@@ -21,8 +21,8 @@ use subtle::ConstantTimeEq;
 use crate::args::parse_worker_url;
 use crate::identity::identify;
 use crate::registry::{worker_key, Health, RegistryError, Roster, WorkerSpec};
+use crate::request::body_rejection;
 use crate::state::AppState;
-use crate::validation::body_rejection;
 
 /// The admin key header (vLLM's proxies use the same one).
 pub const X_API_KEY: &str = "x-api-key";
@@ -96,7 +96,7 @@ pub async fn register(
     let body = body.map_err(|r| body_rejection(r, MAX_ADMIN_BODY_BYTES))?;
     let spec = parse_registration(&body)?;
     let identity = identify(
-        state.upstream.client(),
+        state.client.pooled(),
         &spec.url,
         &state.instance,
         state.config.probe.timeout,

@@ -26,10 +26,10 @@ pub mod prewarm;
 pub mod profile;
 pub mod readiness;
 pub mod registry;
+pub mod request;
 pub mod server;
 pub mod state;
-pub mod upstream;
-pub mod validation;
+pub mod worker_client;
 
 pub use args::{GatewayArgs, GatewayConfig};
 pub use error::GatewayError;

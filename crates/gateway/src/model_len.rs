@@ -9,8 +9,8 @@ use std::time::Duration;
 use pdserve_protocol::{ApiError, ModelList, Prompt};
 
 use crate::registry::Worker;
-use crate::upstream::{Exchange, ForwardHeaders, Upstream};
-use crate::validation::GenerateRequest;
+use crate::request::ClientRequest;
+use crate::worker_client::{Exchange, ForwardHeaders, WorkerClient};
 
 /// `max_model_len` per worker base URL (`None` while a fetch is under way or when the
 /// worker reports none).
@@ -22,16 +22,16 @@ pub struct ModelLens {
 impl ModelLens {
     /// The worker's context length, if fetched; the first call for a worker starts the
     /// fetch in the background (the request that triggered it is not held up).
-    pub fn get(&self, upstream: &Upstream, worker: &Arc<Worker>) -> Option<u64> {
+    pub fn get(&self, client: &WorkerClient, worker: &Arc<Worker>) -> Option<u64> {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(len) = known.get(&worker.base) {
             return *len;
         }
         known.insert(worker.base.clone(), None);
         drop(known);
-        let (upstream, worker, known) = (upstream.clone(), worker.clone(), self.known.clone());
+        let (client, worker, known) = (client.clone(), worker.clone(), self.known.clone());
         tokio::spawn(async move {
-            let len = fetch(&upstream, &worker).await;
+            let len = fetch(&client, &worker).await;
             let mut known = known.lock().unwrap_or_else(|e| e.into_inner());
             match len {
                 Some(len) => {
@@ -54,10 +54,10 @@ impl ModelLens {
 }
 
 /// The smallest `max_model_len` in the worker's model list.
-async fn fetch(upstream: &Upstream, worker: &Worker) -> Option<u64> {
+async fn fetch(client: &WorkerClient, worker: &Worker) -> Option<u64> {
     let headers = ForwardHeaders::from_client(&http::HeaderMap::new());
     let exchange = Exchange::new(worker, "worker", Duration::from_secs(10));
-    let request = upstream.get(worker.models_url(), &headers);
+    let request = client.get(worker.models_url(), &headers);
     let body = exchange.send_and_read(request).await.ok()?;
     let list: ModelList = serde_json::from_slice(&body).ok()?;
     list.data.iter().filter_map(|card| card.max_model_len).min()
@@ -66,9 +66,9 @@ async fn fetch(upstream: &Upstream, worker: &Worker) -> Option<u64> {
 /// Rejects, in vLLM's words, a request whose `max_tokens` (plus its prompt, when given as
 /// token ids; else at least one token) cannot fit in `max_model_len`.
 #[allow(clippy::result_large_err)]
-pub fn check(request: &mut GenerateRequest, max_model_len: u64) -> Result<(), ApiError> {
+pub fn check(request: &mut ClientRequest, max_model_len: u64) -> Result<(), ApiError> {
     let (input, exact) = match request {
-        GenerateRequest::Completion(c) => match &c.prompt {
+        ClientRequest::Completion(c) => match &c.prompt {
             Prompt::Tokens(ids) => (ids.len() as u64, true),
             Prompt::TokenBatches(batches) => (
                 batches.iter().map(|b| b.len() as u64).max().unwrap_or(0),
@@ -76,7 +76,7 @@ pub fn check(request: &mut GenerateRequest, max_model_len: u64) -> Result<(), Ap
             ),
             _ => (1, false),
         },
-        GenerateRequest::Chat(_) => (1, false),
+        ClientRequest::Chat(_) => (1, false),
     };
     let generation = request.generation_mut();
     let (field, asked) = match (generation.max_completion_tokens, generation.max_tokens) {
@@ -121,8 +121,8 @@ mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
 
-    fn parse(endpoint: Endpoint, body: &str) -> GenerateRequest {
-        GenerateRequest::parse(endpoint, body.as_bytes()).unwrap().0
+    fn parse(endpoint: Endpoint, body: &str) -> ClientRequest {
+        ClientRequest::parse(endpoint, body.as_bytes()).unwrap().0
     }
 
     #[test]

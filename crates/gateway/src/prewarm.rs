@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use crate::endpoint::Endpoint;
 use crate::registry::{Roster, Worker};
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders, LegErrorKind};
+use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
 
 /// Time between attempts to warm a pair.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
@@ -142,7 +142,7 @@ async fn served_model(
 ) -> Result<String, String> {
     let exchange = Exchange::new(worker, "worker", state.config.decode_timeout);
     let body = exchange
-        .send_and_read(state.upstream.get(worker.models_url(), headers))
+        .send_and_read(state.client.get(worker.models_url(), headers))
         .await
         .map_err(|e| e.failure_message())?;
     let list: Value = serde_json::from_slice(&body).map_err(|e| format!("/v1/models: {e}"))?;
@@ -161,7 +161,7 @@ async fn post(
 ) -> Result<Value, String> {
     let limit = state.config.prefill_timeout;
     let exchange = Exchange::new(worker, label, limit);
-    let request = state.upstream.post_json(
+    let request = state.client.post_json(
         worker.url(Endpoint::Completions),
         Bytes::from(body.to_string()),
         headers,

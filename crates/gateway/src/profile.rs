@@ -17,7 +17,7 @@ use crate::error::Failure;
 use crate::policy::RouteRequest;
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders};
+use crate::worker_client::{Exchange, ForwardHeaders};
 
 /// `POST /start_profile`.
 pub async fn start(
@@ -45,7 +45,7 @@ async fn forward(
         .map_err(|e| ApiError::internal(format!("cannot build the profile URL: {e}")))?;
     // Stopping a profiler writes its trace: allow as long as a decode leg.
     let exchange = Exchange::new(worker, "worker", state.config.decode_timeout);
-    let request = state.upstream.post_json(&url, body, headers);
+    let request = state.client.post_json(&url, body, headers);
     match exchange.send_and_read(request).await {
         Ok(answer) => Ok(Some(
             serde_json::from_slice(&answer).unwrap_or_else(|_| Value::Object(Map::new())),

@@ -24,9 +24,9 @@ use crate::endpoint::Endpoint;
 use crate::error::{Failure, GatewayError};
 use crate::handoff::{self, RequestContext};
 use crate::policy::RouteRequest;
+use crate::request::{body_rejection, ClientRequest};
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders, LegErrorKind};
-use crate::validation::{body_rejection, GenerateRequest};
+use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
 use crate::{admin, identity, prewarm, profile, readiness, registry};
 
 /// The gateway's routes and layers over `state`.
@@ -116,7 +116,7 @@ pub async fn serve(
     let mut tasks = Vec::new();
     tasks.extend(registry::probe::spawn(
         &state.registry,
-        state.upstream.client().clone(),
+        state.client.pooled().clone(),
         state.config.probe,
         registry::probe::IdentityCheck {
             instance: state.instance.clone(),
@@ -129,7 +129,7 @@ pub async fn serve(
     let _tasks = BackgroundTasks(tasks);
     // The static workers' context lengths, fetched now rather than on the first request.
     for member in state.registry.snapshot().members() {
-        state.model_lens.get(&state.upstream, &member.worker);
+        state.model_lens.get(&state.client, &member.worker);
     }
     let options = state.config.serve;
     let state_for_check = state.clone();
@@ -156,7 +156,7 @@ pub async fn serve(
     tokio::select! {
         () = &mut server => return Ok(()),
         refused = identity::first_refused(
-            state_for_check.upstream.client(),
+            state_for_check.client.pooled(),
             static_urls.into_iter(),
             &state_for_check.instance,
             state_for_check.config.allow_gateway_workers,
@@ -212,7 +212,7 @@ async fn generate(
     };
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
-        let (request, conversation_id) = GenerateRequest::parse(endpoint, &body)?;
+        let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
         handoff::generate(&state, &ctx, request, conversation_id).await
     }
     .await;
@@ -268,7 +268,7 @@ async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Fa
     .ok_or_else(|| ApiError::service_unavailable("no healthy worker is available"))?;
     let exchange = Exchange::new(&worker, "worker", state.config.decode_timeout);
     let request = state
-        .upstream
+        .client
         .get(worker.models_url(), &ForwardHeaders::from_client(headers));
     let body = match exchange.send_and_read(request).await {
         Ok(body) => body,

@@ -1,5 +1,5 @@
 //! State shared by every request: configuration, the live registry, the routing policy,
-//! the upstream client, the conversation cache and metrics.
+//! the client for workers, the conversation cache and metrics.
 
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use crate::metrics::Metrics;
 use crate::policy::InFlight;
 use crate::policy::{self, Policy, RouteRequest};
 use crate::registry::{CircuitState, Registry, Worker};
-use crate::upstream::{LegError, LegErrorKind, Upstream};
+use crate::worker_client::{LegError, LegErrorKind, WorkerClient};
 
 /// State shared by all requests.
 #[derive(Debug)]
@@ -24,8 +24,8 @@ pub struct AppState {
     pub registry: Arc<Registry>,
     /// How workers of each role are chosen (indexed by `policy::role_index`).
     policies: [Arc<dyn Policy>; 4],
-    /// The upstream HTTP client.
-    pub upstream: Upstream,
+    /// The HTTP client for workers.
+    pub client: WorkerClient,
     /// Decode KV handles kept for conversations' next turns.
     pub conversations: Arc<ConversationCache>,
     /// Metrics.
@@ -60,7 +60,7 @@ impl AppState {
             build(&config.policy)?,
         ];
         Ok(Self {
-            upstream: Upstream::new(&config)?,
+            client: WorkerClient::new(&config)?,
             conversations: Arc::new(ConversationCache::new(
                 config.max_conversations,
                 config.conversation_ttl,

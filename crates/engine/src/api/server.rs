@@ -35,7 +35,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             post(super::kv_release::handle),
         )
         // SGLang's native API and what its gateway probes (see `server_info`).
-        .route("/generate", post(super::generate::handle))
+        .route("/generate", post(super::sglang_generate::handle))
         .route("/server_info", get(super::server_info::server_info))
         .route("/get_server_info", get(super::server_info::server_info))
         .route("/model_info", get(super::server_info::model_info))

@@ -9,8 +9,8 @@ use pdserve_protocol::WorkerRole;
 use super::final_leg::{forward, FinalLeg};
 use super::RequestContext;
 use crate::error::Failure;
+use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::validation::GenerateRequest;
 
 /// Sends the client's request (without `conversation_id`) to one worker of `role` that
 /// prefills and decodes it: a prefill_decode worker, or a decode worker when conditional
@@ -19,7 +19,7 @@ use crate::validation::GenerateRequest;
 pub async fn serve(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    request: GenerateRequest,
+    request: ClientRequest,
     conversation_id: Option<String>,
     role: WorkerRole,
 ) -> Result<Response, Failure> {

@@ -51,9 +51,9 @@ use crate::error::Failure;
 use crate::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::{Mode, Worker};
+use crate::request::{append_verbatim, body_rejection, ClientRequest};
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind, LegRequest};
-use crate::validation::{append_verbatim, body_rejection, GenerateRequest};
+use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegErrorKind, LegRequest};
 
 /// The metrics label and path of SGLang's native route.
 pub const GENERATE_ROUTE: &str = "/generate";
@@ -131,7 +131,7 @@ pub async fn generate_native(
 pub async fn serve(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    request: GenerateRequest,
+    request: ClientRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
     let route = match ctx.endpoint {
@@ -144,8 +144,8 @@ pub async fn serve(
     };
     // The client's own number texts, written back byte for byte in every leg's body.
     let verbatim = match &request {
-        GenerateRequest::Chat(r) => r.verbatim_numbers.clone(),
-        GenerateRequest::Completion(r) => r.verbatim_numbers.clone(),
+        ClientRequest::Chat(r) => r.verbatim_numbers.clone(),
+        ClientRequest::Completion(r) => r.verbatim_numbers.clone(),
     };
     let routing = ctx.route_for(&request, conversation_id.as_deref());
     serve_body(state, ctx, route, body, verbatim, &routing).await
@@ -390,7 +390,7 @@ fn leg_request(
             &generate_url
         }
     };
-    Ok(state.upstream.leg_request(url, body, &ctx.headers, rank))
+    Ok(state.client.leg_request(url, body, &ctx.headers, rank))
 }
 
 /// How D's answer began.
@@ -413,7 +413,7 @@ async fn start_decode(
     let request = leg_request(state, ctx, plan.route, decode, body)
         .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
     let sent = Instant::now();
-    let response = exchange.send_leg(&state.upstream.direct, request).await?;
+    let response = exchange.send_leg(&state.client.direct, request).await?;
     if !plan.stream {
         // The whole generation: bounded as a stream's silence is.
         let body = Exchange::new(decode, "decode worker", state.config.stream_idle_timeout)
@@ -476,7 +476,7 @@ impl PrefillLeg {
             let result: Result<Bytes, LegError> = async {
                 let request = leg_request(&state, &ctx, route, &worker, body)
                     .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
-                let response = exchange.send_leg(&state.upstream.direct, request).await?;
+                let response = exchange.send_leg(&state.client.direct, request).await?;
                 let _ = head_tx.send(());
                 let body = exchange.read_leg(response).await?;
                 check_prefill_answer(&body)

@@ -28,7 +28,7 @@ use crate::error::Failure;
 use crate::policy::RequestOutcome;
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders, LegErrorKind};
+use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
 
 /// Client fields an encoder needs to process the media as the consumer will.
 const PASSTHROUGH: [&str; 4] = [
@@ -260,7 +260,7 @@ async fn send(
     let mut in_flight = state.start_request(encoder.clone());
     let exchange = Exchange::new(encoder, "encode worker", state.config.prefill_timeout);
     let request = state
-        .upstream
+        .client
         .post_json(encoder.url(Endpoint::Chat), body, headers);
     let result = exchange.send_and_read(request).await;
     if result.is_ok() {

@@ -27,9 +27,9 @@ use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
 use crate::policy::RouteRequest;
 use crate::registry::{Mode, Roster, Worker};
+use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::upstream::LegError;
-use crate::validation::GenerateRequest;
+use crate::worker_client::LegError;
 
 /// How one attempt ended when it did not answer the client.
 enum AttemptError {
@@ -68,10 +68,10 @@ struct Stages {
 pub async fn serve(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    request: GenerateRequest,
+    request: ClientRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
-    let GenerateRequest::Chat(chat) = &request else {
+    let ClientRequest::Chat(chat) = &request else {
         return Err(ApiError::internal("media items outside a chat request").into());
     };
     let items = extract(chat);
@@ -202,7 +202,7 @@ fn prepare(
     chat: &ChatCompletionRequest,
     items: &[MediaItem<'_>],
     encoded: &Encoded,
-) -> GenerateRequest {
+) -> ClientRequest {
     let rewritten = if state.config.no_rewrite {
         None
     } else {
@@ -212,7 +212,7 @@ fn prepare(
     if !encoded.handles.is_empty() {
         merge_ec_params(&mut out.extra, encoded.handles.clone());
     }
-    GenerateRequest::Chat(out)
+    ClientRequest::Chat(out)
 }
 
 /// The legs after the encoder stage, for one attempt.
@@ -230,7 +230,7 @@ impl Legs<'_> {
     /// decode workers, except for a 500, which re-encodes).
     async fn prefill_then_decode(
         self,
-        mut prepared: GenerateRequest,
+        mut prepared: ClientRequest,
         cached: Option<KvTransferParams>,
         stages: &mut Stages,
     ) -> Result<Response, AttemptError> {
@@ -277,7 +277,7 @@ impl Legs<'_> {
     /// E+PD: the consumer prefills and decodes (pinned, one try).
     async fn prefill_decode(
         self,
-        prepared: GenerateRequest,
+        prepared: ClientRequest,
         stages: &mut Stages,
     ) -> Result<Response, AttemptError> {
         let leg = FinalLeg {

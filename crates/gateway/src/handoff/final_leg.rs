@@ -14,7 +14,7 @@ use pdserve_protocol::WorkerRole;
 use serde::de::IgnoredAny;
 use tokio::time::timeout_at;
 
-use super::relay::{split_kv_params, ConversationSink, Relay, Upstream};
+use super::relay::{split_kv_params, ByteStream, ConversationSink, Relay};
 use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
 use crate::error::Failure;
@@ -22,7 +22,7 @@ use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::upstream::{Exchange, LegError, LegErrorKind, LegResponse};
+use crate::worker_client::{Exchange, LegError, LegErrorKind, LegResponse};
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -168,9 +168,9 @@ async fn send_leg(
     // URL allows: a stream's burst of events is relayed in one write to the client, and
     // no connection task is woken.
     let request = state
-        .upstream
+        .client
         .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
-    let response = exchange.send_leg(&state.upstream.direct, request).await?;
+    let response = exchange.send_leg(&state.client.direct, request).await?;
     if !leg.stream {
         state.metrics.observe_decode_ttfb(sent.elapsed());
         // A non-stream answer's body may take the whole generation: bound it by the
@@ -282,7 +282,7 @@ pub(super) struct StreamHead {
     /// The first chunk.
     pub first: Bytes,
     /// The rest of the stream.
-    pub upstream: Upstream,
+    pub upstream: ByteStream,
     /// Whether the stream is decoded on a connection task of its own (reqwest's).
     pub decoded_elsewhere: bool,
 }

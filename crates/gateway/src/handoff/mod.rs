@@ -26,9 +26,9 @@ use crate::endpoint::Endpoint;
 use crate::error::Failure;
 use crate::policy::RouteRequest;
 use crate::registry::Mode;
+use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::upstream::ForwardHeaders;
-use crate::validation::GenerateRequest;
+use crate::worker_client::ForwardHeaders;
 
 /// With `--expose-routing`: the prefill worker that served the request.
 pub const X_PDSERVE_PREFILL: &str = "x-pdserve-prefill";
@@ -56,7 +56,7 @@ impl RequestContext {
     /// The routing facts of `request`.
     pub fn route_for<'a>(
         &'a self,
-        request: &'a GenerateRequest,
+        request: &'a ClientRequest,
         conversation_id: Option<&'a str>,
     ) -> RouteRequest<'a> {
         RouteRequest {
@@ -73,7 +73,7 @@ impl RequestContext {
 pub async fn generate(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    mut request: GenerateRequest,
+    mut request: ClientRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
     // Only the gateway writes SGLang's bootstrap fields: a client's would make a decode
@@ -82,7 +82,7 @@ pub async fn generate(
     transport.bootstrap_host = None;
     transport.bootstrap_port = None;
     transport.bootstrap_room = None;
-    if matches!(&request, GenerateRequest::Chat(chat) if media::has_media(chat)) {
+    if matches!(&request, ClientRequest::Chat(chat) if media::has_media(chat)) {
         return epd::serve(state, ctx, request, conversation_id).await;
     }
     let roster = state.registry.snapshot();

@@ -232,17 +232,17 @@ pub struct ConversationSink {
 }
 
 /// A transport error of an upstream stream (reqwest's or the direct client's).
-pub type UpstreamError = Box<dyn std::error::Error + Send + Sync>;
+pub type StreamError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The rest of an upstream body.
-pub type Upstream = BoxStream<'static, Result<Bytes, UpstreamError>>;
+pub type ByteStream = BoxStream<'static, Result<Bytes, StreamError>>;
 
 /// Everything a relay needs besides the upstream stream.
 pub struct Relay {
     /// The already received first chunk.
     pub first: Bytes,
     /// The rest of the upstream body.
-    pub upstream: Upstream,
+    pub upstream: ByteStream,
     /// The upstream is decoded on another task (reqwest's connection task), which needs
     /// a turn before the relay decides that nothing more has arrived; a direct
     /// connection is decoded by polling the stream itself.
@@ -307,15 +307,15 @@ enum End {
     /// Cleanly (a success only if `[DONE]` was seen).
     Closed,
     /// With a transport error.
-    Failed(UpstreamError),
+    Failed(StreamError),
     /// With bytes that are not an event stream.
     Malformed(String),
     /// Silent past the idle timeout.
     Idle,
 }
 
-impl From<Option<Result<Bytes, UpstreamError>>> for Event {
-    fn from(next: Option<Result<Bytes, UpstreamError>>) -> Self {
+impl From<Option<Result<Bytes, StreamError>>> for Event {
+    fn from(next: Option<Result<Bytes, StreamError>>) -> Self {
         match next {
             Some(Ok(chunk)) => Self::Chunk(chunk),
             Some(Err(e)) => Self::End(End::Failed(e)),
@@ -509,7 +509,7 @@ mod tests {
         let url = reqwest::Url::parse("http://127.0.0.1:9").unwrap();
         let spec = crate::registry::WorkerSpec::new(pdserve_protocol::WorkerRole::Decode, url);
         let worker = Arc::new(crate::registry::Worker::new(spec, Default::default()));
-        let chunks: Vec<Result<Bytes, UpstreamError>> = rest
+        let chunks: Vec<Result<Bytes, StreamError>> = rest
             .into_iter()
             .map(|c| Ok(Bytes::from_static(c)))
             .collect();

@@ -14,7 +14,7 @@ use crate::error::Failure;
 use crate::policy::RouteRequest;
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::upstream::LegError;
+use crate::worker_client::LegError;
 
 /// First backoff; doubled per retry, with jitter, capped at [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(20);

@@ -23,15 +23,15 @@ use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
+use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::upstream::{Exchange, ForwardHeaders, LegError, LegErrorKind};
-use crate::validation::GenerateRequest;
+use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegErrorKind};
 
 /// Runs the prefill leg, then the decode leg.
 pub async fn serve(
     state: &Arc<AppState>,
     ctx: &RequestContext,
-    mut request: GenerateRequest,
+    mut request: ClientRequest,
     conversation_id: Option<String>,
 ) -> Result<Response, Failure> {
     let cached = conversation_id.as_deref().map(|id| {
@@ -101,7 +101,7 @@ fn context_limit(state: &Arc<AppState>) -> Option<u64> {
     [WorkerRole::Decode, WorkerRole::Prefill]
         .into_iter()
         .flat_map(|role| roster.live(role).iter())
-        .filter_map(|worker| state.model_lens.get(&state.upstream, worker))
+        .filter_map(|worker| state.model_lens.get(&state.client, worker))
         .min()
 }
 
@@ -193,7 +193,7 @@ async fn release(
     };
     let body = serde_json::json!({ "kv_transfer_params": params });
     let mut request = state
-        .upstream
+        .client
         .post_json(&url, Bytes::from(body.to_string()), &headers);
     if let Some(secret) = &state.config.kv_secret {
         request = request.header(KV_SECRET_HEADER, secret.as_str());
@@ -220,7 +220,7 @@ async fn release(
 }
 
 /// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
-pub fn prefill_body(request: &GenerateRequest, params: KvTransferParams) -> Bytes {
+pub fn prefill_body(request: &ClientRequest, params: KvTransferParams) -> Bytes {
     let mut prefill = request.clone();
     let (transport, generation) = prefill.params_mut();
     pdserve_protocol::shape_prefill_leg(transport, generation, params);
@@ -285,10 +285,10 @@ async fn prefill_once(
     let sent = Instant::now();
     let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
     let request = state
-        .upstream
+        .client
         .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
     let result = async {
-        let response = exchange.send_leg(&state.upstream.direct, request).await?;
+        let response = exchange.send_leg(&state.client.direct, request).await?;
         let body = exchange.read_leg(response).await?;
         state.metrics.observe_prefill(sent.elapsed());
         parse_prefill_answer(&body).map_err(|why| exchange.error(LegErrorKind::Status, why))
@@ -384,7 +384,7 @@ mod tests {
 
     #[test]
     fn prefill_body_has_vllm_shape() {
-        let (req, _) = GenerateRequest::parse(
+        let (req, _) = ClientRequest::parse(
             Endpoint::Chat,
             json!({
                 "model": "m",

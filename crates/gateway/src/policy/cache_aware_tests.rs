@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use super::*;
 use crate::endpoint::Endpoint;
 use crate::policy::testing::{chat, load, pick, tokens, workers};
-use crate::validation::GenerateRequest;
+use crate::request::ClientRequest;
 
 const A: &str = "http://127.0.0.1:1";
 const B: &str = "http://127.0.0.1:2";
@@ -28,7 +28,7 @@ fn cached(
     policy: &CacheAware,
     role: WorkerRole,
     ws: &[Arc<Worker>],
-    request: &GenerateRequest,
+    request: &ClientRequest,
 ) -> Option<PrefixMatch> {
     let headers = HeaderMap::new();
     let route = RouteRequest {

@@ -27,7 +27,7 @@ use pdserve_protocol::{Prompt, WorkerRole};
 use crate::endpoint::Endpoint;
 pub use crate::registry::RequestOutcome;
 use crate::registry::Worker;
-use crate::validation::GenerateRequest;
+use crate::request::ClientRequest;
 pub use cache_aware::CacheAware;
 pub use in_flight::InFlight;
 pub use power_of_two::PowerOfTwo;
@@ -41,7 +41,7 @@ pub struct RouteRequest<'a> {
     /// The endpoint the request targets.
     pub endpoint: Endpoint,
     /// The validated generation request, when the route carries one.
-    pub request: Option<&'a GenerateRequest>,
+    pub request: Option<&'a ClientRequest>,
     /// The client's headers (session ids and the like).
     pub headers: &'a HeaderMap,
     /// The gateway's `conversation_id`, when the client sent one.
@@ -72,7 +72,7 @@ impl<'a> RouteRequest<'a> {
     /// not look at it cost nothing.
     pub fn prompt(&self) -> Option<RoutePrompt<'a>> {
         match self.request? {
-            GenerateRequest::Chat(chat) => {
+            ClientRequest::Chat(chat) => {
                 let mut text = String::new();
                 for m in &chat.messages {
                     text.push_str(&m.role);
@@ -84,7 +84,7 @@ impl<'a> RouteRequest<'a> {
                 }
                 Some(RoutePrompt::Text(text))
             }
-            GenerateRequest::Completion(c) => match &c.prompt {
+            ClientRequest::Completion(c) => match &c.prompt {
                 Prompt::Text(t) => Some(RoutePrompt::Text(t.clone())),
                 Prompt::Texts(t) => t.first().map(|t| RoutePrompt::Text(t.clone())),
                 Prompt::Tokens(ids) => Some(RoutePrompt::TokenIds(ids)),

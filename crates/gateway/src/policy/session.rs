@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::{Policy, PolicyStats, PrefixMatch, RequestOutcome, RouteRequest};
 use crate::registry::Worker;
-use crate::validation::GenerateRequest;
+use crate::request::ClientRequest;
 
 /// Consistent hashing on the session key, with a fallback policy for keyless requests.
 #[derive(Debug)]
@@ -31,8 +31,8 @@ impl Session {
 pub fn session_key<'a>(request: &RouteRequest<'a>) -> Option<&'a str> {
     let user = request.request.and_then(|r| {
         let extra = match r {
-            GenerateRequest::Chat(r) => &r.extra,
-            GenerateRequest::Completion(r) => &r.extra,
+            ClientRequest::Chat(r) => &r.extra,
+            ClientRequest::Completion(r) => &r.extra,
         };
         extra.get("user").and_then(Value::as_str)
     });
@@ -111,7 +111,7 @@ mod tests {
     }
 
     fn route<'a>(
-        request: &'a GenerateRequest,
+        request: &'a ClientRequest,
         headers: &'a HeaderMap,
         conversation_id: Option<&'a str>,
     ) -> RouteRequest<'a> {

@@ -10,7 +10,7 @@ use super::{Policy, RoundRobin};
 use crate::endpoint::Endpoint;
 use crate::policy::InFlight;
 use crate::registry::{Worker, WorkerSpec};
-use crate::validation::GenerateRequest;
+use crate::request::ClientRequest;
 
 /// Workers of `role` at `http://127.0.0.1:{port}`.
 pub fn workers(role: WorkerRole, ports: &[u16]) -> Vec<Arc<Worker>> {
@@ -32,26 +32,26 @@ pub fn load(worker: &Arc<Worker>, n: usize) -> Vec<InFlight> {
 }
 
 /// A chat request with one user message.
-pub fn chat(content: &str) -> GenerateRequest {
+pub fn chat(content: &str) -> ClientRequest {
     let body = serde_json::json!({"messages": [{"role": "user", "content": content}]});
-    GenerateRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
+    ClientRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
         .unwrap()
         .0
 }
 
 /// A chat request from OpenAI `user` `user`.
-pub fn chat_from(content: &str, user: &str) -> GenerateRequest {
+pub fn chat_from(content: &str, user: &str) -> ClientRequest {
     let body =
         serde_json::json!({"messages": [{"role": "user", "content": content}], "user": user});
-    GenerateRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
+    ClientRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
         .unwrap()
         .0
 }
 
 /// A completion request with token ids.
-pub fn tokens(ids: &[u32]) -> GenerateRequest {
+pub fn tokens(ids: &[u32]) -> ClientRequest {
     let body = serde_json::json!({"prompt": ids});
-    GenerateRequest::parse(Endpoint::Completions, body.to_string().as_bytes())
+    ClientRequest::parse(Endpoint::Completions, body.to_string().as_bytes())
         .unwrap()
         .0
 }
@@ -61,7 +61,7 @@ pub fn pick(
     policy: &dyn Policy,
     role: WorkerRole,
     candidates: &[Arc<Worker>],
-    request: &GenerateRequest,
+    request: &ClientRequest,
 ) -> String {
     let headers = HeaderMap::new();
     let route = super::RouteRequest {

@@ -56,7 +56,7 @@ impl ForwardHeaders {
 
 /// A pooled HTTP/1.1 client for all workers.
 #[derive(Debug, Clone)]
-pub struct Upstream {
+pub struct WorkerClient {
     client: reqwest::Client,
     /// Connections for streamed final legs, driven by the relay that reads them.
     pub direct: DirectClient,
@@ -64,7 +64,7 @@ pub struct Upstream {
     worker_authorization: Option<HeaderValue>,
 }
 
-impl Upstream {
+impl WorkerClient {
     /// A client whose idle connections are retired before the workers' keep-alive
     /// closes them (a request sent on a connection the server just closed fails
     /// without the server ever seeing it).
@@ -88,8 +88,8 @@ impl Upstream {
         })
     }
 
-    /// The underlying client (health probes and pre-warm requests share its pool).
-    pub fn client(&self) -> &reqwest::Client {
+    /// The pooled client (health probes and pre-warm requests share its pool).
+    pub fn pooled(&self) -> &reqwest::Client {
         &self.client
     }
 
@@ -209,7 +209,7 @@ impl LegResponse {
     }
 
     /// The body as a stream of chunks.
-    pub fn into_stream(self) -> crate::handoff::relay::Upstream {
+    pub fn into_stream(self) -> crate::handoff::relay::ByteStream {
         use futures::{StreamExt, TryStreamExt};
         match self {
             Self::Direct(r) => r.body.err_into().boxed(),

@@ -34,8 +34,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::body::{parse_json, sse_response};
-use super::generate_rooms::sample_rooms;
 use super::generation::{Generation, Piece, ResolvedLogprob};
+use super::sglang_generate_rooms::sample_rooms;
 use super::validate::{choice_count, generation_request, top_logprobs, MAX_STOP_STRINGS};
 use super::AppState;
 use crate::request::GenerationRequest;

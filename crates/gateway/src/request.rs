@@ -29,14 +29,14 @@ pub const OWNED_NUMBERS: &[&str] = &[
 /// numbers other than [`OWNED_NUMBERS`] (`temperature`, `top_p`, `seed`, ...) are held in
 /// `extra` as parsed, not in the protocol types' fields.
 #[derive(Debug, Clone, PartialEq)]
-pub enum GenerateRequest {
+pub enum ClientRequest {
     /// A `/v1/chat/completions` body.
     Chat(ChatCompletionRequest),
     /// A `/v1/completions` body.
     Completion(CompletionRequest),
 }
 
-impl GenerateRequest {
+impl ClientRequest {
     /// Parses a client body for `endpoint`; returns the request with `conversation_id`
     /// taken out of it, and the conversation id if one was given.
     // ApiError is the protocol crate's error value, built once per rejected request;
@@ -213,7 +213,7 @@ mod tests {
 
     #[test]
     fn takes_conversation_id_out() {
-        let (req, conv) = GenerateRequest::parse(
+        let (req, conv) = ClientRequest::parse(
             Endpoint::Chat,
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"conversation_id":"c1","x":1}"#,
         )
@@ -226,7 +226,7 @@ mod tests {
 
     #[test]
     fn numbers_it_does_not_own_pass_unchanged() {
-        let (mut req, _) = GenerateRequest::parse(
+        let (mut req, _) = ClientRequest::parse(
             Endpoint::Completions,
             br#"{"prompt":"a","temperature":1e39,"top_p":1E+39,"seed":123456789012345678901234567890,"presence_penalty":0.300000000000000000000000001,"top_k":5,"min_p":5e-2,"max_tokens":7}"#,
         )
@@ -267,7 +267,7 @@ mod tests {
                 br#"{"messages":[{"role":"user","content":"hi"}],"ec_transfer_params":{"h":{"peer_host":"127.0.0.1","peer_port":22}}}"#,
             ),
         ] {
-            let (req, _) = GenerateRequest::parse(endpoint, body).unwrap();
+            let (req, _) = ClientRequest::parse(endpoint, body).unwrap();
             let forwarded: Value = serde_json::from_slice(&req.to_body()).unwrap();
             assert!(forwarded.get("kv_transfer_params").is_none(), "{forwarded}");
             assert!(forwarded.get("ec_transfer_params").is_none(), "{forwarded}");
@@ -287,7 +287,7 @@ mod tests {
                 br#"{"prompt":"a","conversation_id":5}"#,
             ),
         ] {
-            let err = GenerateRequest::parse(endpoint, body).unwrap_err();
+            let err = ClientRequest::parse(endpoint, body).unwrap_err();
             assert_eq!(err.status, StatusCode::BAD_REQUEST);
             assert_eq!(err.body.error.kind, "invalid_request_error");
         }
