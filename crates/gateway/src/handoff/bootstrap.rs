@@ -23,25 +23,26 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use axum::body::Body;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt};
-use http::{header, HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use pdserve_protocol::sse::{data_event, DONE};
 use pdserve_protocol::{ApiError, WorkerRole};
 use reqwest::Url;
-use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::bootstrap_merge::{wants_input_logprobs, PrefillLogprobs};
-use super::final_leg::{expose_worker, first_event, StreamHead};
-use super::relay::{split_kv_params, Relay};
+use super::final_leg::{
+    expose_worker, json_response, relay, start_answer, stream_response, AnswerStart, BodyShape,
+};
+use super::prefill_leg::send_prefill;
+use super::relay::split_kv_params;
 use super::retry::{with_retries, Leg};
 pub use super::sglang_route::SglangRoute;
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
@@ -240,7 +241,19 @@ async fn attempt(
     };
     let mut p_leg = PrefillLeg::spawn(state, ctx, plan.route, prefill.clone(), prefill_body);
     let mut d_in_flight = state.start_request(decode.clone());
-    let decode_start = start_decode(state, ctx, plan, &decode, decode_body);
+    let decode_start = async {
+        let request = leg_request(state, ctx, plan.route, &decode, decode_body)
+            .map_err(|why| decode_exchange_error(state, &decode, why))?;
+        start_answer(
+            state,
+            &decode,
+            "decode worker",
+            request,
+            plan.stream,
+            BodyShape::ObjectOrArray,
+        )
+        .await
+    };
     tokio::pin!(decode_start);
     let started = loop {
         tokio::select! {
@@ -290,7 +303,7 @@ async fn attempt(
         None
     };
     let mut response = match started {
-        DecodeStart::Body(body) => {
+        AnswerStart::Body(body) => {
             // Nothing reached the client yet: P's failure is still a proper status.
             if let Some(e) = p_leg.failure().await {
                 return Err(e);
@@ -304,32 +317,10 @@ async fn attempt(
             state
                 .metrics
                 .observe_end_to_end(ctx.route, ctx.started.elapsed());
-            let mut response = Response::new(Body::from(body));
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            response
+            json_response(body)
         }
-        DecodeStart::Stream(StreamHead {
-            first,
-            upstream,
-            content_type,
-            decoded_elsewhere,
-        }) => {
-            let relay = Relay {
-                first,
-                upstream,
-                decoded_elsewhere,
-                idle_timeout: state.config.stream_idle_timeout,
-                conversation: None,
-                metrics: state.metrics.clone(),
-                route: ctx.route,
-                started: ctx.started,
-                worker: decode.base.clone(),
-                request_id: ctx.headers.request_id().to_string(),
-                in_flight: d_in_flight,
-            };
+        AnswerStart::Stream(head) => {
+            let (content_type, relay) = relay(state, ctx, &decode, d_in_flight, head, None);
             let attached = Attached {
                 relay: Some(relay.into_stream().boxed()),
                 prefill: p_leg.is_pending().then_some(p_leg),
@@ -338,11 +329,7 @@ async fn attempt(
                 at_boundary: true,
                 metrics: state.metrics.clone(),
             };
-            let mut response = Response::new(Body::from_stream(attached.into_stream()));
-            let headers = response.headers_mut();
-            headers.insert(header::CONTENT_TYPE, content_type);
-            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            response
+            stream_response(content_type, attached.into_stream())
         }
     };
     if state.config.expose_routing {
@@ -350,6 +337,12 @@ async fn attempt(
         expose_worker(&mut response, X_PDSERVE_DECODE, &decode);
     }
     Ok(response)
+}
+
+/// The failure of a decode leg whose request could not be built.
+fn decode_exchange_error(state: &AppState, decode: &Worker, why: String) -> LegError {
+    Exchange::new(decode, "decode worker", state.config.decode_timeout)
+        .error(LegErrorKind::Status, why)
 }
 
 /// A failure no other pair can fix (nothing is retried after it).
@@ -393,50 +386,6 @@ fn leg_request(
     Ok(state.client.leg_request(url, body, &ctx.headers, rank))
 }
 
-/// How D's answer began.
-enum DecodeStart {
-    /// A non-stream answer, complete.
-    Body(Bytes),
-    /// A stream's first bytes and the rest.
-    Stream(StreamHead),
-}
-
-/// Sends D's leg and waits for its first byte (a non-stream answer: all of it).
-async fn start_decode(
-    state: &AppState,
-    ctx: &RequestContext,
-    plan: &Plan,
-    decode: &Worker,
-    body: Bytes,
-) -> Result<DecodeStart, LegError> {
-    let exchange = Exchange::new(decode, "decode worker", state.config.decode_timeout);
-    let request = leg_request(state, ctx, plan.route, decode, body)
-        .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
-    let sent = Instant::now();
-    let response = exchange.send_leg(&state.client.direct, request).await?;
-    if !plan.stream {
-        // The whole generation: bounded as a stream's silence is.
-        let body = Exchange::new(decode, "decode worker", state.config.stream_idle_timeout)
-            .read_leg(response)
-            .await?;
-        state.metrics.observe_decode_ttfb(sent.elapsed());
-        // Checked without building the value: valid JSON that opens with `{` or `[`.
-        let opens = body.trim_ascii_start().first();
-        if !(matches!(opens, Some(b'{' | b'['))
-            && serde_json::from_slice::<IgnoredAny>(&body).is_ok())
-        {
-            return Err(exchange.error(
-                LegErrorKind::Transport,
-                "answered 200 with a body that is not JSON",
-            ));
-        }
-        return Ok(DecodeStart::Body(body));
-    }
-    let head = first_event(&exchange, response).await?;
-    state.metrics.observe_decode_ttfb(sent.elapsed());
-    Ok(DecodeStart::Stream(head))
-}
-
 /// P's leg, running as a task of its own so that it progresses while D's bytes are
 /// relayed; dropping it aborts the task, which closes P's connection.
 struct PrefillLeg {
@@ -470,26 +419,11 @@ impl PrefillLeg {
         let leg_worker = worker.clone();
         let task = tokio::spawn(async move {
             let worker = leg_worker;
-            let mut in_flight = state.start_request(worker.clone());
-            let exchange = Exchange::new(&worker, "prefill worker", state.config.prefill_timeout);
-            let sent = Instant::now();
-            let result: Result<Bytes, LegError> = async {
-                let request = leg_request(&state, &ctx, route, &worker, body)
-                    .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
-                let response = exchange.send_leg(&state.client.direct, request).await?;
-                let _ = head_tx.send(());
-                let body = exchange.read_leg(response).await?;
-                check_prefill_answer(&body)
-                    .map_err(|why| exchange.error(LegErrorKind::Status, why))?;
-                state.metrics.observe_prefill(sent.elapsed());
-                Ok(body)
-            }
+            let request = leg_request(&state, &ctx, route, &worker, body);
+            let result = send_prefill(&state, &worker, request, Some(head_tx), |body| {
+                check_prefill_answer(body).map(|()| body.clone())
+            })
             .await;
-            in_flight.set_outcome(match &result {
-                Ok(_) => RequestOutcome::Success,
-                Err(e) if e.is_worker_fault() => RequestOutcome::Failure,
-                Err(_) => RequestOutcome::Other,
-            });
             if let Err(e) = &result {
                 state.report(&worker, e);
             }

@@ -22,7 +22,7 @@ use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, LegError, LegErrorKind, LegResponse};
+use crate::worker_client::{Exchange, LegError, LegErrorKind, LegRequest, LegResponse};
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -160,79 +160,116 @@ async fn send_leg(
     in_flight: &mut Option<InFlight>,
 ) -> Result<Response, LegError> {
     let label = format!("{} worker", leg.role);
-    let exchange = Exchange::new(&worker, &label, state.config.decode_timeout);
-    let sent = Instant::now();
-    let body = leg.body.clone();
     let rank = leg.dp_rank.or_else(|| worker.next_dp_rank());
     // Legs go over a direct connection that this task drives itself where the worker's
     // URL allows: a stream's burst of events is relayed in one write to the client, and
     // no connection task is woken.
-    let request = state
-        .client
-        .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
+    let request = state.client.leg_request(
+        worker.url(ctx.endpoint),
+        leg.body.clone(),
+        &ctx.headers,
+        rank,
+    );
+    let shape = BodyShape::Object;
+    match start_answer(state, &worker, &label, request, leg.stream, shape).await? {
+        AnswerStart::Body(body) => {
+            // The decode side's KV handle names internal hosts and blocks: kept for the
+            // conversation's next turn when there is one, never shown to the client.
+            let (body, kv) = split_kv_params(body);
+            if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
+                state.conversations.put(conversation, kv);
+            }
+            if let Some(mut in_flight) = in_flight.take() {
+                in_flight.set_outcome(RequestOutcome::Success);
+            }
+            state
+                .metrics
+                .observe_end_to_end(ctx.route, ctx.started.elapsed());
+            Ok(json_response(body))
+        }
+        AnswerStart::Stream(head) => {
+            let conversation = leg.conversation_id.clone().map(|id| ConversationSink {
+                cache: state.conversations.clone(),
+                id,
+            });
+            let in_flight = in_flight
+                .take()
+                .unwrap_or_else(|| state.start_request(worker.clone()));
+            let (content_type, relay) = relay(state, ctx, &worker, in_flight, head, conversation);
+            Ok(stream_response(content_type, relay.into_stream()))
+        }
+    }
+}
+
+/// What a 2xx non-stream answer must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BodyShape {
+    /// A JSON object (OpenAI's answers).
+    Object,
+    /// A JSON object or list (SGLang's `/generate` answers a batch with a list).
+    ObjectOrArray,
+}
+
+/// How the answering leg began.
+pub(crate) enum AnswerStart {
+    /// A non-stream answer, complete and of the expected shape.
+    Body(Bytes),
+    /// A stream's first bytes and the rest.
+    Stream(StreamHead),
+}
+
+/// Sends the leg that answers the client (`label` names its worker in messages) within
+/// `--decode-timeout-secs` and waits for its first bytes; a non-stream answer is read
+/// whole, bounded by `--stream-idle-timeout-secs` as a stream's silence is, and must be
+/// JSON of `shape`. Decode time to first byte is recorded when the answer's head came,
+/// in every mode.
+pub(crate) async fn start_answer(
+    state: &AppState,
+    worker: &Worker,
+    label: &str,
+    request: LegRequest,
+    stream: bool,
+    shape: BodyShape,
+) -> Result<AnswerStart, LegError> {
+    let exchange = Exchange::new(worker, label, state.config.decode_timeout);
+    let sent = Instant::now();
     let response = exchange.send_leg(&state.client.direct, request).await?;
-    if !leg.stream {
+    if !stream {
         state.metrics.observe_decode_ttfb(sent.elapsed());
-        // A non-stream answer's body may take the whole generation: bound it by the
-        // stream idle limit, as a stream's silence is.
-        let body = Exchange::new(&worker, &label, state.config.stream_idle_timeout)
+        let body = Exchange::new(worker, label, state.config.stream_idle_timeout)
             .read_leg(response)
             .await?;
-        return finish_body(state, ctx, leg, in_flight, &exchange, body);
+        // Checked without building the value: valid JSON that opens as `shape` says.
+        let opens = body.trim_ascii_start().first();
+        let (fits, what) = match shape {
+            BodyShape::Object => (opens == Some(&b'{'), "a JSON object"),
+            BodyShape::ObjectOrArray => (matches!(opens, Some(b'{' | b'[')), "JSON"),
+        };
+        if !(fits && serde_json::from_slice::<IgnoredAny>(&body).is_ok()) {
+            return Err(exchange.error(
+                LegErrorKind::Transport,
+                format!("answered 200 with a body that is not {what}"),
+            ));
+        }
+        return Ok(AnswerStart::Body(body));
     }
     // Wait for the first byte before answering: until then a failure can still become
     // a proper error status or a retry on another worker.
     let head = first_event(&exchange, response).await?;
     state.metrics.observe_decode_ttfb(sent.elapsed());
-    Ok(relay_response(state, ctx, leg, worker, in_flight, head))
+    Ok(AnswerStart::Stream(head))
 }
 
-/// The client's answer to a non-stream leg: the worker's JSON `body` without the decode
-/// side's KV handle.
-// The same error the async legs return; boxing it only here would not shrink them.
-#[allow(clippy::result_large_err)]
-fn finish_body(
-    state: &Arc<AppState>,
+/// The relay of a streamed answer from `worker` (`head` and the rest), which takes over
+/// `in_flight`, and the answer's `Content-Type`.
+pub(crate) fn relay(
+    state: &AppState,
     ctx: &RequestContext,
-    leg: &FinalLeg,
-    in_flight: &mut Option<InFlight>,
-    exchange: &Exchange<'_>,
-    body: Bytes,
-) -> Result<Response, LegError> {
-    // Checked without building the value: valid JSON that opens with `{` is an object.
-    let is_object = body.trim_ascii_start().starts_with(b"{")
-        && serde_json::from_slice::<IgnoredAny>(&body).is_ok();
-    if !is_object {
-        return Err(exchange.error(
-            LegErrorKind::Transport,
-            "answered 200 with a body that is not a JSON object",
-        ));
-    }
-    // The decode side's KV handle names internal hosts and blocks: kept for the
-    // conversation's next turn when there is one, never shown to the client.
-    let (body, kv) = split_kv_params(body);
-    if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
-        state.conversations.put(conversation, kv);
-    }
-    if let Some(mut in_flight) = in_flight.take() {
-        in_flight.set_outcome(RequestOutcome::Success);
-    }
-    state
-        .metrics
-        .observe_end_to_end(ctx.route, ctx.started.elapsed());
-    Ok(json_response(body))
-}
-
-/// The client's streamed response: `head` and the rest of the upstream, relayed; the
-/// relay takes over `in_flight`.
-fn relay_response(
-    state: &Arc<AppState>,
-    ctx: &RequestContext,
-    leg: &FinalLeg,
-    worker: Arc<Worker>,
-    in_flight: &mut Option<InFlight>,
+    worker: &Worker,
+    in_flight: InFlight,
     head: StreamHead,
-) -> Response {
+    conversation: Option<ConversationSink>,
+) -> (HeaderValue, Relay) {
     let StreamHead {
         content_type,
         first,
@@ -244,20 +281,23 @@ fn relay_response(
         upstream,
         decoded_elsewhere,
         idle_timeout: state.config.stream_idle_timeout,
-        conversation: leg.conversation_id.clone().map(|id| ConversationSink {
-            cache: state.conversations.clone(),
-            id,
-        }),
+        conversation,
         metrics: state.metrics.clone(),
         route: ctx.route,
         started: ctx.started,
         worker: worker.base.clone(),
         request_id: ctx.headers.request_id().to_string(),
-        in_flight: in_flight
-            .take()
-            .unwrap_or_else(|| state.start_request(worker.clone())),
+        in_flight,
     };
-    let mut response = Response::new(Body::from_stream(relay.into_stream()));
+    (content_type, relay)
+}
+
+/// A 200 streaming `stream` as `content_type`, uncached.
+pub(crate) fn stream_response<S>(content_type: HeaderValue, stream: S) -> Response
+where
+    S: futures::Stream<Item = Result<Bytes, std::convert::Infallible>> + Send + 'static,
+{
+    let mut response = Response::new(Body::from_stream(stream));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, content_type);
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -265,7 +305,7 @@ fn relay_response(
 }
 
 /// A 200 carrying a worker's JSON body unchanged.
-fn json_response(body: Bytes) -> Response {
+pub(crate) fn json_response(body: Bytes) -> Response {
     let mut response = Response::new(Body::from(body));
     *response.status_mut() = StatusCode::OK;
     response.headers_mut().insert(
@@ -276,7 +316,7 @@ fn json_response(body: Bytes) -> Response {
 }
 
 /// A streamed answer once its first bytes came.
-pub(super) struct StreamHead {
+pub(crate) struct StreamHead {
     /// The worker's `Content-Type` (SSE when it named none).
     pub content_type: HeaderValue,
     /// The first chunk.
@@ -289,7 +329,7 @@ pub(super) struct StreamHead {
 
 /// Waits, within `exchange`'s deadline, for the first chunk of a streamed `response`:
 /// a stream that ends or fails before it is a transport error.
-pub(super) async fn first_event(
+pub(crate) async fn first_event(
     exchange: &Exchange<'_>,
     response: LegResponse,
 ) -> Result<StreamHead, LegError> {

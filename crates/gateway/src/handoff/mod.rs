@@ -10,6 +10,7 @@ pub mod epd;
 pub mod final_leg;
 pub mod media;
 pub mod mm_rewrite;
+pub mod prefill_leg;
 pub mod relay;
 pub mod retry;
 pub mod sequential;

@@ -9,7 +9,6 @@
 //!    decode worker pulls the blocks and generates.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::response::Response;
 use bytes::Bytes;
@@ -18,14 +17,15 @@ use pdserve_protocol::{KvTransferParams, WorkerRole};
 use serde_json::value::RawValue;
 
 use super::final_leg::{expose_worker, forward, FinalLeg};
+use super::prefill_leg::send_prefill;
 use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
-use crate::policy::{RequestOutcome, RouteRequest};
+use crate::policy::RouteRequest;
 use crate::registry::Worker;
 use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegErrorKind};
+use crate::worker_client::{ForwardHeaders, LegError};
 
 /// Runs the prefill leg, then the decode leg.
 pub async fn serve(
@@ -281,25 +281,13 @@ async fn prefill_once(
     body: Bytes,
     rank: Option<u32>,
 ) -> Result<PrefillAnswer, LegError> {
-    let mut in_flight = state.start_request(worker.clone());
-    let sent = Instant::now();
-    let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
     let request = state
         .client
         .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
-    let result = async {
-        let response = exchange.send_leg(&state.client.direct, request).await?;
-        let body = exchange.read_leg(response).await?;
-        state.metrics.observe_prefill(sent.elapsed());
-        parse_prefill_answer(&body).map_err(|why| exchange.error(LegErrorKind::Status, why))
-    }
-    .await;
-    in_flight.set_outcome(match &result {
-        Ok(_) => RequestOutcome::Success,
-        Err(e) if e.is_worker_fault() => RequestOutcome::Failure,
-        Err(_) => RequestOutcome::Other,
-    });
-    result
+    send_prefill(state, worker, Ok(request), None, |body| {
+        parse_prefill_answer(body)
+    })
+    .await
 }
 
 /// The two fields the gateway reads from a prefill answer, as their source text;
