@@ -7,7 +7,9 @@
 //! E+PD) is chosen before encoding, with one data-parallel rank named both to it and to
 //! the encoders (push connectors deliver to that replica). A failure of that stage, or a
 //! decode 500, before the first byte reached the client redoes the whole attempt from
-//! the original request (encode again, then a fresh consumer), up to `--max-retries`.
+//! the original request (encode again, then a fresh consumer); another decode failure
+//! retries the decode leg alone on another decode worker, the prefill's KV kept. One
+//! loop, one budget: `1 + --max-retries` attempts in all, with backoff between them.
 //!
 //! [`encode`]: super::encode
 //! [`mm_rewrite`]: super::mm_rewrite
@@ -19,41 +21,17 @@ use axum::response::Response;
 use pdserve_protocol::{ApiError, ChatCompletionRequest, KvTransferParams, WorkerRole};
 
 use super::encode::{encode, Encoded};
-use super::final_leg::{expose_worker, forward_once, forward_reencodable, FinalLeg};
+use super::final_leg::{expose_worker, forward_once, FinalLeg};
 use super::media::{extract, MediaItem};
 use super::mm_rewrite::{merge_ec_params, rewrite};
+use super::retry::RetryBudget;
 use super::sequential::{prefill_body, prefill_pinned, ReleaseOnDrop};
 use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
-use crate::policy::RouteRequest;
 use crate::registry::{Mode, Roster, Worker};
 use crate::request::ClientRequest;
 use crate::state::AppState;
 use crate::worker_client::LegError;
-
-/// How one attempt ended when it did not answer the client.
-enum AttemptError {
-    /// Failed before anything reached the client in a way another attempt may fix.
-    Retry(Failure),
-    /// Final (a 4xx, a failed encoder stage).
-    Final(Failure),
-}
-
-impl From<Failure> for AttemptError {
-    fn from(failure: Failure) -> Self {
-        Self::Final(failure)
-    }
-}
-
-impl From<LegError> for AttemptError {
-    fn from(e: LegError) -> Self {
-        if e.retryable() || e.escalated {
-            Self::Retry(e.failure)
-        } else {
-            Self::Final(e.failure)
-        }
-    }
-}
 
 /// Stage durations of one attempt.
 #[derive(Debug, Default)]
@@ -106,68 +84,184 @@ pub async fn serve(
         }
         _ => None,
     };
-    let attempts = 1 + state.config.max_retries as usize;
-    let mut tried: Vec<Arc<Worker>> = Vec::new();
-    for attempt in 1..=attempts {
-        // A fresh consumer each attempt while there is one; else the same again (a
-        // decode 500 is usually the embedding, not the worker).
-        let consumer = state
-            .pick(consumer_role, &tried, &route)
-            .or_else(|| state.pick(consumer_role, &[], &route))
-            .ok_or_else(|| {
-                ApiError::service_unavailable(format!(
-                    "no healthy {consumer_role} worker is available"
-                ))
-            })?;
-        tried.push(consumer.clone());
-        let rank = consumer.next_dp_rank();
-        let consumer_zmq = consumer
-            .spec
-            .ec_zmq_addrs
-            .get(rank.unwrap_or(0) as usize)
-            .map(String::as_str);
-        let mut stages = Stages::default();
-        let started = Instant::now();
-        let encoded = encode(state, ctx, chat, &items, consumer_zmq).await?;
-        stages.encode = started.elapsed();
-        let rewritten = Instant::now();
-        let prepared = prepare(state, chat, &items, &encoded);
-        stages.rewrite = rewritten.elapsed();
-        let legs = Legs {
-            state,
-            ctx,
-            route: &route,
-            consumer: &consumer,
-            rank,
+    let mut budget = RetryBudget::new(state);
+    let mut consumers: Vec<Arc<Worker>> = Vec::new();
+    // Set while a prefill's KV is pinned for this request: a decode failure other than a
+    // 500 retries only the decode leg, on another decode worker.
+    let mut prefilled: Option<Prefilled> = None;
+    let mut last: Option<LegError> = None;
+    while budget.take().await {
+        let attempt = budget.used();
+        if let Some(previous) = &last {
+            let again = if prefilled.is_some() {
+                "decode leg"
+            } else {
+                "request from its encoder stage"
+            };
+            tracing::warn!(
+                request_id = ctx.headers.request_id(),
+                attempt,
+                reason = previous.kind.as_str(),
+                "retrying the {again}: {}",
+                previous.failure_message()
+            );
+        }
+        let mut current = match prefilled.take() {
+            Some(current) => current,
+            None => {
+                if last.is_some() {
+                    state.metrics.inc_encoder_reencodes();
+                }
+                // A fresh consumer each time while there is one; else the same again (a
+                // decode 500 is usually the embedding, not the worker).
+                let consumer = state
+                    .pick(consumer_role, &consumers, &route)
+                    .or_else(|| state.pick(consumer_role, &[], &route))
+                    .ok_or_else(|| {
+                        ApiError::service_unavailable(format!(
+                            "no healthy {consumer_role} worker is available"
+                        ))
+                    })?;
+                consumers.push(consumer.clone());
+                let rank = consumer.next_dp_rank();
+                let consumer_zmq = consumer
+                    .spec
+                    .ec_zmq_addrs
+                    .get(rank.unwrap_or(0) as usize)
+                    .map(String::as_str);
+                let mut stages = Stages::default();
+                let started = Instant::now();
+                let encoded = encode(state, ctx, chat, &items, consumer_zmq).await?;
+                stages.encode = started.elapsed();
+                let rewritten = Instant::now();
+                let prepared = prepare(state, chat, &items, &encoded);
+                stages.rewrite = rewritten.elapsed();
+                if consumer_role == WorkerRole::PrefillDecode {
+                    // E+PD: the consumer prefills and decodes (pinned to it).
+                    let leg = FinalLeg {
+                        role: WorkerRole::PrefillDecode,
+                        body: prepared.to_body(),
+                        stream: prepared.is_stream(),
+                        // A prefill_decode worker keeps its own prefix cache.
+                        conversation_id: None,
+                        dp_rank: rank,
+                        reencode_on_500: true,
+                    };
+                    let started = Instant::now();
+                    match forward_once(state, ctx, &leg, &consumer).await {
+                        Ok(response) => {
+                            stages.decode_ttfb = started.elapsed();
+                            record(state, ctx, mode, &items, &encoded, &stages, attempt);
+                            return Ok(response);
+                        }
+                        Err(e) if e.retryable() || e.escalated => {
+                            last = Some(e);
+                            continue;
+                        }
+                        Err(e) => return Err(e.failure),
+                    }
+                }
+                // E+P+D: the consumer prefills (pinned to it), then a decode worker.
+                let params = match cached.take() {
+                    Some(decode_params) => KvTransferParams {
+                        do_remote_decode: true,
+                        do_remote_prefill: false,
+                        ..decode_params
+                    },
+                    None => KvTransferParams::prefill_request(),
+                };
+                let mut prepared = prepared;
+                let body = prefill_body(&prepared, params);
+                let started = Instant::now();
+                let handle = match prefill_pinned(state, ctx, &consumer, body, rank).await {
+                    Ok(handle) => handle,
+                    Err(e) if e.retryable() || e.escalated => {
+                        last = Some(e);
+                        continue;
+                    }
+                    Err(e) => return Err(e.failure),
+                };
+                stages.prefill = Some(started.elapsed());
+                // As in the plain P/D handoff: a failed decode (or a client gone first)
+                // frees the consumer's pinned blocks at once, not at its abort timeout.
+                let release = ReleaseOnDrop::new(state, &consumer, handle.clone(), &ctx.headers);
+                prepared.transport_mut().kv_transfer_params = handle;
+                Prefilled {
+                    body: prepared,
+                    release,
+                    prefill: consumer,
+                    encoded,
+                    stages,
+                    decode_tried: Vec::new(),
+                }
+            }
+        };
+        // The decode leg of E+P+D: a worker this prefill has not failed on yet.
+        let Some(decode) = state.pick(WorkerRole::Decode, &current.decode_tried, &route) else {
+            return Err(match last {
+                Some(e) => e.failure,
+                None => {
+                    ApiError::service_unavailable("no healthy decode worker is available").into()
+                }
+            });
+        };
+        current.decode_tried.push(decode.clone());
+        let leg = FinalLeg {
+            role: WorkerRole::Decode,
+            body: current.body.to_body(),
+            stream: current.body.is_stream(),
             conversation_id: conversation_id.clone(),
+            dp_rank: None,
+            reencode_on_500: true,
         };
-        let result = if consumer_role == WorkerRole::Prefill {
-            legs.prefill_then_decode(prepared, cached.take(), &mut stages)
-                .await
-        } else {
-            legs.prefill_decode(prepared, &mut stages).await
-        };
-        match result {
-            Ok(response) => {
-                record(state, ctx, mode, &items, &encoded, &stages, attempt);
+        let started = Instant::now();
+        match forward_once(state, ctx, &leg, &decode).await {
+            Ok(mut response) => {
+                current.release.disarm();
+                current.stages.decode_ttfb = started.elapsed();
+                if state.config.expose_routing {
+                    expose_worker(&mut response, X_PDSERVE_PREFILL, &current.prefill);
+                }
+                record(
+                    state,
+                    ctx,
+                    mode,
+                    &items,
+                    &current.encoded,
+                    &current.stages,
+                    attempt,
+                );
                 return Ok(response);
             }
-            Err(AttemptError::Retry(failure)) if attempt < attempts => {
-                state.metrics.inc_encoder_reencodes();
-                tracing::warn!(
-                    request_id = ctx.headers.request_id(),
-                    attempt,
-                    consumer = %consumer.base,
-                    "encoding again and retrying: {:?}",
-                    failure
-                );
+            // A 500: the embedding could not be fetched; the whole request is redone
+            // (dropping `current` releases the prefill's KV).
+            Err(e) if e.escalated => last = Some(e),
+            Err(e) if e.retryable() => {
+                state.metrics.inc_retries("decode", e.kind.as_str());
+                last = Some(e);
+                prefilled = Some(current);
             }
-            Err(AttemptError::Retry(failure) | AttemptError::Final(failure)) => {
-                return Err(failure)
-            }
+            Err(e) => return Err(e.failure),
         }
     }
-    Err(ApiError::service_unavailable("no attempt could be made").into())
+    Err(match last {
+        Some(e) => e.failure,
+        None => ApiError::service_unavailable("no attempt could be made").into(),
+    })
+}
+
+/// An E+P+D request whose prefill is done: what its decode leg needs, kept across decode
+/// retries.
+struct Prefilled {
+    /// The decode leg's body, carrying the prefill's KV handle.
+    body: ClientRequest,
+    /// Releases the prefill's KV unless a decode answered.
+    release: ReleaseOnDrop,
+    prefill: Arc<Worker>,
+    encoded: Encoded,
+    stages: Stages,
+    /// Decode workers that failed this prefill's decode leg.
+    decode_tried: Vec<Arc<Worker>>,
 }
 
 /// Why a media request cannot be served, in words.
@@ -213,87 +307,6 @@ fn prepare(
         merge_ec_params(&mut out.extra, encoded.handles.clone());
     }
     ClientRequest::Chat(out)
-}
-
-/// The legs after the encoder stage, for one attempt.
-struct Legs<'a> {
-    state: &'a Arc<AppState>,
-    ctx: &'a RequestContext,
-    route: &'a RouteRequest<'a>,
-    consumer: &'a Arc<Worker>,
-    rank: Option<u32>,
-    conversation_id: Option<String>,
-}
-
-impl Legs<'_> {
-    /// E+P+D: prefill on the consumer (pinned, one try), then decode (retried on other
-    /// decode workers, except for a 500, which re-encodes).
-    async fn prefill_then_decode(
-        self,
-        mut prepared: ClientRequest,
-        cached: Option<KvTransferParams>,
-        stages: &mut Stages,
-    ) -> Result<Response, AttemptError> {
-        let params = match cached {
-            Some(decode_params) => KvTransferParams {
-                do_remote_decode: true,
-                do_remote_prefill: false,
-                ..decode_params
-            },
-            None => KvTransferParams::prefill_request(),
-        };
-        let body = prefill_body(&prepared, params);
-        let started = Instant::now();
-        let handle = prefill_pinned(self.state, self.ctx, self.consumer, body, self.rank).await?;
-        stages.prefill = Some(started.elapsed());
-        // As in the plain P/D handoff: a failed decode (or a client gone first) frees the
-        // consumer's pinned blocks at once instead of at its abort timeout.
-        let release =
-            ReleaseOnDrop::new(self.state, self.consumer, handle.clone(), &self.ctx.headers);
-        prepared.transport_mut().kv_transfer_params = handle;
-        let leg = FinalLeg {
-            role: WorkerRole::Decode,
-            body: prepared.to_body(),
-            stream: prepared.is_stream(),
-            conversation_id: self.conversation_id,
-            dp_rank: None,
-            reencode_on_500: true,
-        };
-        let started = Instant::now();
-        let mut response = forward_reencodable(self.state, self.ctx, self.route, leg)
-            .await
-            .map_err(|e| match e.reencode {
-                true => AttemptError::Retry(e.failure),
-                false => AttemptError::Final(e.failure),
-            })?;
-        release.disarm();
-        stages.decode_ttfb = started.elapsed();
-        if self.state.config.expose_routing {
-            expose_worker(&mut response, X_PDSERVE_PREFILL, self.consumer);
-        }
-        Ok(response)
-    }
-
-    /// E+PD: the consumer prefills and decodes (pinned, one try).
-    async fn prefill_decode(
-        self,
-        prepared: ClientRequest,
-        stages: &mut Stages,
-    ) -> Result<Response, AttemptError> {
-        let leg = FinalLeg {
-            role: WorkerRole::PrefillDecode,
-            body: prepared.to_body(),
-            stream: prepared.is_stream(),
-            // A prefill_decode worker keeps its own prefix cache; no KV to hand over.
-            conversation_id: None,
-            dp_rank: self.rank,
-            reencode_on_500: true,
-        };
-        let started = Instant::now();
-        let response = forward_once(self.state, self.ctx, &leg, self.consumer).await?;
-        stages.decode_ttfb = started.elapsed();
-        Ok(response)
-    }
 }
 
 /// Stage metrics and the per-request debug line.

@@ -1,7 +1,6 @@
 //! The leg that answers the client (decode, or a prefill_decode worker): worker choice,
 //! retry before the first byte, time-to-first-byte limit, streaming relay.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -42,15 +41,6 @@ pub struct FinalLeg {
     pub reencode_on_500: bool,
 }
 
-/// Why a final leg sent with `reencode_on_500` failed.
-#[derive(Debug)]
-pub struct FinalLegError {
-    /// What the client gets if nothing else is tried.
-    pub failure: Failure,
-    /// A worker answered 500 before its first byte: redoing the encoder stage may help.
-    pub reencode: bool,
-}
-
 /// Sends the leg, retrying on another worker while nothing has reached the client.
 pub async fn forward(
     state: &Arc<AppState>,
@@ -58,41 +48,12 @@ pub async fn forward(
     route: &RouteRequest<'_>,
     leg: FinalLeg,
 ) -> Result<Response, Failure> {
-    forward_reencodable(state, ctx, route, leg)
-        .await
-        .map_err(|e| e.failure)
-}
-
-/// Like [`forward`], and says whether the failure was an escalated 500.
-pub async fn forward_reencodable(
-    state: &Arc<AppState>,
-    ctx: &RequestContext,
-    route: &RouteRequest<'_>,
-    leg: FinalLeg,
-) -> Result<Response, FinalLegError> {
-    let escalated = AtomicBool::new(false);
-    let result = with_retries(state, ctx, route, leg.role, Leg::Final, |w| {
-        let escalated = &escalated;
-        let leg = &leg;
-        async move {
-            let result = attempt(state, ctx, leg, w).await;
-            if result.as_ref().is_err_and(|e| e.escalated) {
-                escalated.store(true, Ordering::Relaxed);
-            }
-            result
-        }
+    let (mut response, worker) = with_retries(state, ctx, route, leg.role, Leg::Final, |w| {
+        attempt(state, ctx, &leg, w)
     })
-    .await;
-    match result {
-        Ok((mut response, worker)) => {
-            expose_final(state, &mut response, leg.role, &worker);
-            Ok(response)
-        }
-        Err(failure) => Err(FinalLegError {
-            failure,
-            reencode: escalated.load(Ordering::Relaxed),
-        }),
-    }
+    .await?;
+    expose_final(state, &mut response, leg.role, &worker);
+    Ok(response)
 }
 
 /// Sends the leg once, to `worker` (the consumer the encoders published to); the caller
@@ -106,6 +67,7 @@ pub async fn forward_once(
     let mut response = attempt(state, ctx, leg, worker.clone())
         .await
         .inspect_err(|e| state.report(worker, e))?;
+    state.registry.record_answer(worker);
     expose_final(state, &mut response, leg.role, worker);
     Ok(response)
 }

@@ -40,9 +40,58 @@ impl Leg {
     }
 }
 
+/// One request's retry budget: `1 + --max-retries` attempts in all, whatever leg or
+/// stage each attempt redoes, with an exponential backoff with jitter before each retry.
+pub struct RetryBudget {
+    attempts: usize,
+    used: usize,
+    backoff: backon::ExponentialBackoff,
+}
+
+impl RetryBudget {
+    /// The budget `--max-retries` gives one request.
+    pub fn new(state: &AppState) -> Self {
+        Self {
+            attempts: 1 + state.config.max_retries as usize,
+            used: 0,
+            backoff: ExponentialBuilder::default()
+                .with_min_delay(MIN_BACKOFF)
+                .with_max_delay(MAX_BACKOFF)
+                .with_jitter()
+                .without_max_times()
+                .build(),
+        }
+    }
+
+    /// Whether an attempt is left.
+    pub fn left(&self) -> bool {
+        self.used < self.attempts
+    }
+
+    /// Attempts taken so far.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Takes the next attempt, after the backoff when it is a retry; `false` when the
+    /// budget is spent.
+    pub async fn take(&mut self) -> bool {
+        if !self.left() {
+            return false;
+        }
+        if self.used > 0 {
+            if let Some(delay) = self.backoff.next() {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        self.used += 1;
+        true
+    }
+}
+
 /// Runs `attempt` on a worker of `role` chosen by the policy, and again on fresh workers
-/// while it fails in a retryable way, up to `--max-retries` retries. Returns the result
-/// and the worker that produced it.
+/// while it fails in a retryable way, within the request's [`RetryBudget`]. Returns the
+/// result and the worker that produced it.
 pub async fn with_retries<T, F, Fut>(
     state: &Arc<AppState>,
     ctx: &RequestContext,
@@ -55,16 +104,10 @@ where
     F: FnMut(Arc<Worker>) -> Fut,
     Fut: Future<Output = Result<T, LegError>>,
 {
-    let attempts = 1 + state.config.max_retries as usize;
-    let mut backoff = ExponentialBuilder::default()
-        .with_min_delay(MIN_BACKOFF)
-        .with_max_delay(MAX_BACKOFF)
-        .with_jitter()
-        .without_max_times()
-        .build();
+    let mut budget = RetryBudget::new(state);
     let mut tried: Vec<Arc<Worker>> = Vec::new();
     let mut last: Option<LegError> = None;
-    while tried.len() < attempts {
+    while budget.left() {
         let Some(worker) = state.pick(role, &tried, route) else {
             break;
         };
@@ -72,9 +115,6 @@ where
             state
                 .metrics
                 .inc_retries(leg.as_str(), previous.kind.as_str());
-            if let Some(delay) = backoff.next() {
-                tokio::time::sleep(delay).await;
-            }
             tracing::warn!(
                 request_id = ctx.headers.request_id(),
                 worker = %worker.base,
@@ -83,6 +123,7 @@ where
                 leg.as_str()
             );
         }
+        budget.take().await;
         tried.push(worker.clone());
         match attempt(worker.clone()).await {
             Ok(value) => {

@@ -202,3 +202,36 @@ async fn profiling_goes_to_one_instance_per_role_and_tolerates_404s() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn decode_failures_share_one_retry_budget_with_the_encoder_stage() {
+    bounded(async {
+        let encoder = Encoder::start("e0").await;
+        let prefill = Double::start(Role::Prefill, "p").await;
+        let d0 = Double::start(Role::Decode, "d0").await;
+        let d1 = Double::start(Role::Decode, "d1").await;
+        let gateway =
+            epd_gateway(&[&encoder], &[&prefill], &[&d0, &d1], &[], |c| c.max_retries = 3).await;
+        for d in [&d0, &d1] {
+            d.set(WorkerBehavior::Status(503, "busy"));
+        }
+        let (status, body) = chat(&gateway, "r", &mm_request(&[image("a")], false)).await;
+        assert_eq!(status, 502, "{body}");
+        // A decode failure that is not a 500 retries the decode leg alone, on the other
+        // decode worker; with none left the request ends: one encoding, one prefill.
+        let decodes = d0.requests().len() + d1.requests().len();
+        assert_eq!(decodes, 2, "each decode worker once");
+        assert_eq!((encoder.requests().len(), prefill.requests().len()), (1, 1));
+
+        // 500s re-encode, and every attempt of any stage counts against one budget.
+        for d in [&d0, &d1] {
+            d.set(WorkerBehavior::Status(500, "embedding not found"));
+        }
+        let (status, _) = chat(&gateway, "r2", &mm_request(&[image("a")], false)).await;
+        assert_eq!(status, 502);
+        let decodes = d0.requests().len() + d1.requests().len() - 2;
+        assert_eq!(decodes, 4, "1 + --max-retries decode attempts in all");
+        assert_eq!(encoder.requests().len() - 1, 4);
+    })
+    .await;
+}
