@@ -2,7 +2,6 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
@@ -19,11 +18,13 @@ use tower_http::request_id::{
 };
 use tower_http::trace::TraceLayer;
 
-use crate::args::GatewayConfig;
+use crate::args::{GatewayConfig, Protocol};
 use crate::endpoint::Endpoint;
 use crate::error::{Failure, GatewayError};
+use crate::handoff::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use crate::handoff::{self, RequestContext};
 use crate::policy::RouteRequest;
+use crate::registry::Mode;
 use crate::request::{body_rejection, ClientRequest};
 use crate::state::AppState;
 use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
@@ -35,10 +36,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
-        .route(
-            handoff::bootstrap::GENERATE_ROUTE,
-            post(handoff::bootstrap::generate_native),
-        )
+        .route(GENERATE_ROUTE, post(sglang_generate))
         .route("/v1/models", get(models))
         .route("/health", get(readiness::readiness))
         .route("/readiness", get(readiness::readiness))
@@ -203,19 +201,60 @@ async fn generate(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let ctx = RequestContext {
-        endpoint,
-        route: endpoint.path(),
-        headers: ForwardHeaders::from_client(&headers),
-        client_headers: headers,
-        started: Instant::now(),
-    };
+    let ctx = RequestContext::new(endpoint, endpoint.path(), headers);
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
         handoff::generate(&state, &ctx, request, conversation_id).await
     }
     .await;
+    answer(&state, &ctx, result)
+}
+
+/// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D
+/// pools with SGLang's bootstrap handoff.
+async fn sglang_generate(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let ctx = RequestContext::new(Endpoint::Completions, GENERATE_ROUTE, headers);
+    let result = async {
+        if state.config.protocol != Protocol::Sglang {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "/generate is SGLang's native route; the gateway serves it with --protocol sglang",
+            )
+            .into());
+        }
+        let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
+        let mut body = match serde_json::from_slice::<Value>(&body) {
+            Ok(Value::Object(map)) => map,
+            _ => return Err(ApiError::bad_request("the body must be a JSON object").into()),
+        };
+        // Only the gateway writes KV handles (the bootstrap fields are overwritten).
+        body.remove("kv_transfer_params");
+        let roster = state.registry.snapshot();
+        if roster.routing_mode() != Mode::Disaggregated {
+            return Err(ApiError::service_unavailable(format!(
+                "/generate needs prefill and decode workers: {}",
+                roster.missing().join("; ")
+            ))
+            .into());
+        }
+        state.metrics.record_disaggregation("disaggregated");
+        let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
+        let shape = SglangRoute::Generate;
+        handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route).await
+    }
+    .await;
+    answer(&state, &ctx, result)
+}
+
+/// The client's answer to a generation request, with its failure logged and both
+/// counted: every generation route ends here.
+fn answer(state: &AppState, ctx: &RequestContext, result: Result<Response, Failure>) -> Response {
     let response = match result {
         Ok(response) => response,
         Err(failure) => {

@@ -21,15 +21,11 @@
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::{Bytes, BytesMut};
 use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt};
-use http::{HeaderMap, StatusCode};
 use pdserve_protocol::sse::{data_event, DONE};
 use pdserve_protocol::{ApiError, WorkerRole};
 use reqwest::Url;
@@ -44,89 +40,16 @@ use super::final_leg::{
 use super::prefill_leg::send_prefill;
 use super::relay::split_kv_params;
 use super::retry::{with_retries, Leg};
-pub use super::sglang_route::SglangRoute;
+pub use super::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
-use crate::args::Protocol;
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
 use crate::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::registry::{Mode, Worker};
-use crate::request::{append_verbatim, body_rejection, ClientRequest};
+use crate::registry::Worker;
+use crate::request::{append_verbatim, ClientRequest};
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegErrorKind, LegRequest};
-
-/// The metrics label and path of SGLang's native route.
-pub const GENERATE_ROUTE: &str = "/generate";
-
-/// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D pools.
-pub async fn generate_native(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let ctx = RequestContext {
-        endpoint: Endpoint::Completions,
-        route: GENERATE_ROUTE,
-        headers: ForwardHeaders::from_client(&headers),
-        client_headers: headers,
-        started: Instant::now(),
-    };
-    let result = async {
-        if state.config.protocol != Protocol::Sglang {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                "/generate is SGLang's native route; the gateway serves it with --protocol sglang",
-            )
-            .into());
-        }
-        let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
-        let mut body = match serde_json::from_slice::<Value>(&body) {
-            Ok(Value::Object(map)) => map,
-            _ => {
-                return Err(ApiError::bad_request("the body must be a JSON object").into());
-            }
-        };
-        // Only the gateway writes KV handles (the bootstrap fields are overwritten).
-        body.remove("kv_transfer_params");
-        let roster = state.registry.snapshot();
-        if roster.routing_mode() != Mode::Disaggregated {
-            return Err(ApiError::service_unavailable(format!(
-                "/generate needs prefill and decode workers: {}",
-                roster.missing().join("; ")
-            ))
-            .into());
-        }
-        state.metrics.record_disaggregation("disaggregated");
-        let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
-        serve_body(
-            &state,
-            &ctx,
-            SglangRoute::Generate,
-            body,
-            Vec::new(),
-            &route,
-        )
-        .await
-    }
-    .await;
-    let response = result.unwrap_or_else(|failure: Failure| {
-        tracing::info!(
-            request_id = ctx.headers.request_id(),
-            status = failure.status().as_u16(),
-            "request failed: {failure:?}"
-        );
-        state
-            .metrics
-            .observe_end_to_end(ctx.route, ctx.started.elapsed());
-        failure.into_response()
-    });
-    state
-        .metrics
-        .record_request(ctx.route, response.status().as_u16());
-    response
-}
+use crate::worker_client::{Exchange, LegError, LegErrorKind, LegRequest};
 
 /// Serves a validated chat or completion request with SGLang's bootstrap handoff.
 pub async fn serve(
@@ -164,7 +87,7 @@ struct Plan {
 
 /// Runs attempts on fresh P/D pairs while nothing reached the client and the failure is
 /// not the request's fault.
-async fn serve_body(
+pub(crate) async fn serve_body(
     state: &Arc<AppState>,
     ctx: &RequestContext,
     route: SglangRoute,

@@ -54,6 +54,17 @@ pub struct RequestContext {
 }
 
 impl RequestContext {
+    /// The context of a request to `route` that arrived now with the client's `headers`.
+    pub fn new(endpoint: Endpoint, route: &'static str, headers: HeaderMap) -> Self {
+        Self {
+            endpoint,
+            route,
+            headers: ForwardHeaders::from_client(&headers),
+            client_headers: headers,
+            started: Instant::now(),
+        }
+    }
+
     /// The routing facts of `request`.
     pub fn route_for<'a>(
         &'a self,

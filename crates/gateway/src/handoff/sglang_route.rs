@@ -24,3 +24,6 @@ impl SglangRoute {
         }
     }
 }
+
+/// The path (and metrics label) of SGLang's native route, on the gateway and the workers.
+pub const GENERATE_ROUTE: &str = "/generate";

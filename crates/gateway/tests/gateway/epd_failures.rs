@@ -210,8 +210,10 @@ async fn decode_failures_share_one_retry_budget_with_the_encoder_stage() {
         let prefill = Double::start(Role::Prefill, "p").await;
         let d0 = Double::start(Role::Decode, "d0").await;
         let d1 = Double::start(Role::Decode, "d1").await;
-        let gateway =
-            epd_gateway(&[&encoder], &[&prefill], &[&d0, &d1], &[], |c| c.max_retries = 3).await;
+        let gateway = epd_gateway(&[&encoder], &[&prefill], &[&d0, &d1], &[], |c| {
+            c.max_retries = 3
+        })
+        .await;
         for d in [&d0, &d1] {
             d.set(WorkerBehavior::Status(503, "busy"));
         }
