@@ -209,7 +209,7 @@ impl LegResponse {
     }
 
     /// The body as a stream of chunks.
-    pub fn into_stream(self) -> crate::handoff::relay::ByteStream {
+    pub fn into_stream(self) -> crate::legs::relay::ByteStream {
         use futures::{StreamExt, TryStreamExt};
         match self {
             Self::Direct(r) => r.body.err_into().boxed(),

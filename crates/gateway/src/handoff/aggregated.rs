@@ -6,9 +6,9 @@ use std::sync::Arc;
 use axum::response::Response;
 use pdserve_protocol::WorkerRole;
 
-use super::final_leg::{forward, FinalLeg};
 use super::RequestContext;
 use crate::error::Failure;
+use crate::legs::answer::{forward, FinalLeg};
 use crate::request::ClientRequest;
 use crate::state::AppState;
 

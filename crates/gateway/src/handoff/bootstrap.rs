@@ -34,16 +34,16 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use super::bootstrap_merge::{wants_input_logprobs, PrefillLogprobs};
-use super::final_leg::{
-    expose_worker, json_response, relay, start_answer, stream_response, AnswerStart, BodyShape,
-};
-use super::prefill_leg::send_prefill;
-use super::relay::split_kv_params;
-use super::retry::{with_retries, Leg};
 pub use super::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
+use crate::legs::answer::{
+    expose_worker, json_response, relay, start_answer, stream_response, AnswerStart, BodyShape,
+};
+use crate::legs::prefill::send_prefill;
+use crate::legs::relay::split_kv_params;
+use crate::legs::retry::{with_retries, Leg};
 use crate::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;

@@ -12,8 +12,8 @@
 use bytes::Bytes;
 use serde_json::Value;
 
-use super::relay::rewrite_events;
 use super::sglang_route::SglangRoute;
+use crate::legs::relay::rewrite_events;
 
 /// Whether the request asks for input (prompt) logprobs, so P's answer must be awaited
 /// and merged: `return_logprob` on `/generate`, `logprobs` with `echo` on completions.

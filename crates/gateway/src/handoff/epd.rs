@@ -11,8 +11,8 @@
 //! retries the decode leg alone on another decode worker, the prefill's KV kept. One
 //! loop, one budget: `1 + --max-retries` attempts in all, with backoff between them.
 //!
-//! [`encode`]: super::encode
-//! [`mm_rewrite`]: super::mm_rewrite
+//! [`encode`]: crate::encoder
+//! [`mm_rewrite`]: crate::encoder::mm_rewrite
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,14 +20,14 @@ use std::time::{Duration, Instant};
 use axum::response::Response;
 use pdserve_protocol::{ApiError, ChatCompletionRequest, KvTransferParams, WorkerRole};
 
-use super::encode::{encode, Encoded};
-use super::final_leg::{expose_worker, forward_once, FinalLeg};
-use super::media::{extract, MediaItem};
-use super::mm_rewrite::{merge_ec_params, rewrite};
-use super::retry::RetryBudget;
-use super::sequential::{prefill_body, prefill_pinned, ReleaseOnDrop};
 use super::{RequestContext, X_PDSERVE_PREFILL};
+use crate::encoder::media::{extract, MediaItem};
+use crate::encoder::mm_rewrite::{merge_ec_params, rewrite};
+use crate::encoder::{encode, Encoded};
 use crate::error::Failure;
+use crate::legs::answer::{expose_worker, forward_once, FinalLeg};
+use crate::legs::prefill::{prefill_body, prefill_pinned, ReleaseOnDrop};
+use crate::legs::retry::RetryBudget;
 use crate::registry::{Mode, Roster, Worker};
 use crate::request::ClientRequest;
 use crate::state::AppState;

@@ -1,7 +1,7 @@
 use serde_json::json;
 
 use super::*;
-use crate::handoff::media::extract;
+use crate::encoder::media::extract;
 
 fn request(parts: Value) -> ChatCompletionRequest {
     serde_json::from_value(json!({

@@ -13,10 +13,10 @@ use pdserve_protocol::WorkerRole;
 use serde::de::IgnoredAny;
 use tokio::time::timeout_at;
 
-use super::relay::{split_kv_params, ByteStream, ConversationSink, Relay};
-use super::retry::{with_retries, Leg};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
 use crate::error::Failure;
+use crate::legs::relay::{split_kv_params, ByteStream, ConversationSink, Relay};
+use crate::legs::retry::{with_retries, Leg};
 use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;

@@ -9,6 +9,9 @@
 //! a child request id `<request id>:<first item index>:<random>`, and the client's
 //! `mm_processor_kwargs`, `media_io_kwargs`, `priority` and `session_id`.
 
+pub mod media;
+pub mod mm_rewrite;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -18,13 +21,13 @@ use http::HeaderValue;
 use pdserve_protocol::{ApiError, ChatCompletionRequest, WorkerRole};
 use serde_json::{json, Map, Value};
 
-use super::media::{item_uuid, MediaItem, MediaKind};
-use super::mm_rewrite::{
+use self::media::{item_uuid, MediaItem, MediaKind};
+use self::mm_rewrite::{
     match_answer, transfer_items, ItemKeys, ItemReport, MatchContext, EC_TRANSFER_PARAMS,
 };
-use super::RequestContext;
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
+use crate::legs::RequestContext;
 use crate::policy::RequestOutcome;
 use crate::registry::Worker;
 use crate::state::AppState;
@@ -309,8 +312,8 @@ fn ec_params_of(body: &[u8]) -> Map<String, Value> {
 
 #[cfg(test)]
 mod tests {
+    use self::media::extract;
     use super::*;
-    use crate::handoff::media::extract;
     use crate::registry::WorkerSpec;
     use prometheus_client::metrics::gauge::Gauge;
 

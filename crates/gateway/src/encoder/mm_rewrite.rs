@@ -11,7 +11,7 @@
 use pdserve_protocol::{ChatCompletionRequest, ChatMessage, MessageContent};
 use serde_json::{json, Map, Value};
 
-use super::media::{content_uuid, MediaItem, MediaKind};
+use crate::encoder::media::{content_uuid, MediaItem, MediaKind};
 
 pub use pdserve_protocol::kv::EC_TRANSFER_PARAMS;
 

@@ -147,7 +147,7 @@ fn data_of(line: &[u8]) -> Option<&[u8]> {
 /// Whole SSE `lines` with each `data:` event's payload replaced by what `edit` returns
 /// for it (`None` keeps the line as it came); line endings are kept. `extra` is the
 /// growth to reserve.
-pub(super) fn rewrite_events(
+pub(crate) fn rewrite_events(
     lines: &[u8],
     extra: usize,
     mut edit: impl FnMut(&[u8]) -> Option<Vec<u8>>,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use pdserve_protocol::{ApiError, WorkerRole};
 
-use super::RequestContext;
 use crate::error::Failure;
+use crate::legs::RequestContext;
 use crate::policy::RouteRequest;
 use crate::registry::Worker;
 use crate::state::AppState;

@@ -1,0 +1,67 @@
+//! The legs every handoff mode is made of: sending a leg to a worker and reading its
+//! answer ([`crate::worker_client::Exchange`]), the prefill leg ([`prefill`]), the leg
+//! that answers the client ([`answer`]) and its stream relay ([`relay`]), and the retry
+//! budget ([`retry`]).
+
+pub mod answer;
+pub mod prefill;
+pub mod relay;
+pub mod retry;
+
+use std::time::Instant;
+
+use http::HeaderMap;
+
+use crate::endpoint::Endpoint;
+use crate::policy::RouteRequest;
+use crate::request::ClientRequest;
+use crate::worker_client::ForwardHeaders;
+
+/// With `--expose-routing`: the prefill worker that served the request.
+pub const X_PDSERVE_PREFILL: &str = "x-pdserve-prefill";
+/// With `--expose-routing`: the decode worker that served the request.
+pub const X_PDSERVE_DECODE: &str = "x-pdserve-decode";
+/// With `--expose-routing`: the prefill_decode worker that served the request.
+pub const X_PDSERVE_WORKER: &str = "x-pdserve-worker";
+
+/// Per-request facts every leg needs.
+#[derive(Debug, Clone)]
+pub struct RequestContext {
+    /// The OpenAI endpoint, used for the worker URL.
+    pub endpoint: Endpoint,
+    /// The route label for metrics.
+    pub route: &'static str,
+    /// Headers sent on every leg.
+    pub headers: ForwardHeaders,
+    /// The client's headers, for routing policies.
+    pub client_headers: HeaderMap,
+    /// When the client request arrived.
+    pub started: Instant,
+}
+
+impl RequestContext {
+    /// The context of a request to `route` that arrived now with the client's `headers`.
+    pub fn new(endpoint: Endpoint, route: &'static str, headers: HeaderMap) -> Self {
+        Self {
+            endpoint,
+            route,
+            headers: ForwardHeaders::from_client(&headers),
+            client_headers: headers,
+            started: Instant::now(),
+        }
+    }
+
+    /// The routing facts of `request`.
+    pub fn route_for<'a>(
+        &'a self,
+        request: &'a ClientRequest,
+        conversation_id: Option<&'a str>,
+    ) -> RouteRequest<'a> {
+        RouteRequest {
+            endpoint: self.endpoint,
+            request: Some(request),
+            headers: &self.client_headers,
+            conversation_id,
+        }
+    }
+}
