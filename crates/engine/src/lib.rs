@@ -10,6 +10,7 @@ pub mod api;
 pub mod args;
 pub mod block_manager;
 pub mod bootstrap;
+pub mod handoff;
 pub mod health;
 pub mod heartbeat;
 pub mod kv;

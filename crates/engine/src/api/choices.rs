@@ -10,87 +10,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::stream::{BoxStream, SelectAll};
 use futures::StreamExt;
-use pdserve_protocol::{sse, ApiError, BootstrapParams, KvTransferParams, Usage, WorkerRole};
+use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
 
 use super::body::sse_response;
 use super::generation::{Generation, Piece, ResponseFormat};
-use super::AppState;
-use crate::request::GenerationRequest;
 
 pub use crate::serving::output::ChoiceOutput;
 pub use crate::serving::submission::{choice_request, Submitted};
-
-/// Submits the `choices` choices of `request`, choice `i` with `bootstrap[i]` (none when
-/// `bootstrap` is empty). Where this worker computes the prompt itself, choice 0 goes
-/// first and the others follow once it has produced a token: its prompt blocks are then
-/// in the prefix cache and the other choices reuse them instead of computing the prompt
-/// again. A decode worker importing each choice's room submits them all at once. On an
-/// error the choices already submitted are dropped, which cancels them, unpins what they
-/// held and closes their rooms.
-///
-/// With vLLM's `kv_transfer_params` and `n` > 1 (the gateway sends `n` to both legs):
-/// a remote-decode prefill runs once and publishes one KV handle, its output answering
-/// for every choice; a remote-prefill decode imports the peer's KV once, into choice 0,
-/// and the other choices reuse those blocks through the prefix cache.
-pub async fn submit(
-    app: &Arc<AppState>,
-    request: GenerationRequest,
-    stop: Vec<String>,
-    kv_params: Option<&KvTransferParams>,
-    bootstrap: &[BootstrapParams],
-    choices: usize,
-) -> Result<Submitted, ApiError> {
-    // Choice `i`, with the request's `kv_transfer_params` when `with_kv`.
-    let one = |i: usize, with_kv: bool| {
-        crate::bootstrap::submit(
-            &app.serving,
-            &app.bootstrap,
-            bootstrap.get(i),
-            kv_params.filter(|_| with_kv),
-            choice_request(&request, i),
-            stop.clone(),
-        )
-    };
-    if choices == 1 || (kv_params.is_some() && !bootstrap.is_empty()) {
-        // (Both handoffs at once is refused by the one choice's submission.)
-        return Ok(Submitted::each(vec![one(0, true).await?]));
-    }
-    let mut first = None;
-    let mut rest_kv = true;
-    if let Some(params) = kv_params {
-        if params.do_remote_decode && (params.do_remote_prefill || app.serving.kv.service.is_some())
-        {
-            // A prefill for a peer (or the conflicting ask, refused): one sequence.
-            return Ok(Submitted {
-                generations: vec![one(0, true).await?],
-                choices,
-            });
-        }
-        if params.do_remote_prefill {
-            let mut request = choice_request(&request, 0);
-            // Imported once, into choice 0. No conversation KV is kept for a next turn
-            // (which choice would it continue?).
-            crate::kv::import::import_prompt_kv(&app.serving.kv, params, &mut request).await?;
-            let mut generation = app.serving.generate(request, stop.clone())?;
-            if let Some(e) = generation.prime().await {
-                return Err(e);
-            }
-            first = Some(generation);
-            rest_kv = false;
-        }
-    }
-    let imports = app.bootstrap.role == WorkerRole::Decode && !bootstrap.is_empty();
-    if first.is_none() && !imports {
-        let mut generation = one(0, rest_kv).await?;
-        if let Some(e) = generation.prime().await {
-            return Err(e);
-        }
-        first = Some(generation);
-    }
-    let start = first.is_some() as usize;
-    let rest = futures::future::try_join_all((start..choices).map(|i| one(i, rest_kv))).await?;
-    Ok(Submitted::each(first.into_iter().chain(rest).collect()))
-}
 
 /// The usage of a whole answer from its choices' (in index order): the prompt counted
 /// once, as choice 0 saw it (its cached and imported tokens), completion tokens summed.
@@ -320,6 +246,7 @@ pub async fn collect_response<F: ResponseFormat>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::GenerationRequest;
     use crate::sampling::SamplingParams;
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
 use http::HeaderMap;
-use pdserve_protocol::{ApiError, KvTransferParams};
+use pdserve_protocol::KvTransferParams;
 use serde_json::{Map, Value};
 
 use super::chat::ChatFormat;
@@ -15,6 +15,7 @@ use super::completions::CompletionFormat;
 use super::generation::Generation;
 use super::validate::OutputOptions;
 use super::AppState;
+use crate::handoff::Handoff;
 use crate::orchestrator::OrchestratedRequest;
 use crate::request::GenerationRequest;
 
@@ -111,24 +112,32 @@ pub fn session_key(headers: &HeaderMap, extra: &Map<String, Value>) -> Option<St
     .map(str::to_string)
 }
 
-/// Serves `prepared`: through the orchestrator (a prefill worker computes the prompt
-/// once, this worker decodes every choice) when this worker orchestrates and the client
-/// did not run the handoff itself (its own `kv_transfer_params` or bootstrap fields);
-/// otherwise on this worker alone.
+/// Serves `prepared` with the handoff it asks for ([`Handoff::choose`]): through the
+/// orchestrator (a prefill worker computes the prompt once, this worker decodes every
+/// choice) when this worker orchestrates and the client did not run the handoff itself;
+/// otherwise on this worker, importing or publishing KV as the client's fields say.
 pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
-    match &app.orchestrator {
-        Some(orchestrator)
-            if prepared.kv_transfer_params.is_none() && prepared.bootstrap.is_empty() =>
-        {
-            let Prepared {
-                request,
-                stop,
-                model,
-                choices,
-                session,
-                reply,
-                ..
-            } = prepared;
+    let handoff = match Handoff::choose(
+        &app.serving,
+        app.bootstrap.role,
+        app.orchestrator.as_ref(),
+        prepared.kv_transfer_params.as_ref(),
+        &prepared.bootstrap,
+    ) {
+        Ok(handoff) => handoff,
+        Err(e) => return e.into_response(),
+    };
+    let Prepared {
+        request,
+        stop,
+        model,
+        choices,
+        session,
+        reply,
+        ..
+    } = prepared;
+    let submitted = match handoff {
+        Handoff::Orchestrated(orchestrator) => {
             let orchestrated = OrchestratedRequest {
                 request,
                 stop,
@@ -137,28 +146,20 @@ pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
                 session,
                 prime: reply.is_stream(),
             };
-            match orchestrator.serve(&app.serving, orchestrated).await {
-                Ok(submitted) => reply.respond_choices(submitted).await,
-                Err(e) => e.into_response(),
-            }
+            orchestrator
+                .serve(&app.serving, orchestrated)
+                .await
+                .map_err(IntoResponse::into_response)
         }
-        _ => serve_locally(app, prepared)
+        local => local
+            .submit(&app.serving, &app.bootstrap, request, stop, choices)
             .await
-            .unwrap_or_else(IntoResponse::into_response),
+            .map_err(IntoResponse::into_response),
+    };
+    match submitted {
+        Ok(submitted) => reply.respond_choices(submitted).await,
+        Err(response) => response,
     }
-}
-
-async fn serve_locally(app: &Arc<AppState>, prepared: Prepared) -> Result<Response, ApiError> {
-    let generations = super::choices::submit(
-        app,
-        prepared.request,
-        prepared.stop,
-        prepared.kv_transfer_params.as_ref(),
-        &prepared.bootstrap,
-        prepared.choices,
-    )
-    .await?;
-    Ok(prepared.reply.respond_choices(generations).await)
 }
 
 #[cfg(test)]

@@ -38,6 +38,7 @@ use super::generation::{Generation, Piece, ResolvedLogprob};
 use super::sglang_generate_rooms::sample_rooms;
 use super::validate::{choice_count, generation_request, top_logprobs, MAX_STOP_STRINGS};
 use super::AppState;
+use crate::handoff::Handoff;
 use crate::request::GenerationRequest;
 
 /// SGLang's `max_new_tokens` when a request gives none.
@@ -224,15 +225,23 @@ pub async fn handle(
     let submitted = items.into_iter().map(|item| {
         let app = app.clone();
         async move {
-            let submitted = super::choices::submit(
-                &app,
-                item.request,
-                item.stop,
+            // SGLang's native route: bootstrap rooms or nothing; never orchestrated.
+            let handoff = Handoff::choose(
+                &app.serving,
+                app.bootstrap.role,
+                None,
                 None,
                 &item.bootstrap,
-                samples,
-            )
-            .await?;
+            )?;
+            let submitted = handoff
+                .submit(
+                    &app.serving,
+                    &app.bootstrap,
+                    item.request,
+                    item.stop,
+                    samples,
+                )
+                .await?;
             let one = submitted.generations.len() == 1;
             Ok::<_, ApiError>(
                 submitted

@@ -13,7 +13,7 @@ use crate::serving::{Generation, ServingContext};
 
 /// Reads the room `fields` name into `request` (bounded by `--bootstrap-timeout-secs`:
 /// 504 past it, 502 when the prefill worker refuses or fails the read) and submits it.
-pub(super) async fn submit(
+pub(crate) async fn submit(
     ctx: &Arc<ServingContext>,
     bootstrap: &Bootstrap,
     fields: &BootstrapParams,

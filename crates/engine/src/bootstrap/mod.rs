@@ -14,17 +14,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdserve_protocol::{
-    ApiError, BootstrapParams, KvTransferParams, OneOrMany, TransportParams, WorkerRole,
-};
+use pdserve_protocol::{ApiError, BootstrapParams, OneOrMany, TransportParams, WorkerRole};
 
 use crate::metrics::Metrics;
-use crate::request::GenerationRequest;
-use crate::serving::{Generation, ServingContext};
 
-mod decode;
+pub(crate) mod decode;
 pub mod metrics;
-mod prefill;
+pub(crate) mod prefill;
 pub mod rooms;
 pub mod source;
 
@@ -193,36 +189,6 @@ impl Bootstrap {
             WorkerRole::Decode => "decode",
             _ => "null",
         }
-    }
-}
-
-/// Submits `request` as its `bootstrap` fields and `kv_params` ask: on a prefill worker
-/// a room's prefill, on a decode worker a decode of a room's KV, otherwise as
-/// [`ServingContext::submit_with_kv`] does (an aggregated worker ignores the bootstrap fields,
-/// as SGLang's does).
-pub async fn submit(
-    ctx: &Arc<ServingContext>,
-    protocol: &Bootstrap,
-    bootstrap: Option<&BootstrapParams>,
-    kv_params: Option<&KvTransferParams>,
-    request: GenerationRequest,
-    stop: Vec<String>,
-) -> Result<Generation, ApiError> {
-    let Some(fields) = bootstrap else {
-        return ctx.submit_with_kv(kv_params, request, stop).await;
-    };
-    if kv_params.is_some() {
-        return Err(ApiError::bad_request(
-            "bootstrap_room and kv_transfer_params exclude each other (one handoff per request)",
-        )
-        .with_param("bootstrap_room"));
-    }
-    match protocol.role {
-        WorkerRole::Prefill => {
-            prefill::submit(ctx, protocol, fields.bootstrap_room, request, stop).await
-        }
-        WorkerRole::Decode => decode::submit(ctx, protocol, fields, request, stop).await,
-        _ => ctx.submit_with_kv(None, request, stop).await,
     }
 }
 

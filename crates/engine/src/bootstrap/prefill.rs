@@ -16,7 +16,7 @@ use crate::serving::{Generation, ServingContext};
 /// Opens `room`, submits its prefill and returns the output, which ends only once the
 /// room's KV was read (its end waits for that; a room nobody claims in time ends it
 /// with a 500 and frees the KV).
-pub(super) async fn submit(
+pub(crate) async fn submit(
     ctx: &Arc<ServingContext>,
     bootstrap: &Bootstrap,
     room: u64,
@@ -39,7 +39,7 @@ pub(super) async fn submit(
         .extra
         .insert(PUBLISH_REQUEST_ID.into(), Value::String(id));
     // On an error here `held` is dropped: the room closes and a waiting read fails.
-    let generation = ctx.submit_with_kv(Some(&params), request, stop).await?;
+    let generation = ctx.submit_prefill_for_peer(&params, request, stop).await?;
     let wait = bootstrap.timeout;
     let transferred = async move {
         let result = held.transferred(wait).await;

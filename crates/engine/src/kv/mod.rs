@@ -10,8 +10,7 @@ use pdserve_kv_transfer::{PeerAllowList, TransferSecret};
 use crate::metrics::Metrics;
 
 mod error;
-mod export;
-pub mod handoff;
+pub mod export;
 pub mod import;
 pub mod pull;
 pub mod security;

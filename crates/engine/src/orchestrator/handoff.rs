@@ -223,9 +223,9 @@ async fn decode(
             return Err(e);
         }
     }
-    let rest =
-        (1..choices).map(|i| ctx.submit_with_kv(None, choice_request(&request, i), stop.clone()));
-    let rest = futures::future::try_join_all(rest).await?;
+    let rest = (1..choices)
+        .map(|i| ctx.generate(choice_request(&request, i), stop.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
     let generations = std::iter::once(generation).chain(rest).collect();
     Ok(Submitted::each(generations))
 }

@@ -7,7 +7,9 @@ use pdserve_model::Model;
 use pdserve_protocol::{ApiError, KvTransferParams};
 
 use super::{Generation, ModelLimits};
-use crate::kv::{handoff, KvContext, PublishKind};
+use crate::kv::export::prepare_prefill;
+use crate::kv::import::import_prompt_kv;
+use crate::kv::{KvContext, Publish, PublishKind};
 use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, SeqEvents};
 use crate::scheduler::EngineHandle;
@@ -43,23 +45,43 @@ impl ServingContext {
         Ok(Generation::new(self.clone(), events, prompt_tokens, stop))
     }
 
-    /// Applies `params` to `request` (pulling a peer's KV where they say so), submits it,
-    /// and returns its output, which publishes the finished request's blocks where
-    /// `params` ask for that.
-    pub async fn submit_with_kv(
+    /// Submits a prefill whose KV a peer will read: pinned when it finishes and
+    /// published (under the id `params` name, if any), its output never cut by a stop
+    /// string (that would cancel the sequence and its blocks with it). The caller has
+    /// checked that this worker has a KV transfer service.
+    pub async fn submit_prefill_for_peer(
         self: &Arc<Self>,
-        params: Option<&KvTransferParams>,
+        params: &KvTransferParams,
         mut request: GenerationRequest,
         stop: Vec<String>,
     ) -> Result<Generation, ApiError> {
-        let publish = handoff::prepare(&self.kv, params, &mut request).await?;
-        // A prefill for a peer must end with its one token, never be cut by a stop string
-        // (that cancels the sequence and its blocks with it).
-        let stop = if publish.as_ref().map(|p| p.kind) == Some(PublishKind::Prefill) {
-            Vec::new()
-        } else {
-            stop
+        let Some(service) = &self.kv.service else {
+            return self.generate(request, stop);
         };
+        let name = prepare_prefill(&self.kv, service, params, &mut request).await?;
+        let publish = Publish {
+            kind: PublishKind::Prefill,
+            name,
+        };
+        Ok(self
+            .generate(request, Vec::new())?
+            .publishing(Some(publish)))
+    }
+
+    /// Submits a request whose prompt KV a peer computed, imported first; with a KV
+    /// transfer service the finished request's KV is kept for the conversation's next
+    /// turn (its prefill reads it back).
+    pub async fn submit_importing(
+        self: &Arc<Self>,
+        params: &KvTransferParams,
+        mut request: GenerationRequest,
+        stop: Vec<String>,
+    ) -> Result<Generation, ApiError> {
+        import_prompt_kv(&self.kv, params, &mut request).await?;
+        request.pin_on_finish = self.kv.service.is_some();
+        let publish = request
+            .pin_on_finish
+            .then(|| Publish::unnamed(PublishKind::Conversation));
         Ok(self.generate(request, stop)?.publishing(publish))
     }
 }
