@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use crate::endpoint::Endpoint;
 use crate::registry::{Roster, Worker};
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
+use crate::worker_client::{Exchange, ForwardHeaders, LegFault};
 
 /// Time between attempts to warm a pair.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
@@ -172,7 +172,7 @@ async fn post(
         .map_err(|e| e.failure_message())?;
     serde_json::from_slice(&answer).map_err(|e| {
         exchange
-            .error(LegErrorKind::Status, format!("answered non-JSON: {e}"))
+            .error(LegFault::Failed, format!("answered non-JSON: {e}"))
             .failure_message()
     })
 }

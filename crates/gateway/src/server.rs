@@ -27,7 +27,7 @@ use crate::policy::RouteRequest;
 use crate::registry::Mode;
 use crate::request::{body_rejection, ClientRequest};
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
+use crate::worker_client::{Exchange, ForwardHeaders, LegFault};
 use crate::{admin, identity, prewarm, profile, readiness, registry};
 
 /// The gateway's routes and layers over `state`.
@@ -320,7 +320,7 @@ async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Fa
         let text = String::from_utf8_lossy(&body);
         return Err(exchange
             .error(
-                LegErrorKind::Status,
+                LegFault::Failed,
                 format!(
                     "answered /v1/models with a body that is not a JSON object: {}",
                     crate::error::truncate(text.trim(), 512)

@@ -13,7 +13,7 @@ use crate::metrics::Metrics;
 use crate::policy::InFlight;
 use crate::policy::{self, Policy, RouteRequest};
 use crate::registry::{CircuitState, Registry, Worker};
-use crate::worker_client::{LegError, LegErrorKind, WorkerClient};
+use crate::worker_client::{LegError, LegFault, WorkerClient};
 
 /// State shared by all requests.
 #[derive(Debug)]
@@ -130,11 +130,11 @@ impl AppState {
     /// other transport failures count as one failed probe.
     pub fn report(&self, worker: &Arc<Worker>, error: &LegError) {
         match error.kind {
-            LegErrorKind::Connect => {
+            LegFault::Unreachable => {
                 self.registry
                     .record_failure(worker, true, "a request could not connect")
             }
-            LegErrorKind::Transport => {
+            LegFault::Broken => {
                 self.registry
                     .record_failure(worker, false, "a request's connection failed")
             }

@@ -218,31 +218,16 @@ impl LegResponse {
     }
 }
 
-/// How one exchange with a worker failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LegErrorKind {
-    /// No connection could be opened: the request never reached the worker.
-    Connect,
-    /// The connection broke or the worker sent something unusable.
-    Transport,
-    /// The worker did not answer within the leg's time limit.
-    Timeout,
-    /// The worker answered 5xx (or another non-2xx, non-4xx status).
-    Status,
-    /// The worker answered 4xx: the request itself is at fault.
-    ClientError,
-}
+pub use pdserve_protocol::LegFault;
 
-impl LegErrorKind {
-    /// The kind's metrics label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Connect => "connect",
-            Self::Transport => "transport",
-            Self::Timeout => "timeout",
-            Self::Status => "status_5xx",
-            Self::ClientError => "client_error",
-        }
+/// The gateway's metrics label of a leg's fault (`reason` of `retries_total`).
+pub fn fault_label(fault: LegFault) -> &'static str {
+    match fault {
+        LegFault::Unreachable => "connect",
+        LegFault::Broken => "transport",
+        LegFault::TimedOut => "timeout",
+        LegFault::Failed | LegFault::BadAnswer => "status_5xx",
+        LegFault::Rejected => "client_error",
     }
 }
 
@@ -252,7 +237,7 @@ pub struct LegError {
     /// The response the client gets if nothing else is tried.
     pub failure: Failure,
     /// What went wrong.
-    pub kind: LegErrorKind,
+    pub kind: LegFault,
     /// The worker's error status, when it answered one.
     pub status: Option<http::StatusCode>,
     /// The failure calls for redoing an earlier stage of the request (a decode 500 after
@@ -265,7 +250,7 @@ impl LegError {
     /// Whether another worker may succeed where this one failed (all but a 4xx, and
     /// never an escalated failure: the leg alone cannot succeed).
     pub fn retryable(&self) -> bool {
-        self.kind != LegErrorKind::ClientError && !self.escalated
+        self.kind.is_server_fault() && !self.escalated
     }
 
     /// The message the client would get.
@@ -283,7 +268,7 @@ impl LegError {
 
     /// Whether the worker failed (as opposed to the request being at fault).
     pub fn is_worker_fault(&self) -> bool {
-        self.kind != LegErrorKind::ClientError
+        self.kind.is_server_fault()
     }
 }
 
@@ -399,17 +384,18 @@ impl<'a> Exchange<'a> {
     /// A 508 (a gateway downstream detected a routing loop) passes through as well and
     /// is not retried: every worker of a looping tier would answer the same.
     fn status_error(&self, status: StatusCode, body: Bytes) -> LegError {
-        if status.is_client_error() || status == StatusCode::LOOP_DETECTED {
+        let fault = LegFault::of_status(status).unwrap_or(LegFault::Failed);
+        if fault == LegFault::Rejected {
             return LegError {
                 failure: Failure::from_upstream_client_error(status, body, &self.worker.base),
-                kind: LegErrorKind::ClientError,
+                kind: LegFault::Rejected,
                 status: Some(status),
                 escalated: false,
             };
         }
         let text = String::from_utf8_lossy(&body);
         let mut error = self.error(
-            LegErrorKind::Status,
+            LegFault::Failed,
             format!("answered {status}: {}", truncate(text.trim(), 512)),
         );
         error.status = Some(status);
@@ -439,7 +425,7 @@ impl<'a> Exchange<'a> {
                 self.label, self.worker.base, self.limit
             ))
             .into(),
-            kind: LegErrorKind::Timeout,
+            kind: LegFault::TimedOut,
             status: None,
             escalated: false,
         }
@@ -459,7 +445,7 @@ impl<'a> Exchange<'a> {
     /// healthy) refused the connection: then no worker could take the request.
     fn transport_failed(&self, connect: bool, why: String) -> LegError {
         if !connect {
-            return self.error(LegErrorKind::Transport, format!("failed: {why}"));
+            return self.error(LegFault::Broken, format!("failed: {why}"));
         }
         if self.worker.is_evicted() {
             return LegError {
@@ -470,16 +456,16 @@ impl<'a> Exchange<'a> {
                     role = self.worker.role(),
                 ))
                 .into(),
-                kind: LegErrorKind::Connect,
+                kind: LegFault::Unreachable,
                 status: None,
                 escalated: false,
             };
         }
-        self.error(LegErrorKind::Connect, format!("failed: {why}"))
+        self.error(LegFault::Unreachable, format!("failed: {why}"))
     }
 
     /// A 502 saying the worker `what` (e.g. "answered 200 with a body that is not JSON").
-    pub fn error(&self, kind: LegErrorKind, what: impl std::fmt::Display) -> LegError {
+    pub fn error(&self, kind: LegFault, what: impl std::fmt::Display) -> LegError {
         LegError {
             failure: ApiError::bad_gateway(format!("{} {} {what}", self.label, self.worker.base))
                 .into(),

@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod kv;
+pub mod leg;
 pub mod openai;
 pub mod role;
 pub mod session;
@@ -12,5 +13,6 @@ pub mod sse;
 
 pub use error::{error_chain, ApiError, ErrorBody, ErrorDetail};
 pub use kv::{BootstrapParams, BootstrapShape, KvTransferParams, RemoteBlockIds};
+pub use leg::LegFault;
 pub use openai::*;
 pub use role::{UnknownRole, WorkerRole};

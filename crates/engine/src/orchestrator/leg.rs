@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::StatusCode;
 use pdserve_protocol::{
-    error_chain, shape_prefill_leg, CompletionRequest, KvTransferParams, Prompt,
+    error_chain, shape_prefill_leg, CompletionRequest, KvTransferParams, LegFault, Prompt,
 };
 use serde_json::Value;
 
@@ -99,22 +99,34 @@ pub enum PrefillError {
 }
 
 impl PrefillError {
+    /// How the leg failed, in the classification the gateway's legs share.
+    pub fn fault(&self) -> LegFault {
+        match self {
+            Self::Rejected { .. } => LegFault::Rejected,
+            Self::Failed { .. } => LegFault::Failed,
+            Self::Unreachable { .. } => LegFault::Unreachable,
+            Self::Broken { .. } => LegFault::Broken,
+            Self::TimedOut { .. } => LegFault::TimedOut,
+            Self::BadAnswer { .. } => LegFault::BadAnswer,
+        }
+    }
+
     /// The `outcome` label of the prefill-request counter.
     pub fn outcome(&self) -> &'static str {
-        match self {
-            Self::Rejected { .. } => "rejected",
-            Self::Failed { .. } => "failed",
-            Self::Unreachable { .. } => "unreachable",
-            Self::Broken { .. } => "broken",
-            Self::TimedOut { .. } => "timeout",
-            Self::BadAnswer { .. } => "bad_answer",
+        match self.fault() {
+            LegFault::Rejected => "rejected",
+            LegFault::Failed => "failed",
+            LegFault::Unreachable => "unreachable",
+            LegFault::Broken => "broken",
+            LegFault::TimedOut => "timeout",
+            LegFault::BadAnswer => "bad_answer",
         }
     }
 
     /// Whether the worker looks gone (not just this request failed): it is then routed
     /// around until pre-warmed again.
     pub fn worker_gone(&self) -> bool {
-        matches!(self, Self::Unreachable { .. } | Self::Broken { .. })
+        self.fault().server_gone()
     }
 }
 
@@ -206,15 +218,16 @@ fn answer(
     body: Bytes,
 ) -> Result<Option<KvTransferParams>, PrefillError> {
     let url = url.to_string();
-    if status.is_client_error() {
-        return Err(PrefillError::Rejected { url, status, body });
-    }
-    if !status.is_success() {
-        return Err(PrefillError::Failed {
-            url,
-            status,
-            message: quote(&body),
-        });
+    match LegFault::of_status(status) {
+        None => {}
+        Some(LegFault::Rejected) => return Err(PrefillError::Rejected { url, status, body }),
+        Some(_) => {
+            return Err(PrefillError::Failed {
+                url,
+                status,
+                message: quote(&body),
+            })
+        }
     }
     let bad = |reason: String| PrefillError::BadAnswer {
         url: url.clone(),

@@ -31,7 +31,7 @@ use crate::legs::RequestContext;
 use crate::policy::RequestOutcome;
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegErrorKind};
+use crate::worker_client::{Exchange, ForwardHeaders, LegFault};
 
 /// Client fields an encoder needs to process the media as the consumer will.
 const PASSTHROUGH: [&str; 4] = [
@@ -283,7 +283,7 @@ async fn send(
             e.failure_message()
         );
         match e.kind {
-            LegErrorKind::ClientError => e.failure,
+            LegFault::Rejected => e.failure,
             _ => ApiError::bad_gateway(format!(
                 "encoder sub-request failed: {}",
                 e.failure_message()

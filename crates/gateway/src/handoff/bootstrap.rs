@@ -49,7 +49,7 @@ use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::request::{append_verbatim, ClientRequest};
 use crate::state::AppState;
-use crate::worker_client::{Exchange, LegError, LegErrorKind, LegRequest};
+use crate::worker_client::{Exchange, LegError, LegFault, LegRequest};
 
 /// Serves a validated chat or completion request with SGLang's bootstrap handoff.
 pub async fn serve(
@@ -264,15 +264,14 @@ async fn attempt(
 
 /// The failure of a decode leg whose request could not be built.
 fn decode_exchange_error(state: &AppState, decode: &Worker, why: String) -> LegError {
-    Exchange::new(decode, "decode worker", state.config.decode_timeout)
-        .error(LegErrorKind::Status, why)
+    Exchange::new(decode, "decode worker", state.config.decode_timeout).error(LegFault::Failed, why)
 }
 
 /// A failure no other pair can fix (nothing is retried after it).
 fn final_error(error: ApiError) -> LegError {
     LegError {
         failure: error.into(),
-        kind: LegErrorKind::ClientError,
+        kind: LegFault::Rejected,
         status: None,
         escalated: false,
     }
@@ -281,8 +280,8 @@ fn final_error(error: ApiError) -> LegError {
 /// A failure whose worker was already reported to passive health: the retry loop, which
 /// reports the prefill worker's failures, must neither count it again nor blame P for D.
 fn reported(mut e: LegError) -> LegError {
-    if matches!(e.kind, LegErrorKind::Connect | LegErrorKind::Transport) {
-        e.kind = LegErrorKind::Status;
+    if matches!(e.kind, LegFault::Unreachable | LegFault::Broken) {
+        e.kind = LegFault::Failed;
     }
     e
 }
@@ -535,7 +534,7 @@ impl Attached {
             e.failure_message()
         );
         tracing::warn!("{message}");
-        let error = if e.kind == LegErrorKind::Timeout {
+        let error = if e.kind == LegFault::TimedOut {
             ApiError::gateway_timeout(message)
         } else {
             ApiError::bad_gateway(message)

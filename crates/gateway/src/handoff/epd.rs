@@ -101,7 +101,7 @@ pub async fn serve(
             tracing::warn!(
                 request_id = ctx.headers.request_id(),
                 attempt,
-                reason = previous.kind.as_str(),
+                reason = crate::worker_client::fault_label(previous.kind),
                 "retrying the {again}: {}",
                 previous.failure_message()
             );
@@ -237,7 +237,9 @@ pub async fn serve(
             // (dropping `current` releases the prefill's KV).
             Err(e) if e.escalated => last = Some(e),
             Err(e) if e.retryable() => {
-                state.metrics.inc_retries("decode", e.kind.as_str());
+                state
+                    .metrics
+                    .inc_retries("decode", crate::worker_client::fault_label(e.kind));
                 last = Some(e);
                 prefilled = Some(current);
             }

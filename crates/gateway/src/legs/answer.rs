@@ -21,7 +21,7 @@ use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, LegError, LegErrorKind, LegRequest, LegResponse};
+use crate::worker_client::{Exchange, LegError, LegFault, LegRequest, LegResponse};
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -209,7 +209,7 @@ pub(crate) async fn start_answer(
         };
         if !(fits && serde_json::from_slice::<IgnoredAny>(&body).is_ok()) {
             return Err(exchange.error(
-                LegErrorKind::Transport,
+                LegFault::Broken,
                 format!("answered 200 with a body that is not {what}"),
             ));
         }
@@ -306,13 +306,13 @@ pub(crate) async fn first_event(
         Ok(Some(Ok(first))) => first,
         Ok(Some(Err(e))) => {
             return Err(exchange.error(
-                LegErrorKind::Transport,
+                LegFault::Broken,
                 format!("failed: {}", crate::error::error_chain(&*e)),
             ))
         }
         Ok(None) => {
             return Err(exchange.error(
-                LegErrorKind::Transport,
+                LegFault::Broken,
                 "closed the stream before sending anything",
             ))
         }

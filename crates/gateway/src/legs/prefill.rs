@@ -18,7 +18,7 @@ use crate::policy::{RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegErrorKind, LegRequest};
+use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegFault, LegRequest};
 
 /// Sends `request` to the prefill `worker` and reads the whole answer; `check` turns a
 /// 2xx body into what the mode needs, or says why the worker's KV cannot be trusted
@@ -35,14 +35,14 @@ pub(crate) async fn send_prefill<T>(
     let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
     let sent = Instant::now();
     let result = async {
-        let request = request.map_err(|why| exchange.error(LegErrorKind::Status, why))?;
+        let request = request.map_err(|why| exchange.error(LegFault::Failed, why))?;
         let response = exchange.send_leg(&state.client.direct, request).await?;
         if let Some(head) = head {
             let _ = head.send(());
         }
         let body = exchange.read_leg(response).await?;
         state.metrics.observe_prefill(sent.elapsed());
-        check(&body).map_err(|why| exchange.error(LegErrorKind::Status, why))
+        check(&body).map_err(|why| exchange.error(LegFault::Failed, why))
     }
     .await;
     in_flight.set_outcome(match &result {

@@ -112,13 +112,14 @@ where
             break;
         };
         if let Some(previous) = &last {
-            state
-                .metrics
-                .inc_retries(leg.as_str(), previous.kind.as_str());
+            state.metrics.inc_retries(
+                leg.as_str(),
+                crate::worker_client::fault_label(previous.kind),
+            );
             tracing::warn!(
                 request_id = ctx.headers.request_id(),
                 worker = %worker.base,
-                reason = previous.kind.as_str(),
+                reason = crate::worker_client::fault_label(previous.kind),
                 "retrying the {} leg on another worker",
                 leg.as_str()
             );
