@@ -16,8 +16,8 @@ use pdserve_protocol::{
 };
 
 use super::body::parse_json;
-use super::generation::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::prepared::{serve, session_key, Prepared, Reply};
+use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
     check_model, choice_count, generation_request, output_options, top_logprobs,

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
 
 use super::body::sse_response;
-use super::generation::{Generation, Piece, ResponseFormat};
+use super::response_format::{Generation, Piece, ResponseFormat};
 
 pub use crate::serving::output::ChoiceOutput;
 pub use crate::serving::submission::{choice_request, Submitted};

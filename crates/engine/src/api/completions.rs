@@ -15,8 +15,8 @@ use pdserve_protocol::{
 use serde_json::{Map, Value};
 
 use super::body::parse_json;
-use super::generation::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::prepared::{serve, session_key, Prepared, Reply};
+use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
     check_model, choice_count, generation_request, output_options, top_logprobs,

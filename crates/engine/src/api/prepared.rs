@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 use super::chat::ChatFormat;
 use super::choices::{collect_response, stream_response, Submitted};
 use super::completions::CompletionFormat;
-use super::generation::Generation;
+use super::response_format::Generation;
 use super::validate::OutputOptions;
 use super::AppState;
 use crate::handoff::Handoff;

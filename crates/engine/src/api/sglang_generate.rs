@@ -34,7 +34,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::body::{parse_json, sse_response};
-use super::generation::{Generation, Piece, ResolvedLogprob};
+use super::response_format::{Generation, Piece, ResolvedLogprob};
 use super::sglang_generate_rooms::sample_rooms;
 use super::validate::{choice_count, generation_request, top_logprobs, MAX_STOP_STRINGS};
 use super::AppState;
