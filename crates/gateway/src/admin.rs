@@ -70,6 +70,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                 "url": w.base,
                 "role": w.role(),
                 "health": m.health,
+                "source": m.source,
                 "in_flight": w.in_flight(),
                 "dp_size": w.spec.dp_size,
                 "bootstrap_port": w.spec.bootstrap_port,

@@ -201,6 +201,16 @@ pub struct GatewayArgs {
     #[arg(long, env = "ADMIN_API_KEY", hide_env_values = true)]
     pub admin_api_key: Option<String>,
 
+    /// Discover workers from a YAML or JSON file (`workers:` list of `url`, `role` and
+    /// optionally `dp_size`, `bootstrap_port`), re-read every --discover-interval; a file
+    /// that cannot be read or parsed keeps the workers it listed last.
+    #[arg(long, env = "PDSERVE_DISCOVER_FILE", value_name = "PATH")]
+    pub discover_file: Option<std::path::PathBuf>,
+
+    /// Seconds between two looks at each discovery source.
+    #[arg(long, env = "PDSERVE_DISCOVER_INTERVAL", default_value = "5", value_parser = parse_secs)]
+    pub discover_interval: Duration,
+
     /// Most workers the roster holds (static, registered and discovered together);
     /// registrations past it get 429.
     #[arg(long, env = "PDSERVE_MAX_WORKERS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
@@ -406,6 +416,10 @@ pub struct GatewayConfig {
     pub probe: ProbeSettings,
     /// Whether worker URLs may answer as another pdserve gateway.
     pub allow_gateway_workers: bool,
+    /// `--discover-file`.
+    pub discover_file: Option<std::path::PathBuf>,
+    /// Time between two looks at each discovery source.
+    pub discover_interval: Duration,
     /// Most gateways a request may pass through (`--max-hops`).
     pub max_hops: u32,
     /// Eviction settings.
@@ -462,6 +476,8 @@ impl GatewayConfig {
                 timeout: Duration::from_secs(2),
             },
             allow_gateway_workers: false,
+            discover_file: None,
+            discover_interval: Duration::from_secs(5),
             max_hops: 4,
             health: HealthPolicy::default(),
             shutdown_timeout: Duration::from_secs(30),
@@ -636,6 +652,8 @@ impl GatewayArgs {
                 timeout: self.probe_timeout,
             },
             allow_gateway_workers: self.allow_gateway_workers,
+            discover_file: self.discover_file.clone(),
+            discover_interval: self.discover_interval,
             max_hops: self.max_hops,
             health: HealthPolicy {
                 max_workers: self.max_workers as usize,

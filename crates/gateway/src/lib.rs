@@ -14,6 +14,7 @@ pub mod args;
 pub mod auth;
 pub mod conversation;
 pub mod direct;
+pub mod discovery;
 pub mod encoder;
 pub mod endpoint;
 pub mod error;

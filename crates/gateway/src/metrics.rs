@@ -69,6 +69,12 @@ struct RefusedWorkerLabels {
     reason: String,
 }
 
+/// Labels of `discovery_errors_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabels {
+    source: String,
+}
+
 /// Labels of the encoder-disaggregation stage timings.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct StageLabels {
@@ -111,6 +117,7 @@ pub struct Metrics {
     panic_routed: Family<RoleLabels, Counter>,
     loops_refused: Family<LoopLabels, Counter>,
     workers_refused: Family<RefusedWorkerLabels, Counter>,
+    discovery_errors: Family<SourceLabels, Counter>,
     epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
@@ -250,6 +257,13 @@ impl Default for Metrics {
              already (reason own_id) or through --max-hops gateways (reason max_hops)",
             loops_refused.clone(),
         );
+        let discovery_errors = Family::<SourceLabels, Counter>::default();
+        registry.register(
+            "discovery_errors",
+            "Looks at a discovery source that failed (unreadable or malformed file, ...): \
+             the workers it found last are kept",
+            discovery_errors.clone(),
+        );
         let workers_refused = Family::<RefusedWorkerLabels, Counter>::default();
         registry.register(
             "workers_refused",
@@ -291,6 +305,7 @@ impl Default for Metrics {
             panic_routed,
             loops_refused,
             workers_refused,
+            discovery_errors,
             requests,
             worker_in_flight,
             worker_circuit,
@@ -488,6 +503,15 @@ impl Metrics {
             .get_or_create(&RefusedWorkerLabels {
                 source: source.to_string(),
                 reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a failed look at the discovery `source`.
+    pub fn inc_discovery_errors(&self, source: &str) {
+        self.discovery_errors
+            .get_or_create(&SourceLabels {
+                source: source.to_string(),
             })
             .inc();
     }

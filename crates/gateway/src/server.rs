@@ -121,6 +121,7 @@ pub async fn serve(
             allow_gateways: state.config.allow_gateway_workers,
         },
     ));
+    tasks.extend(crate::discovery::spawn(&state));
     if state.config.prewarm {
         tasks.push(prewarm::spawn(state.clone()));
     }

@@ -12,7 +12,7 @@ use crate::identity::Instance;
 use crate::metrics::Metrics;
 use crate::policy::InFlight;
 use crate::policy::{self, Policy, RouteRequest};
-use crate::registry::{CircuitState, Registry, Worker};
+use crate::registry::{CircuitState, Registry, Worker, WorkerSource};
 use crate::worker_client::{LegError, LegFault, WorkerClient};
 
 /// State shared by all requests.
@@ -43,7 +43,7 @@ impl AppState {
         let registry = Arc::new(Registry::new(metrics.clone(), config.health));
         for spec in config.static_workers() {
             registry
-                .register(spec)
+                .register_from(spec, WorkerSource::Static)
                 .map_err(|e| GatewayError::Config(e.to_string()))?;
         }
         let build = |name: &str| {

@@ -6,6 +6,7 @@
 
 pub mod circuit;
 pub mod probe;
+mod source;
 mod worker;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +19,7 @@ use tokio::sync::watch;
 
 use crate::metrics::Metrics;
 pub use circuit::{BreakerSettings, CircuitBreaker, CircuitState, RequestOutcome};
+pub use source::{SyncReport, WorkerSource};
 pub use worker::{worker_key, Health, Worker, WorkerSpec};
 
 /// Why a registration was refused.
@@ -86,6 +88,16 @@ pub struct Member {
     pub health: Health,
     /// When it was evicted (for the TTL).
     pub evicted_since: Option<Instant>,
+    /// Where the worker came from.
+    pub source: WorkerSource,
+}
+
+/// What [`Registry::admit`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admitted {
+    Added,
+    Updated,
+    Unchanged,
 }
 
 /// How requests can be served with the live workers.
@@ -355,10 +367,33 @@ impl Registry {
     /// registered (an identical record is a no-op; a changed `dp_size` or
     /// `bootstrap_port` is updated in place, keeping its health).
     pub fn register(&self, spec: WorkerSpec) -> Result<bool, RegistryError> {
+        self.register_from(spec, WorkerSource::Registration)
+    }
+
+    /// [`Registry::register`], naming where the worker came from.
+    pub fn register_from(
+        &self,
+        spec: WorkerSpec,
+        source: WorkerSource,
+    ) -> Result<bool, RegistryError> {
         let _guard = self.lock();
-        let roster = self.roster.load();
+        let mut members = self.roster.load().members().to_vec();
+        let outcome = self.admit(&mut members, spec, source)?;
+        if outcome != Admitted::Unchanged {
+            self.publish(members);
+        }
+        Ok(outcome == Admitted::Added)
+    }
+
+    /// Adds `spec` to `members`, or updates its record in place.
+    fn admit(
+        &self,
+        members: &mut Vec<Member>,
+        spec: WorkerSpec,
+        source: WorkerSource,
+    ) -> Result<Admitted, RegistryError> {
         let split = |r| matches!(r, WorkerRole::Prefill | WorkerRole::Decode);
-        for m in roster.members() {
+        for m in members.iter() {
             let existing = m.worker.role();
             let mixes = (spec.role == WorkerRole::PrefillDecode && split(existing))
                 || (split(spec.role) && existing == WorkerRole::PrefillDecode);
@@ -367,7 +402,6 @@ impl Registry {
             }
         }
         let key = spec.key();
-        let mut members = roster.members().to_vec();
         if let Some(i) = members.iter().position(|m| m.worker.base == key) {
             let previous = &members[i].worker;
             if previous.role() != spec.role {
@@ -378,7 +412,7 @@ impl Registry {
                 });
             }
             if previous.spec == spec {
-                return Ok(false);
+                return Ok(Admitted::Unchanged);
             }
             let updated = Arc::new(Worker::new(
                 spec,
@@ -387,23 +421,22 @@ impl Registry {
             ));
             updated.inherit(previous);
             members[i].worker = updated;
-            self.publish(members);
-            return Ok(false);
+            return Ok(Admitted::Updated);
         }
         if members.len() >= self.policy.max_workers {
             return Err(RegistryError::Full {
                 max: self.policy.max_workers,
             });
         }
-        tracing::info!(role = %spec.role, url = %key, dp_size = spec.dp_size, "registered worker");
+        tracing::info!(role = %spec.role, url = %key, dp_size = spec.dp_size, %source, "registered worker");
         let worker = self.new_worker(spec);
         members.push(Member {
             worker: Arc::new(worker),
             health: Health::Live,
             evicted_since: None,
+            source,
         });
-        self.publish(members);
-        Ok(true)
+        Ok(Admitted::Added)
     }
 
     /// Removes the worker at `key` for good (a probe in flight cannot bring it back).

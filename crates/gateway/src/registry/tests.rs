@@ -204,3 +204,43 @@ fn the_roster_holds_at_most_max_workers() {
     assert!(r.unregister("http://127.0.0.1:1"));
     assert!(r.register(spec(WorkerRole::Decode, 3)).unwrap());
 }
+
+#[test]
+fn a_source_is_kept_in_step_with_its_listing_and_leaves_other_sources_alone() {
+    let r = registry(3, None);
+    assert!(r
+        .register_from(spec(WorkerRole::Decode, 1), WorkerSource::Static)
+        .unwrap());
+    // The file lists 1 (static already), 2 and 3: 2 and 3 are its own.
+    let listing = |ports: &[u16]| ports.iter().map(|&p| spec(WorkerRole::Decode, p)).collect();
+    let report = r.sync_source(WorkerSource::File, listing(&[1, 2, 3]));
+    assert_eq!(report.added, ["http://127.0.0.1:2", "http://127.0.0.1:3"]);
+    assert_eq!(report.refused.len(), 1, "{report:?}");
+    assert!(report.refused[0].1.contains("static"), "{report:?}");
+    // 3 vanishes from the file, 4 appears; 1 stays (the file never owned it).
+    let report = r.sync_source(WorkerSource::File, listing(&[2, 4]));
+    assert_eq!(report.removed, ["http://127.0.0.1:3"]);
+    assert_eq!(report.added, ["http://127.0.0.1:4"]);
+    let sources: Vec<(String, WorkerSource)> = r
+        .snapshot()
+        .members()
+        .iter()
+        .map(|m| (m.worker.base.clone(), m.source))
+        .collect();
+    assert_eq!(
+        sources,
+        [
+            ("http://127.0.0.1:1".to_string(), WorkerSource::Static),
+            ("http://127.0.0.1:2".to_string(), WorkerSource::File),
+            ("http://127.0.0.1:4".to_string(), WorkerSource::File),
+        ]
+    );
+    // A changed record is updated in place; an empty listing empties only the file's.
+    let mut wide = spec(WorkerRole::Decode, 2);
+    wide.dp_size = 2;
+    let report = r.sync_source(WorkerSource::File, vec![wide, spec(WorkerRole::Decode, 4)]);
+    assert_eq!(report.updated, ["http://127.0.0.1:2"]);
+    let report = r.sync_source(WorkerSource::File, Vec::new());
+    assert_eq!(report.removed.len(), 2);
+    assert_eq!(live_ports(&r, WorkerRole::Decode), ["http://127.0.0.1:1"]);
+}

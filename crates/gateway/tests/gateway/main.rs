@@ -2,6 +2,7 @@
 
 mod bootstrap;
 mod control_plane;
+mod discovery;
 mod double;
 mod encoder;
 mod epd;

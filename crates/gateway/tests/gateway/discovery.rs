@@ -1,0 +1,219 @@
+//! File discovery: the roster follows a watched listing (added, removed), keeps the last
+//! good workers when the file is half-written, deleted or wrong, shows each worker's
+//! source, and never takes a gateway for a worker.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdserve_gateway::GatewayConfig;
+use serde_json::{json, Value};
+
+use crate::double::{Double, Role};
+use crate::{bounded, client, pd_config, Gateway};
+
+/// A listing file in the temporary directory, removed when dropped.
+struct Listing(PathBuf);
+
+impl Listing {
+    fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(format!(
+            "pdserve-discovery-{name}-{}.yaml",
+            std::process::id()
+        ));
+        Self(path)
+    }
+
+    fn write(&self, text: &str) {
+        // Written whole and renamed into place, as a deployment tool would.
+        let tmp = self.0.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &self.0).unwrap();
+    }
+
+    fn list(&self, workers: &[(&str, &Double)]) {
+        let mut text = String::from("workers:\n");
+        for (role, double) in workers {
+            text.push_str(&format!("  - url: {}\n    role: {role}\n", double.url));
+        }
+        self.write(&text);
+    }
+}
+
+impl Drop for Listing {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn discovering(listing: &Listing) -> GatewayConfig {
+    let mut config = GatewayConfig::new(Vec::new(), Vec::new(), Vec::new());
+    config.discover_file = Some(listing.0.clone());
+    config.discover_interval = Duration::from_millis(50);
+    config
+}
+
+/// The roster's workers as (url, role, source), sorted.
+async fn roster(gw: &Gateway) -> Vec<(String, String, String)> {
+    let instances = gw.instances().await;
+    let mut out: Vec<_> = instances["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
+            (s("url"), s("role"), s("source"))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+async fn wait_for_roster(gw: &Gateway, expected: &[(String, String, String)]) {
+    let mut expected = expected.to_vec();
+    expected.sort();
+    for _ in 0..200 {
+        if roster(gw).await == expected {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("roster {:?}, expected {expected:?}", roster(gw).await);
+}
+
+async fn metric(gw: &Gateway, name: &str) -> f64 {
+    let text = client()
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn entry(double: &Double, role: &str) -> (String, String, String) {
+    (double.url.clone(), role.to_string(), "file".to_string())
+}
+
+async fn chat_status(gw: &Gateway) -> u16 {
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+    client()
+        .post(gw.at("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+#[tokio::test]
+async fn the_roster_follows_a_listing_file_and_keeps_its_workers_when_the_file_breaks() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d1 = Double::start(Role::Decode, "D1").await;
+        let d2 = Double::start(Role::Decode, "D2").await;
+        let listing = Listing::new("follow");
+        listing.list(&[("prefill", &p), ("decode", &d1)]);
+        let gw = Gateway::start(discovering(&listing)).await;
+        let first = [entry(&p, "prefill"), entry(&d1, "decode")];
+        wait_for_roster(&gw, &first).await;
+        assert_eq!(chat_status(&gw).await, 200);
+
+        // D2 joins, D1 leaves.
+        listing.list(&[("prefill", &p), ("decode", &d2)]);
+        let second = [entry(&p, "prefill"), entry(&d2, "decode")];
+        wait_for_roster(&gw, &second).await;
+        let before = d2.requests().len();
+        assert_eq!(chat_status(&gw).await, 200);
+        assert!(d2.requests().len() > before);
+
+        // Half-written, wrong and deleted files keep the last good roster, counted.
+        for broken in [
+            "workers:\n  - url: http://127.0.0.1:",
+            "workers:\n  - url: http://127.0.0.1:9\n    role: cook\n",
+            "",
+        ] {
+            let errors = metric(&gw, "pdserve_gateway_discovery_errors_total").await;
+            listing.write(broken);
+            for _ in 0..200 {
+                if metric(&gw, "pdserve_gateway_discovery_errors_total").await > errors {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(
+                metric(&gw, "pdserve_gateway_discovery_errors_total").await > errors,
+                "{broken:?} was not reported"
+            );
+            assert_eq!(roster(&gw).await, {
+                let mut s = second.to_vec();
+                s.sort();
+                s
+            });
+        }
+        std::fs::remove_file(&listing.0).unwrap();
+        let errors = metric(&gw, "pdserve_gateway_discovery_errors_total").await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(metric(&gw, "pdserve_gateway_discovery_errors_total").await > errors);
+        assert_eq!(
+            chat_status(&gw).await,
+            200,
+            "a deleted file empties nothing"
+        );
+
+        // Back to a good listing: applied again.
+        listing.list(&[("prefill", &p), ("decode", &d1)]);
+        wait_for_roster(&gw, &first).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn discovery_leaves_static_workers_alone_and_refuses_gateways() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let other = Gateway::start(GatewayConfig::new(Vec::new(), Vec::new(), Vec::new())).await;
+        let listing = Listing::new("static");
+        // The listing names the static decode worker too, and another gateway.
+        listing.write(&format!(
+            "workers:\n  - {{url: {}, role: decode}}\n  - {{url: {}, role: decode}}\n",
+            d.url, other.url
+        ));
+        let mut config = pd_config(&[&p], &[&d]);
+        config.discover_file = Some(listing.0.clone());
+        config.discover_interval = Duration::from_millis(50);
+        let gw = Gateway::start(config).await;
+        for _ in 0..200 {
+            if metric(&gw, "pdserve_gateway_workers_refused_total").await > 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            metric(
+                &gw,
+                r#"pdserve_gateway_workers_refused_total{source="discovery",reason="gateway"}"#
+            )
+            .await,
+            1.0
+        );
+        let static_only = [
+            (p.url.clone(), "prefill".to_string(), "static".to_string()),
+            (d.url.clone(), "decode".to_string(), "static".to_string()),
+        ];
+        wait_for_roster(&gw, &static_only).await;
+        // An empty listing removes only what the file added: nothing here.
+        listing.write("workers: []\n");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        wait_for_roster(&gw, &static_only).await;
+        let instances: Value = gw.instances().await;
+        assert_eq!(instances["workers"][0]["source"], "static", "{instances}");
+    })
+    .await;
+}
