@@ -9,7 +9,7 @@ use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 
 use crate::double::{Double, Role};
-use crate::{bounded, client, pd_config, Gateway};
+use crate::{bounded, client, metric, pd_config, Gateway};
 
 /// A listing file in the temporary directory, removed when dropped.
 struct Listing(PathBuf);
@@ -78,21 +78,6 @@ async fn wait_for_roster(gw: &Gateway, expected: &[(String, String, String)]) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("roster {:?}, expected {expected:?}", roster(gw).await);
-}
-
-async fn metric(gw: &Gateway, name: &str) -> f64 {
-    let text = client()
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 fn entry(double: &Double, role: &str) -> (String, String, String) {

@@ -9,7 +9,7 @@ use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 
 use crate::double::{Double, Role};
-use crate::{bounded, client, pd_config, Gateway};
+use crate::{bounded, client, metric, pd_config, Gateway};
 
 const KEY: &str = "loop-admin-key";
 
@@ -50,21 +50,6 @@ async fn chat(gw: &Gateway, stream: bool) -> (u16, Value) {
     let text = response.text().await.unwrap();
     let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
     (status, value)
-}
-
-async fn metric(gw: &Gateway, name: &str) -> f64 {
-    let text = client()
-        .get(gw.at("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test]

@@ -112,6 +112,22 @@ pub fn pd_config(prefill: &[&Double], decode: &[&Double]) -> GatewayConfig {
     GatewayConfig::new(urls(prefill), urls(decode), Vec::new())
 }
 
+/// The sum of the `/metrics` samples whose line starts with `name` (labels included).
+pub async fn metric(gw: &Gateway, name: &str) -> f64 {
+    let text = client()
+        .get(gw.at("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
