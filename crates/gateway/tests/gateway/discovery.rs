@@ -202,3 +202,70 @@ async fn discovery_leaves_static_workers_alone_and_refuses_gateways() {
     })
     .await;
 }
+
+/// Two gateway replicas on one listing, with session affinity: every request of a session
+/// reaches the same decode worker whichever replica it went through, because both hash
+/// the same key over the same roster.
+#[tokio::test]
+async fn replicas_on_one_listing_route_a_session_to_the_same_worker() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let decoders = [
+            Double::start(Role::Decode, "D0").await,
+            Double::start(Role::Decode, "D1").await,
+            Double::start(Role::Decode, "D2").await,
+        ];
+        let listing = Listing::new("replicas");
+        listing.list(&[
+            ("prefill", &p),
+            ("decode", &decoders[0]),
+            ("decode", &decoders[1]),
+            ("decode", &decoders[2]),
+        ]);
+        let replica = || {
+            let mut config = discovering(&listing);
+            config.decode_policy = Some("session".into());
+            config
+        };
+        let replicas = [
+            Gateway::start(replica()).await,
+            Gateway::start(replica()).await,
+        ];
+        let expected: Vec<_> = std::iter::once(entry(&p, "prefill"))
+            .chain(decoders.iter().map(|d| entry(d, "decode")))
+            .collect();
+        for gw in &replicas {
+            wait_for_roster(gw, &expected).await;
+        }
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+        let mut owners = std::collections::HashSet::new();
+        for session in 0..12 {
+            let session = format!("session-{session}");
+            let mut seen = Vec::new();
+            for turn in 0..4 {
+                let gw = &replicas[turn % 2];
+                let counts: Vec<usize> = decoders.iter().map(|d| d.requests().len()).collect();
+                let response = client()
+                    .post(gw.at("/v1/chat/completions"))
+                    .header("x-session-id", &session)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), 200);
+                let served: Vec<usize> = (0..decoders.len())
+                    .filter(|&i| decoders[i].requests().len() > counts[i])
+                    .collect();
+                assert_eq!(served.len(), 1, "{session} turn {turn}: {served:?}");
+                seen.push(served[0]);
+            }
+            assert!(
+                seen.iter().all(|&d| d == seen[0]),
+                "{session} moved between decode workers across replicas: {seen:?}"
+            );
+            owners.insert(seen[0]);
+        }
+        assert!(owners.len() > 1, "sessions spread over the decode workers");
+    })
+    .await;
+}
