@@ -67,11 +67,15 @@ fn failed(state: &AppState, source: WorkerSource, why: &str) {
 /// must not route to (asked once, when a URL first appears).
 async fn apply(state: &AppState, source: WorkerSource, specs: Vec<WorkerSpec>) {
     let roster = state.registry.snapshot();
-    let mut accepted = Vec::with_capacity(specs.len());
-    for spec in specs {
-        let key = spec.key();
-        let known = roster.members().iter().any(|m| m.worker.base == key);
-        if !known {
+    // New URLs are asked all at once: a listing of many unreachable hosts costs one
+    // probe timeout, not one each.
+    let checks = specs.into_iter().map(|spec| {
+        let known = roster.members().iter().any(|m| m.worker.base == spec.key());
+        async move {
+            if known {
+                return Some(spec);
+            }
+            let key = spec.key();
             let identity = identify(
                 state.client.pooled(),
                 &spec.url,
@@ -79,18 +83,23 @@ async fn apply(state: &AppState, source: WorkerSource, specs: Vec<WorkerSpec>) {
                 state.config.probe.timeout,
             )
             .await;
-            if let Err(refusal) =
-                identity.admit(&key, &state.instance, state.config.allow_gateway_workers)
-            {
-                state
-                    .metrics
-                    .inc_workers_refused("discovery", refusal.reason());
-                tracing::warn!(%source, "not routing to a discovered URL: {refusal}");
-                continue;
+            match identity.admit(&key, &state.instance, state.config.allow_gateway_workers) {
+                Ok(()) => Some(spec),
+                Err(refusal) => {
+                    state
+                        .metrics
+                        .inc_workers_refused("discovery", refusal.reason());
+                    tracing::warn!(%source, "not routing to a discovered URL: {refusal}");
+                    None
+                }
             }
         }
-        accepted.push(spec);
-    }
+    });
+    let accepted: Vec<WorkerSpec> = futures::future::join_all(checks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
     let report = state.registry.sync_source(source, accepted);
     for (url, why) in &report.refused {
         tracing::warn!(%source, url, "discovered worker not taken: {why}");
