@@ -65,6 +65,8 @@ pub fn check(hops: &[&str], own_id: &str, max_hops: u32) -> Result<(), Loop> {
 pub struct HopGuard {
     /// This gateway's instance id.
     pub own_id: String,
+    /// The same, as the hop header of a request that came from no gateway.
+    pub own_header: HeaderValue,
     /// `--max-hops`.
     pub max_hops: u32,
     /// Where refused loops are counted.
@@ -78,6 +80,13 @@ pub async fn guard(
     mut request: Request,
     next: Next,
 ) -> Response {
+    // The common case, a request straight from a client, allocates nothing.
+    if !request.headers().contains_key(X_PDSERVE_HOPS) {
+        request
+            .headers_mut()
+            .insert(X_PDSERVE_HOPS, state.own_header.clone());
+        return next.run(request).await;
+    }
     let own = state.own_id.as_str();
     let hops = received(request.headers());
     if let Err(why) = check(&hops, own, state.max_hops) {

@@ -63,6 +63,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             Arc::new(crate::hops::HopGuard {
                 own_id: state.instance.id().to_string(),
+                own_header: state.instance.header().clone(),
                 max_hops: state.config.max_hops,
                 metrics: state.metrics.clone(),
             }),
