@@ -75,6 +75,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                 "dp_size": w.spec.dp_size,
                 "bootstrap_port": w.spec.bootstrap_port,
                 "ec_zmq_addrs": w.spec.ec_zmq_addrs,
+                "kv_events_endpoint": w.spec.kv_events_endpoint,
                 "consecutive_failures": w.failures(),
                 "circuit": w.circuit(),
                 "evicted_for_secs": m.evicted_since.map(|t| t.elapsed().as_secs_f64()),
@@ -85,7 +86,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
     Value::Object(out)
 }
 
-/// `POST /instances` `{role, url, dp_size?, bootstrap_port?, ec_zmq_addrs?}` →
+/// `POST /instances` `{role, url, dp_size?, bootstrap_port?, ec_zmq_addrs?, kv_events_endpoint?}` →
 /// `{"registered": bool}`. A URL that answers as this gateway, or as another gateway
 /// without `--allow-gateway-workers`, is refused with 400.
 pub async fn register(
@@ -264,12 +265,27 @@ fn parse_registration(body: &[u8]) -> Result<WorkerSpec, ApiError> {
             ));
         }
     }
+    let kv_events_endpoint = match field("kv_events_endpoint") {
+        None => None,
+        Some(Value::String(s)) => Some(
+            crate::discovery::check_kv_events_endpoint(s)
+                .map(|()| s.clone())
+                .map_err(|e| bad("kv_events_endpoint", e))?,
+        ),
+        Some(_) => {
+            return Err(bad(
+                "kv_events_endpoint",
+                "`kv_events_endpoint` must be a string (tcp://host:port)".into(),
+            ))
+        }
+    };
     Ok(WorkerSpec {
         role,
         url,
         dp_size,
         bootstrap_port,
         ec_zmq_addrs,
+        kv_events_endpoint,
     })
 }
 
@@ -338,6 +354,14 @@ mod tests {
             (
                 br#"{"role":"prefill","url":"http://h:1","ec_zmq_addrs":[1]}"#,
                 "ec_zmq_addrs",
+            ),
+            (
+                br#"{"role":"prefill","url":"http://h:1","kv_events_endpoint":"h:5557"}"#,
+                "kv_events_endpoint",
+            ),
+            (
+                br#"{"role":"prefill","url":"http://h:1","kv_events_endpoint":5557}"#,
+                "kv_events_endpoint",
             ),
         ] {
             let err = parse_registration(body).unwrap_err();

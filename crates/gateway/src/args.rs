@@ -201,15 +201,9 @@ pub struct GatewayArgs {
     #[arg(long, env = "ADMIN_API_KEY", hide_env_values = true)]
     pub admin_api_key: Option<String>,
 
-    /// Discover workers from a YAML or JSON file (`workers:` list of `url`, `role` and
-    /// optionally `dp_size`, `bootstrap_port`), re-read every --discover-interval; a file
-    /// that cannot be read or parsed keeps the workers it listed last.
-    #[arg(long, env = "PDSERVE_DISCOVER_FILE", value_name = "PATH")]
-    pub discover_file: Option<std::path::PathBuf>,
-
-    /// Seconds between two looks at each discovery source.
-    #[arg(long, env = "PDSERVE_DISCOVER_INTERVAL", default_value = "5", value_parser = parse_secs)]
-    pub discover_interval: Duration,
+    /// Workers found at run time: a watched file, DNS names, Kubernetes pods.
+    #[command(flatten)]
+    pub discovery: crate::discovery::DiscoveryArgs,
 
     /// Most workers the roster holds (static, registered and discovered together);
     /// registrations past it get 429.
@@ -356,7 +350,7 @@ pub fn split_prefill_values(raw: &[String]) -> Result<Vec<(String, Option<u16>)>
 }
 
 /// Parses a non-negative number of seconds (fractions allowed) into a `Duration`.
-fn parse_secs(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_secs(s: &str) -> Result<Duration, String> {
     let secs: f64 = s
         .parse()
         .map_err(|_| format!("`{s}` is not a number of seconds"))?;
@@ -416,10 +410,8 @@ pub struct GatewayConfig {
     pub probe: ProbeSettings,
     /// Whether worker URLs may answer as another pdserve gateway.
     pub allow_gateway_workers: bool,
-    /// `--discover-file`.
-    pub discover_file: Option<std::path::PathBuf>,
-    /// Time between two looks at each discovery source.
-    pub discover_interval: Duration,
+    /// The discovery sources (file, DNS, Kubernetes).
+    pub discovery: crate::discovery::DiscoveryConfig,
     /// Most gateways a request may pass through (`--max-hops`).
     pub max_hops: u32,
     /// Eviction settings.
@@ -476,8 +468,7 @@ impl GatewayConfig {
                 timeout: Duration::from_secs(2),
             },
             allow_gateway_workers: false,
-            discover_file: None,
-            discover_interval: Duration::from_secs(5),
+            discovery: crate::discovery::DiscoveryConfig::default(),
             max_hops: 4,
             health: HealthPolicy::default(),
             shutdown_timeout: Duration::from_secs(30),
@@ -530,6 +521,9 @@ impl GatewayArgs {
                 .map(|s| parse_worker_url(flag, s))
                 .collect()
         };
+        let discovery = self.discovery.to_config()?;
+        // With registration or discovery on, workers may join after start.
+        let joins_later = self.dynamic_registration || discovery.any();
         let prefill_values = split_prefill_values(&self.prefill)?;
         let prefill = prefill_values
             .iter()
@@ -538,10 +532,7 @@ impl GatewayArgs {
         let decode = urls("--decode", &self.decode)?;
         let mut worker = urls("--worker", &self.worker)?;
         worker.extend(urls("--worker-urls", &self.worker_urls)?);
-        if self.pd_disaggregation
-            && (prefill.is_empty() || decode.is_empty())
-            && !self.dynamic_registration
-        {
+        if self.pd_disaggregation && (prefill.is_empty() || decode.is_empty()) && !joins_later {
             return Err(GatewayError::Config(
                 "--pd-disaggregation needs at least one --prefill and one --decode worker".into(),
             ));
@@ -559,19 +550,15 @@ impl GatewayArgs {
                     .into(),
             ));
         }
-        // With registration on, the missing half of a pair may join later.
-        if prefill.is_empty() != decode.is_empty() && !self.dynamic_registration {
+        // With registration or discovery on, the missing half of a pair may join later.
+        if prefill.is_empty() != decode.is_empty() && !joins_later {
             return Err(GatewayError::Config(
                 "prefill/decode disaggregation needs at least one --prefill and one --decode worker \
                  (or give --worker for aggregated serving)"
                     .into(),
             ));
         }
-        if !encode.is_empty()
-            && prefill.is_empty()
-            && worker.is_empty()
-            && !self.dynamic_registration
-        {
+        if !encode.is_empty() && prefill.is_empty() && worker.is_empty() && !joins_later {
             return Err(GatewayError::Config(
                 "--encode workers need --prefill/--decode or --worker workers to serve the \
                  encoded requests"
@@ -652,8 +639,7 @@ impl GatewayArgs {
                 timeout: self.probe_timeout,
             },
             allow_gateway_workers: self.allow_gateway_workers,
-            discover_file: self.discover_file.clone(),
-            discover_interval: self.discover_interval,
+            discovery,
             max_hops: self.max_hops,
             health: HealthPolicy {
                 max_workers: self.max_workers as usize,

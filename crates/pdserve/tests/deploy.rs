@@ -6,7 +6,9 @@ use std::collections::BTreeSet;
 
 use clap::Parser;
 use pdserve_engine::WorkerArgs;
+use pdserve_gateway::discovery::KubernetesDiscovery;
 use pdserve_gateway::GatewayArgs;
+use pdserve_protocol::WorkerRole;
 use serde_yaml_ng::Value;
 
 const MANIFEST: &str = include_str!("../../../deploy/kubernetes/pdserve.yaml");
@@ -46,26 +48,36 @@ struct Served {
     http_port: u16,
     readiness: &'static str,
     liveness: &'static str,
+    /// A worker's role.
+    role: Option<WorkerRole>,
+    /// A gateway's pod discovery.
+    kubernetes: Option<KubernetesDiscovery>,
 }
 
 /// Parses a container's args with the binary's own flag definitions.
 fn parse(args: &[String]) -> Served {
-    // Kubernetes expands $(POD_IP) from the environment; any address parses the same.
+    // Kubernetes expands $(POD_IP) and $(POD_NAMESPACE) from the environment; any
+    // address and name parse the same.
     let args: Vec<String> = args
         .iter()
-        .map(|a| a.replace("$(POD_IP)", "127.0.0.1"))
+        .map(|a| {
+            a.replace("$(POD_IP)", "127.0.0.1")
+                .replace("$(POD_NAMESPACE)", "default")
+        })
         .collect();
     let (command, flags) = args.split_first().expect("a subcommand");
     let argv = std::iter::once(command.clone()).chain(flags.iter().cloned());
     match command.as_str() {
         "gateway" => {
             let cli = GatewayCli::try_parse_from(argv).unwrap_or_else(|e| panic!("{e}"));
-            cli.args.to_config().unwrap_or_else(|e| panic!("{e}"));
+            let config = cli.args.to_config().unwrap_or_else(|e| panic!("{e}"));
             Served {
                 ports: [cli.args.port].into(),
                 http_port: cli.args.port,
                 readiness: "/readiness",
                 liveness: "/liveness",
+                role: None,
+                kubernetes: config.discovery.kubernetes,
             }
         }
         "worker" => {
@@ -77,6 +89,8 @@ fn parse(args: &[String]) -> Served {
                 http_port: cli.args.port,
                 readiness: "/health",
                 liveness: "/health",
+                role: Some(cli.args.role),
+                kubernetes: None,
             }
         }
         other => panic!("unexpected subcommand {other}"),
@@ -90,6 +104,8 @@ fn manifest_matches_the_binary_and_the_dockerfile() {
     let services = of_kind(&docs, "Service");
     assert_eq!(deployments.len(), 3, "prefill, decode and gateway");
     let mut opened: Vec<(Value, BTreeSet<u16>)> = Vec::new();
+    let mut workers: Vec<(Value, WorkerRole, u16)> = Vec::new();
+    let mut discovering: Vec<(&Value, KubernetesDiscovery, Value)> = Vec::new();
     for d in &deployments {
         let name = d["metadata"]["name"].as_str().unwrap();
         let containers = d["spec"]["template"]["spec"]["containers"]
@@ -129,23 +145,8 @@ fn manifest_matches_the_binary_and_the_dockerfile() {
                 .map(|i| args[i + 1].parse::<u64>().unwrap())
                 .unwrap_or(30);
             assert!(grace > drain, "{name}: grace {grace} s <= drain {drain} s");
-            if args[0] == "gateway" {
-                // Each worker URL names a Service and the port it exposes.
-                for flag in ["--prefill", "--decode"] {
-                    let i = args.iter().position(|a| a == flag).unwrap();
-                    let url = reqwest::Url::parse(&args[i + 1]).unwrap();
-                    let svc = services
-                        .iter()
-                        .find(|s| s["metadata"]["name"] == url.host_str().unwrap())
-                        .unwrap_or_else(|| panic!("no Service for {url}"));
-                    let ports: Vec<u16> = svc["spec"]["ports"]
-                        .as_sequence()
-                        .unwrap()
-                        .iter()
-                        .map(|p| port(&p["port"]))
-                        .collect();
-                    assert!(ports.contains(&url.port().unwrap()), "{url}");
-                }
+            if let Some(kubernetes) = &served.kubernetes {
+                discovering.push((d, kubernetes.clone(), c["env"].clone()));
             }
             // Every KV party carries the shared transfer secret from the manifest's Secret.
             let secret_ref = c["env"]
@@ -175,8 +176,71 @@ fn manifest_matches_the_binary_and_the_dockerfile() {
                 }
             }
             let labels = d["spec"]["template"]["metadata"]["labels"].clone();
+            if let Some(role) = served.role {
+                workers.push((labels.clone(), role, served.http_port));
+            }
             opened.push((labels, served.ports));
         }
+    }
+    // The gateway discovers every worker Deployment's pods, by role, at the port they
+    // serve, with a service account that may read pods and do nothing else.
+    assert_eq!(discovering.len(), 1, "the gateway uses --service-discovery");
+    for (gateway, kubernetes, env) in &discovering {
+        for (labels, role, http_port) in &workers {
+            let selected: Vec<WorkerRole> = kubernetes
+                .selectors
+                .iter()
+                .filter(|(_, s)| s.0.iter().all(|(k, v)| labels[k.as_str()] == v.as_str()))
+                .map(|(r, _)| *r)
+                .collect();
+            assert_eq!(selected, [*role], "{labels:?} is selected as {selected:?}");
+            assert_eq!(kubernetes.port, *http_port, "--service-discovery-port");
+        }
+        // The namespace comes from the downward API.
+        let namespace_env = env
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"] == "POD_NAMESPACE")
+            .expect("POD_NAMESPACE in the gateway's env");
+        assert_eq!(
+            namespace_env["valueFrom"]["fieldRef"]["fieldPath"],
+            "metadata.namespace"
+        );
+        assert!(kubernetes.namespace.is_some(), "a Role needs a namespace");
+        let account = gateway["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .expect("the gateway runs as its own service account");
+        assert!(of_kind(&docs, "ServiceAccount")
+            .iter()
+            .any(|a| a["metadata"]["name"] == account));
+        let binding = of_kind(&docs, "RoleBinding")
+            .into_iter()
+            .find(|b| {
+                b["subjects"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .any(|s| s["kind"] == "ServiceAccount" && s["name"] == account)
+            })
+            .expect("a RoleBinding for the gateway's account");
+        assert_eq!(binding["roleRef"]["kind"], "Role");
+        let role = of_kind(&docs, "Role")
+            .into_iter()
+            .find(|r| r["metadata"]["name"] == binding["roleRef"]["name"])
+            .expect("the bound Role");
+        let rules = role["rules"].as_sequence().unwrap();
+        assert_eq!(rules.len(), 1, "pods only");
+        let strings = |v: &Value| -> Vec<String> {
+            v.as_sequence()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(strings(&rules[0]["apiGroups"]), [""]);
+        assert_eq!(strings(&rules[0]["resources"]), ["pods"]);
+        assert_eq!(strings(&rules[0]["verbs"]), ["get", "list", "watch"]);
     }
     // Every Service selects a pod and targets a port that pod opens.
     for s in &services {

@@ -11,16 +11,50 @@
 //!   - url: http://10.0.0.6:8200
 //!     role: decode
 //!     dp_size: 2             # optional
+//!     kv_events_endpoint: tcp://10.0.0.6:5557   # optional
 //! ```
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
 use serde::Deserialize;
 
 use crate::admin::MAX_DP_SIZE;
 use crate::args::parse_worker_url;
-use crate::registry::WorkerSpec;
+use crate::registry::{WorkerSource, WorkerSpec};
+use crate::state::AppState;
+
+/// Re-reads `path` every `--discover-interval` and applies it when its text changed.
+pub async fn watch(state: Arc<AppState>, path: PathBuf) {
+    let mut ticks = tokio::time::interval(state.config.discovery.interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut applied: Option<String> = None;
+    loop {
+        ticks.tick().await;
+        let text = match read(&path).await {
+            Ok(text) => text,
+            Err(why) => {
+                super::failed(&state, WorkerSource::File, &why);
+                continue;
+            }
+        };
+        if applied.as_deref() == Some(text.as_str()) {
+            continue;
+        }
+        match parse(&text) {
+            Ok(specs) => {
+                super::apply(&state, WorkerSource::File, specs).await;
+                applied = Some(text);
+            }
+            Err(why) => super::failed(
+                &state,
+                WorkerSource::File,
+                &format!("{}: {why}", path.display()),
+            ),
+        }
+    }
+}
 
 /// The file's shape.
 #[derive(Debug, Deserialize)]
@@ -29,9 +63,9 @@ struct Listing {
     workers: Vec<Entry>,
 }
 
-/// One listed worker; fields the gateway does not read yet (`kv_events_endpoint`) are
-/// accepted.
+/// One listed worker.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Entry {
     url: String,
     role: String,
@@ -39,6 +73,8 @@ struct Entry {
     dp_size: Option<u32>,
     #[serde(default)]
     bootstrap_port: Option<u16>,
+    #[serde(default)]
+    kv_events_endpoint: Option<String>,
 }
 
 /// The workers `text` lists, or why it is not a listing (naming the entry at fault).
@@ -65,9 +101,13 @@ pub fn parse(text: &str) -> Result<Vec<WorkerSpec>, String> {
             if entry.bootstrap_port == Some(0) {
                 return Err(at("bootstrap_port must be a port number (1-65535)".into()));
             }
+            if let Some(endpoint) = &entry.kv_events_endpoint {
+                super::check_kv_events_endpoint(endpoint).map_err(at)?;
+            }
             let mut spec = WorkerSpec::new(role, url);
             spec.dp_size = dp_size;
             spec.bootstrap_port = entry.bootstrap_port;
+            spec.kv_events_endpoint = entry.kv_events_endpoint.clone();
             Ok(spec)
         })
         .collect()
@@ -95,6 +135,10 @@ mod tests {
             (WorkerRole::Prefill, Some(8998))
         );
         assert_eq!((specs[1].role, specs[1].dp_size), (WorkerRole::Decode, 2));
+        assert_eq!(
+            specs[1].kv_events_endpoint.as_deref(),
+            Some("tcp://10.0.0.6:5557")
+        );
         let json = r#"{"workers": [{"url": "http://h:1", "role": "both"}]}"#;
         assert_eq!(parse(json).unwrap()[0].role, WorkerRole::PrefillDecode);
         assert!(parse("workers: []").unwrap().is_empty());
@@ -114,6 +158,14 @@ mod tests {
             ),
             ("workers:\n  - url: http://h:1\n    role: dec", "workers[0]"),
             ("worker: []", "not a worker listing"),
+            (
+                "workers:\n  - url: http://h:1\n    role: decode\n    kv_events_endpoint: h:5557\n",
+                "kv_events_endpoint",
+            ),
+            (
+                "workers:\n  - url: http://h:1\n    role: decode\n    dp: 2\n",
+                "unknown field",
+            ),
             ("workers: [{url: http://h:1}]", "not a worker listing"),
         ] {
             let err = parse(bad).unwrap_err();

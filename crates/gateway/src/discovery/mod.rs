@@ -5,10 +5,14 @@
 //! or listing that also names gateways cannot make a loop).
 //!
 //! - [`file`]: `--discover-file`, a watched YAML or JSON listing.
+//! - [`dns`]: `--discover-dns`, names resolved every `--discover-interval`.
+//! - [`kubernetes`]: `--service-discovery`, pods watched by label selector.
 
+mod args;
+pub mod dns;
 pub mod file;
+pub mod kubernetes;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
@@ -16,56 +20,55 @@ use tokio::task::JoinHandle;
 use crate::identity::identify;
 use crate::registry::{WorkerSource, WorkerSpec};
 use crate::state::AppState;
+pub use args::{
+    parse_dns_target, DiscoveryArgs, DiscoveryConfig, DnsTarget, KubernetesDiscovery,
+    LabelSelector, DEFAULT_BOOTSTRAP_PORT_ANNOTATION, DEFAULT_KV_EVENTS_PORT_ANNOTATION,
+    DP_SIZE_ANNOTATION, PORT_ANNOTATION,
+};
 
 /// Starts the discovery tasks the configuration asks for; they run until aborted.
 pub fn spawn(state: &Arc<AppState>) -> Vec<JoinHandle<()>> {
+    let config = &state.config.discovery;
     let mut tasks = Vec::new();
-    if let Some(path) = state.config.discover_file.clone() {
-        tasks.push(tokio::spawn(watch_file(state.clone(), path)));
+    if let Some(path) = config.file.clone() {
+        tasks.push(tokio::spawn(file::watch(state.clone(), path)));
+    }
+    if !config.dns.is_empty() {
+        tasks.push(tokio::spawn(dns::watch(
+            state.clone(),
+            config.dns.clone(),
+            config.dns_server,
+        )));
+    }
+    if let Some(kubernetes) = config.kubernetes.clone() {
+        tasks.push(tokio::spawn(kubernetes::watch(state.clone(), kubernetes)));
     }
     tasks
 }
 
-/// Re-reads `path` every `--discover-interval` and applies it when its text changed.
-async fn watch_file(state: Arc<AppState>, path: PathBuf) {
-    let mut ticks = tokio::time::interval(state.config.discover_interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut applied: Option<String> = None;
-    loop {
-        ticks.tick().await;
-        let text = match file::read(&path).await {
-            Ok(text) => text,
-            Err(why) => {
-                failed(&state, WorkerSource::File, &why);
-                continue;
-            }
-        };
-        if applied.as_deref() == Some(text.as_str()) {
-            continue;
+/// Checks a KV-event publisher address: `tcp://host:port`, as vLLM's ZMQ endpoints are
+/// written.
+pub fn check_kv_events_endpoint(endpoint: &str) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(endpoint).ok();
+    match parsed {
+        Some(url) if url.scheme() == "tcp" && url.host_str().is_some() && url.port().is_some() => {
+            Ok(())
         }
-        match file::parse(&text) {
-            Ok(specs) => {
-                apply(&state, WorkerSource::File, specs).await;
-                applied = Some(text);
-            }
-            Err(why) => failed(
-                &state,
-                WorkerSource::File,
-                &format!("{}: {why}", path.display()),
-            ),
-        }
+        _ => Err(format!(
+            "`kv_events_endpoint` must be tcp://host:port, got `{endpoint}`"
+        )),
     }
 }
 
 /// A source that could not be read: the workers it registered stay as they are.
-fn failed(state: &AppState, source: WorkerSource, why: &str) {
+pub(crate) fn failed(state: &AppState, source: WorkerSource, why: &str) {
     state.metrics.inc_discovery_errors(source.as_str());
     tracing::warn!(%source, "discovery failed, keeping the workers it found last: {why}");
 }
 
 /// Makes `source`'s workers `specs`, leaving out URLs that answer as a gateway this one
 /// must not route to (asked once, when a URL first appears).
-async fn apply(state: &AppState, source: WorkerSource, specs: Vec<WorkerSpec>) {
+pub(crate) async fn apply(state: &AppState, source: WorkerSource, specs: Vec<WorkerSpec>) {
     let roster = state.registry.snapshot();
     // New URLs are asked all at once: a listing of many unreachable hosts costs one
     // probe timeout, not one each.

@@ -25,6 +25,8 @@ pub struct WorkerSpec {
     /// data-parallel replica: the encoders push each embedding to the replica that will
     /// run the request.
     pub ec_zmq_addrs: Vec<String>,
+    /// Where the worker publishes its KV-cache events (`tcp://host:port`), if it does.
+    pub kv_events_endpoint: Option<String>,
 }
 
 impl WorkerSpec {
@@ -36,6 +38,7 @@ impl WorkerSpec {
             dp_size: 1,
             bootstrap_port: None,
             ec_zmq_addrs: Vec::new(),
+            kv_events_endpoint: None,
         }
     }
 

@@ -47,8 +47,8 @@ impl Drop for Listing {
 
 fn discovering(listing: &Listing) -> GatewayConfig {
     let mut config = GatewayConfig::new(Vec::new(), Vec::new(), Vec::new());
-    config.discover_file = Some(listing.0.clone());
-    config.discover_interval = Duration::from_millis(50);
+    config.discovery.file = Some(listing.0.clone());
+    config.discovery.interval = Duration::from_millis(50);
     config
 }
 
@@ -171,8 +171,8 @@ async fn discovery_leaves_static_workers_alone_and_refuses_gateways() {
             d.url, other.url
         ));
         let mut config = pd_config(&[&p], &[&d]);
-        config.discover_file = Some(listing.0.clone());
-        config.discover_interval = Duration::from_millis(50);
+        config.discovery.file = Some(listing.0.clone());
+        config.discovery.interval = Duration::from_millis(50);
         let gw = Gateway::start(config).await;
         for _ in 0..200 {
             if metric(&gw, "pdserve_gateway_workers_refused_total").await > 0.0 {

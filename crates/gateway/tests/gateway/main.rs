@@ -3,6 +3,7 @@
 mod bootstrap;
 mod control_plane;
 mod discovery;
+mod dns;
 mod double;
 mod encoder;
 mod epd;
@@ -10,6 +11,8 @@ mod epd_failures;
 mod failures;
 mod handoff;
 mod hardening;
+mod kube_api;
+mod kubernetes;
 mod loops;
 mod multiturn;
 mod routing;
