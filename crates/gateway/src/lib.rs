@@ -21,6 +21,7 @@ pub mod error;
 pub mod handoff;
 pub mod hops;
 pub mod identity;
+pub mod kv_events;
 pub mod legs;
 pub mod metrics;
 pub mod model_len;
@@ -62,9 +63,13 @@ pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
         decode_policy = config.decode_policy.as_deref().unwrap_or(&config.policy),
         "gateway listening"
     );
-    if config.static_workers().next().is_none() && config.admin_api_key.is_none() {
+    if config.static_workers().next().is_none()
+        && config.admin_api_key.is_none()
+        && !config.discovery.any()
+    {
         tracing::warn!(
-            "no --prefill/--decode/--worker given and --dynamic-registration is off: every request will get 503"
+            "no --prefill/--decode/--worker given, no discovery source and --dynamic-registration \
+             is off: every request will get 503"
         );
     }
     serve(listener, config, async {
