@@ -117,6 +117,14 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_KV_SECRET", hide_env_values = true)]
     pub kv_secret: Option<String>,
 
+    /// Publish KV-cache events for routers, with vLLM's `KVEventsConfig` keys as JSON,
+    /// e.g. `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    /// "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}`: a ZeroMQ PUB socket sends
+    /// every block entering the prefix cache (computed or imported) and every block
+    /// reclaimed, in vLLM's wire format; the ROUTER replay socket re-sends missed batches.
+    #[arg(long, env = "PDSERVE_KV_EVENTS_CONFIG", value_name = "JSON")]
+    pub kv_events_config: Option<String>,
+
     /// This engine's id (`remote_engine_id`); a peer naming another id is refused.
     /// Default: a random UUID.
     #[arg(long, env = "PDSERVE_ENGINE_ID")]

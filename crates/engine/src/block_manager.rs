@@ -68,6 +68,25 @@ struct BlockState {
     cached: Option<CachedContent>,
 }
 
+/// A change to the prefix cache, recorded for KV-event subscribers (routers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheChange {
+    /// A full block became findable.
+    Stored {
+        /// Its chained hash.
+        hash: BlockHash,
+        /// The hash of the block before it.
+        parent: Option<BlockHash>,
+        /// Its tokens.
+        tokens: [u32; BLOCK_SIZE],
+    },
+    /// A block's content was forgotten (its block reclaimed).
+    Removed {
+        /// Its chained hash.
+        hash: BlockHash,
+    },
+}
+
 /// Blocks found in the prefix cache for a token sequence; each is referenced once more.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixHit {
@@ -98,6 +117,8 @@ pub struct BlockManager {
     kept: HashMap<u64, Vec<(BlockId, u64)>>,
     /// Kept blocks reclaimed for new allocations so far.
     kept_reclaimed: u64,
+    /// Prefix-cache changes not yet drained; `None` while nobody listens.
+    changes: Option<Vec<CacheChange>>,
 }
 
 impl BlockManager {
@@ -112,7 +133,21 @@ impl BlockManager {
             num_pinned: 0,
             kept: HashMap::new(),
             kept_reclaimed: 0,
+            changes: None,
         }
+    }
+
+    /// Starts recording prefix-cache changes for [`BlockManager::drain_changes`].
+    pub fn record_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The prefix-cache changes since the last call, in the order they happened.
+    pub fn drain_changes(&mut self) -> Vec<CacheChange> {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Blocks in the pool.
@@ -376,6 +411,13 @@ impl BlockManager {
                 tokens: content,
             });
             self.by_hash.insert(hash, id);
+            if let Some(changes) = &mut self.changes {
+                changes.push(CacheChange::Stored {
+                    hash,
+                    parent,
+                    tokens: content,
+                });
+            }
         }
         Ok(hash)
     }
@@ -391,6 +433,9 @@ impl BlockManager {
     fn uncache(&mut self, id: BlockId) {
         if let Some(content) = self.blocks[id as usize].cached.take() {
             self.by_hash.remove(&content.hash);
+            if let Some(changes) = &mut self.changes {
+                changes.push(CacheChange::Removed { hash: content.hash });
+            }
         }
     }
 }
@@ -534,6 +579,35 @@ mod tests {
         assert_eq!((bm.num_used(), bm.num_pinned()), (0, 0));
         assert_eq!(bm.unpin(&a), Err(BlockError::NotPinned(a[0])));
         assert_eq!(bm.pin(&a), Err(BlockError::NotInUse(a[0])));
+    }
+
+    #[test]
+    fn cache_changes_are_recorded_once_listened_for() {
+        let mut bm = BlockManager::new(3);
+        let p = prompt(17, 6);
+        let (_, a) = run_sequence(&mut bm, &p);
+        assert!(bm.drain_changes().is_empty(), "nobody listens yet");
+        bm.release(&a).unwrap();
+        bm.record_changes();
+        let q = prompt(33, 7);
+        let (_, b) = run_sequence(&mut bm, &q);
+        let changes = bm.drain_changes();
+        // The first prompt's cached block was reclaimed, the second's two were stored.
+        let first = BlockHash::of(None, &p[..BLOCK_SIZE]);
+        let h0 = BlockHash::of(None, &q[..BLOCK_SIZE]);
+        let h1 = BlockHash::of(Some(h0), &q[BLOCK_SIZE..2 * BLOCK_SIZE]);
+        assert_eq!(changes.len(), 3, "{changes:?}");
+        assert_eq!(changes[0], CacheChange::Removed { hash: first });
+        assert!(matches!(changes[1], CacheChange::Stored { hash, parent: None, .. } if hash == h0));
+        assert!(
+            matches!(changes[2], CacheChange::Stored { hash, parent: Some(p), tokens } if hash == h1 && p == h0 && tokens[..] == q[BLOCK_SIZE..2 * BLOCK_SIZE])
+        );
+        assert!(bm.drain_changes().is_empty(), "drained");
+        // Hitting cached content again is not news.
+        bm.release(&b).unwrap();
+        let (_, again) = run_sequence(&mut bm, &q);
+        assert!(bm.drain_changes().is_empty());
+        bm.release(&again).unwrap();
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod handoff;
 pub mod health;
 pub mod heartbeat;
 pub mod kv;
+pub mod kv_events;
 pub mod metrics;
 pub mod orchestrator;
 pub mod output_text;

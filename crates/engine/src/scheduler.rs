@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::block_manager::{BlockError, BlockManager, PrefixHit};
 use crate::heartbeat::{Heartbeat, SchedulerCondition};
+use crate::kv_events::{CacheNews, EventSink};
 use crate::metrics::Metrics;
 use crate::profile::{token_split, Profiler, StepSpan};
 use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
@@ -202,8 +203,19 @@ impl EngineHandle {
 /// Starts the scheduler thread over `model`.
 pub fn spawn<M: StepModel>(
     model: M,
+    config: SchedulerConfig,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
+    spawn_publishing(model, config, metrics, None)
+}
+
+/// [`spawn`], telling `events` (when given) of every change to the prefix cache: a clear
+/// first, then each step's stores and removals.
+pub fn spawn_publishing<M: StepModel>(
+    model: M,
     mut config: SchedulerConfig,
     metrics: Arc<Metrics>,
+    events: Option<EventSink>,
 ) -> std::io::Result<(EngineHandle, JoinHandle<()>)> {
     // A sequence must always fit in the pool on its own, or preemption could not help.
     config.max_model_len = config.max_model_len.min(model.num_blocks() * BLOCK_SIZE);
@@ -219,8 +231,14 @@ pub fn spawn<M: StepModel>(
         profiler: profiler.clone(),
     };
     let exit_guard = heartbeat.exit_guard();
+    let mut blocks = BlockManager::new(model.num_blocks());
+    if let Some(sink) = &events {
+        blocks.record_changes();
+        sink.send(CacheNews::Cleared);
+    }
     let scheduler = Scheduler {
-        blocks: BlockManager::new(model.num_blocks()),
+        blocks,
+        events,
         model,
         config,
         metrics,
@@ -243,6 +261,8 @@ pub fn spawn<M: StepModel>(
 struct Scheduler<M> {
     model: M,
     blocks: BlockManager,
+    /// Where prefix-cache changes go (`--kv-events-config`).
+    events: Option<EventSink>,
     config: SchedulerConfig,
     metrics: Arc<Metrics>,
     queued: Arc<AtomicUsize>,
@@ -284,12 +304,24 @@ impl<M: StepModel> Scheduler<M> {
             // sequences in hand reads as a wedge.
             self.heartbeat.beat(self.has_work());
             stalled = !self.step();
+            self.publish_changes();
         }
         let waiting: Vec<_> = self.waiting.drain(..).collect();
         for seq in self.running.drain(..).chain(waiting) {
             seq.send(SeqEvent::Failed("the worker is shutting down".into()));
         }
         tracing::debug!("scheduler thread stopped");
+    }
+
+    /// Hands the prefix-cache changes of this step (and of the commands before it) to
+    /// the KV-event publisher.
+    fn publish_changes(&mut self) {
+        if let Some(sink) = &self.events {
+            let changes = self.blocks.drain_changes();
+            if !changes.is_empty() {
+                sink.send(CacheNews::Changes(changes));
+            }
+        }
     }
 
     fn has_work(&self) -> bool {

@@ -499,6 +499,7 @@ fn a_prefill_short_of_blocks_is_not_stuck_behind_a_waiting_prompt_that_cannot_be
     let batches = model.batches.clone();
     let mut scheduler = Scheduler {
         blocks: BlockManager::new(4),
+        events: None,
         model,
         config: SchedulerConfig {
             policy: SchedulingPolicy::ShortestPrefillFirst {

@@ -16,6 +16,7 @@ use crate::api::{router, AppState};
 use crate::args::WorkerArgs;
 use crate::health::WorkerHealth;
 use crate::kv::{KvContext, KvService, KvServiceConfig};
+use crate::kv_events::{KvEventsConfig, Publisher};
 use crate::metrics::Metrics;
 use crate::orchestrator::{prefill_url, Orchestrator, OrchestratorConfig};
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
@@ -64,6 +65,8 @@ pub struct Worker {
     kv_tasks: Vec<JoinHandle<()>>,
     health: Arc<WorkerHealth>,
     shutdown_timeout: Duration,
+    /// The KV-event publisher, while it runs.
+    kv_events: Option<Publisher>,
 }
 
 fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
@@ -188,7 +191,18 @@ impl Worker {
         let runner = ModelRunner::new(model.clone(), args.num_kv_blocks);
         let kv_layout = runner.kv_layout();
         let kv_block_bytes = runner.kv_block_bytes();
-        let (engine, scheduler) = scheduler::spawn(
+        let kv_events = match args.kv_events_config.as_deref() {
+            Some(json) => match KvEventsConfig::parse(json).map_err(WorkerError::InvalidArgs)? {
+                Some(config) => Some(
+                    Publisher::start(config)
+                        .await
+                        .map_err(|e| WorkerError::InvalidArgs(e.to_string()))?,
+                ),
+                None => None,
+            },
+            None => None,
+        };
+        let (engine, scheduler) = scheduler::spawn_publishing(
             runner,
             SchedulerConfig {
                 max_num_seqs: args.max_num_seqs,
@@ -198,6 +212,7 @@ impl Worker {
                 policy: args.scheduling_policy().map_err(WorkerError::InvalidArgs)?,
             },
             metrics.clone(),
+            kv_events.as_ref().map(Publisher::sink),
         )?;
         if let Some(dir) = &args.profile_dir {
             engine.profiler().enable(dir.clone());
@@ -355,7 +370,15 @@ impl Worker {
             kv_tasks,
             health,
             shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+            kv_events,
         })
+    }
+
+    /// Where this worker publishes KV events and answers replays (`--kv-events-config`).
+    pub fn kv_events_endpoints(&self) -> Option<(&str, Option<&str>)> {
+        self.kv_events
+            .as_ref()
+            .map(|p| (p.endpoint.as_str(), p.replay_endpoint.as_deref()))
     }
 
     /// The address of the KV transfer service, when the worker runs one.

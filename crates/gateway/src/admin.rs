@@ -76,9 +76,21 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                 "bootstrap_port": w.spec.bootstrap_port,
                 "ec_zmq_addrs": w.spec.ec_zmq_addrs,
                 "kv_events_endpoint": w.spec.kv_events_endpoint,
+                "kv_events_replay_endpoint": w.spec.kv_events_replay_endpoint,
                 "consecutive_failures": w.failures(),
                 "circuit": w.circuit(),
                 "evicted_for_secs": m.evicted_since.map(|t| t.elapsed().as_secs_f64()),
+                "kv_index": state.kv_events.worker(&w.base).map(|events| {
+                    let (blocks, block_size) = {
+                        let index = events.lock();
+                        (index.len(), index.block_size())
+                    };
+                    json!({
+                        "blocks": blocks,
+                        "block_size": block_size,
+                        "last_event_secs_ago": events.last_heard().map(|t| t.elapsed().as_secs_f64()),
+                    })
+                }),
             })
         })
         .collect();
@@ -265,20 +277,18 @@ fn parse_registration(body: &[u8]) -> Result<WorkerSpec, ApiError> {
             ));
         }
     }
-    let kv_events_endpoint = match field("kv_events_endpoint") {
-        None => None,
-        Some(Value::String(s)) => Some(
-            crate::discovery::check_kv_events_endpoint(s)
-                .map(|()| s.clone())
-                .map_err(|e| bad("kv_events_endpoint", e))?,
-        ),
-        Some(_) => {
-            return Err(bad(
-                "kv_events_endpoint",
-                "`kv_events_endpoint` must be a string (tcp://host:port)".into(),
-            ))
-        }
+    let endpoint = |name: &str| match field(name) {
+        None => Ok(None),
+        Some(Value::String(s)) => crate::discovery::check_kv_events_endpoint(s)
+            .map(|()| Some(s.clone()))
+            .map_err(|e| bad(name, e.replace("kv_events_endpoint", name))),
+        Some(_) => Err(bad(
+            name,
+            format!("`{name}` must be a string (tcp://host:port)"),
+        )),
     };
+    let kv_events_endpoint = endpoint("kv_events_endpoint")?;
+    let kv_events_replay_endpoint = endpoint("kv_events_replay_endpoint")?;
     Ok(WorkerSpec {
         role,
         url,
@@ -286,6 +296,7 @@ fn parse_registration(body: &[u8]) -> Result<WorkerSpec, ApiError> {
         bootstrap_port,
         ec_zmq_addrs,
         kv_events_endpoint,
+        kv_events_replay_endpoint,
     })
 }
 
@@ -362,6 +373,10 @@ mod tests {
             (
                 br#"{"role":"prefill","url":"http://h:1","kv_events_endpoint":5557}"#,
                 "kv_events_endpoint",
+            ),
+            (
+                br#"{"role":"prefill","url":"http://h:1","kv_events_replay_endpoint":"x"}"#,
+                "kv_events_replay_endpoint",
             ),
         ] {
             let err = parse_registration(body).unwrap_err();

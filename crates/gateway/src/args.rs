@@ -205,6 +205,10 @@ pub struct GatewayArgs {
     #[command(flatten)]
     pub discovery: crate::discovery::DiscoveryArgs,
 
+    /// Where workers publish their KV-cache events.
+    #[command(flatten)]
+    pub kv_events: crate::kv_events::KvEventsArgs,
+
     /// Most workers the roster holds (static, registered and discovered together);
     /// registrations past it get 429.
     #[arg(long, env = "PDSERVE_MAX_WORKERS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
@@ -412,6 +416,8 @@ pub struct GatewayConfig {
     pub allow_gateway_workers: bool,
     /// The discovery sources (file, DNS, Kubernetes).
     pub discovery: crate::discovery::DiscoveryConfig,
+    /// Workers' KV-event endpoints and index bounds.
+    pub kv_events: crate::kv_events::KvEventsConfig,
     /// Most gateways a request may pass through (`--max-hops`).
     pub max_hops: u32,
     /// Eviction settings.
@@ -469,6 +475,7 @@ impl GatewayConfig {
             },
             allow_gateway_workers: false,
             discovery: crate::discovery::DiscoveryConfig::default(),
+            kv_events: crate::kv_events::KvEventsConfig::default(),
             max_hops: 4,
             health: HealthPolicy::default(),
             shutdown_timeout: Duration::from_secs(30),
@@ -640,6 +647,7 @@ impl GatewayArgs {
             },
             allow_gateway_workers: self.allow_gateway_workers,
             discovery,
+            kv_events: self.kv_events.to_config()?,
             max_hops: self.max_hops,
             health: HealthPolicy {
                 max_workers: self.max_workers as usize,

@@ -121,6 +121,8 @@ pub struct Metrics {
     epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
+    /// The KV-event subscribers' families.
+    pub kv_events: std::sync::Arc<crate::kv_events::KvEventMetrics>,
 }
 
 impl Default for Metrics {
@@ -294,8 +296,11 @@ impl Default for Metrics {
              (a decode 500: the embedding could not be fetched)",
             encoder_reencodes.clone(),
         );
+        let kv_events =
+            std::sync::Arc::new(crate::kv_events::KvEventMetrics::register(&mut registry));
         Self {
             registry,
+            kv_events,
             epd_stage_seconds,
             encoder_sub_requests,
             encoder_reencodes,

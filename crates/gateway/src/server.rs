@@ -123,6 +123,7 @@ pub async fn serve(
         },
     ));
     tasks.extend(crate::discovery::spawn(&state));
+    tasks.push(state.kv_events.spawn(state.registry.clone()));
     if state.config.prewarm {
         tasks.push(prewarm::spawn(state.clone()));
     }

@@ -34,6 +34,8 @@ pub struct AppState {
     pub model_lens: crate::model_len::ModelLens,
     /// This gateway process's identity (loop detection, refusing itself as a worker).
     pub instance: Instance,
+    /// The workers' KV-event subscriptions and block indexes.
+    pub kv_events: Arc<crate::kv_events::KvEventsHub>,
 }
 
 impl AppState {
@@ -59,6 +61,10 @@ impl AppState {
             build(&config.policy)?,
             build(&config.policy)?,
         ];
+        let kv_events = Arc::new(crate::kv_events::KvEventsHub::new(
+            config.kv_events.clone(),
+            metrics.kv_events.clone(),
+        ));
         Ok(Self {
             client: WorkerClient::new(&config)?,
             conversations: Arc::new(ConversationCache::new(
@@ -70,6 +76,7 @@ impl AppState {
             metrics,
             model_lens: Default::default(),
             instance: Instance::new(),
+            kv_events,
             config,
         })
     }

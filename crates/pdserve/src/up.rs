@@ -317,6 +317,24 @@ impl Stack<'_> {
             let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
             let name = format!("{role} worker {}", worker_urls.len());
             gateway.args([gateway_flag(*role), &url]);
+            // Every worker publishes its KV-cache events; the gateway indexes them.
+            let (events, replay) = (
+                format!("tcp://127.0.0.1:{}", free_port()?),
+                format!("tcp://127.0.0.1:{}", free_port()?),
+            );
+            worker.args([
+                "--kv-events-config",
+                &serde_json::json!({
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": events,
+                    "replay_endpoint": replay,
+                })
+                .to_string(),
+            ]);
+            gateway
+                .args(["--kv-events", &format!("{url}={events}")])
+                .args(["--kv-events-replay", &format!("{url}={replay}")]);
             let mut line = format!("{role} worker at {url} on {}", describe(&placement));
             if sglang && *role == WorkerRole::Prefill {
                 // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.

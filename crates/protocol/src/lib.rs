@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod kv;
+pub mod kv_events;
 pub mod leg;
 pub mod openai;
 pub mod role;

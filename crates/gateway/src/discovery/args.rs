@@ -17,6 +17,8 @@ pub const DP_SIZE_ANNOTATION: &str = "pdserve.dev/dp-size";
 /// The annotation giving a pod's HTTP port where it differs from
 /// `--service-discovery-port` (hostNetwork pods sharing a node's IP).
 pub const PORT_ANNOTATION: &str = "pdserve.dev/port";
+/// The annotation naming the port of a pod's KV-event replay socket.
+pub const KV_EVENTS_REPLAY_PORT_ANNOTATION: &str = "pdserve.dev/kv-events-replay-port";
 /// The default annotation naming the port of a pod's KV-event publisher.
 pub const DEFAULT_KV_EVENTS_PORT_ANNOTATION: &str = "pdserve.dev/kv-events-port";
 

@@ -11,7 +11,8 @@
 //!   - url: http://10.0.0.6:8200
 //!     role: decode
 //!     dp_size: 2             # optional
-//!     kv_events_endpoint: tcp://10.0.0.6:5557   # optional
+//!     kv_events_endpoint: tcp://10.0.0.6:5557          # optional
+//!     kv_events_replay_endpoint: tcp://10.0.0.6:5558   # optional
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -75,6 +76,8 @@ struct Entry {
     bootstrap_port: Option<u16>,
     #[serde(default)]
     kv_events_endpoint: Option<String>,
+    #[serde(default)]
+    kv_events_replay_endpoint: Option<String>,
 }
 
 /// The workers `text` lists, or why it is not a listing (naming the entry at fault).
@@ -101,13 +104,17 @@ pub fn parse(text: &str) -> Result<Vec<WorkerSpec>, String> {
             if entry.bootstrap_port == Some(0) {
                 return Err(at("bootstrap_port must be a port number (1-65535)".into()));
             }
-            if let Some(endpoint) = &entry.kv_events_endpoint {
+            for endpoint in [&entry.kv_events_endpoint, &entry.kv_events_replay_endpoint]
+                .into_iter()
+                .flatten()
+            {
                 super::check_kv_events_endpoint(endpoint).map_err(at)?;
             }
             let mut spec = WorkerSpec::new(role, url);
             spec.dp_size = dp_size;
             spec.bootstrap_port = entry.bootstrap_port;
             spec.kv_events_endpoint = entry.kv_events_endpoint.clone();
+            spec.kv_events_replay_endpoint = entry.kv_events_replay_endpoint.clone();
             Ok(spec)
         })
         .collect()

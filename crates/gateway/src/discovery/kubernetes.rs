@@ -25,7 +25,9 @@ use kube::{Api, Client};
 use pdserve_protocol::WorkerRole;
 use reqwest::Url;
 
-use super::{KubernetesDiscovery, DP_SIZE_ANNOTATION, PORT_ANNOTATION};
+use super::{
+    KubernetesDiscovery, DP_SIZE_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION, PORT_ANNOTATION,
+};
 use crate::admin::MAX_DP_SIZE;
 use crate::registry::{WorkerSource, WorkerSpec};
 use crate::state::AppState;
@@ -261,12 +263,22 @@ pub fn pod_worker(pod: &Pod, role: WorkerRole, config: &KubernetesDiscovery) -> 
             Err(why) => return not(why),
         }
     }
-    match port_in(&config.kv_events_port_annotation) {
-        Ok(port) => {
-            spec.kv_events_endpoint =
-                port.map(|p| format!("tcp://{}", std::net::SocketAddr::new(ip, p)));
+    for (annotation, endpoint) in [
+        (
+            config.kv_events_port_annotation.as_str(),
+            &mut spec.kv_events_endpoint,
+        ),
+        (
+            KV_EVENTS_REPLAY_PORT_ANNOTATION,
+            &mut spec.kv_events_replay_endpoint,
+        ),
+    ] {
+        match port_in(annotation) {
+            Ok(port) => {
+                *endpoint = port.map(|p| format!("tcp://{}", std::net::SocketAddr::new(ip, p)));
+            }
+            Err(why) => return not(why),
         }
-        Err(why) => return not(why),
     }
     if let Some(v) = annotation(DP_SIZE_ANNOTATION) {
         match v.trim().parse::<u32>() {
@@ -403,7 +415,8 @@ mod tests {
             &pod(serde_json::json!({"metadata": {"annotations": {
                 "sglang.ai/bootstrap-port": "8998",
                 "pdserve.dev/dp-size": "2",
-                "pdserve.dev/kv-events-port": "5557"}}})),
+                "pdserve.dev/kv-events-port": "5557",
+                "pdserve.dev/kv-events-replay-port": "5558"}}})),
             WorkerRole::Prefill,
             &c,
         ) else {
@@ -415,6 +428,10 @@ mod tests {
         assert_eq!(
             spec.kv_events_endpoint.as_deref(),
             Some("tcp://10.1.2.3:5557")
+        );
+        assert_eq!(
+            spec.kv_events_replay_endpoint.as_deref(),
+            Some("tcp://10.1.2.3:5558")
         );
         let host_network =
             pod(serde_json::json!({"metadata": {"annotations": {"pdserve.dev/port": "9100"}}}));

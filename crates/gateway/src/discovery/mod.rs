@@ -23,7 +23,7 @@ use crate::state::AppState;
 pub use args::{
     parse_dns_target, DiscoveryArgs, DiscoveryConfig, DnsTarget, KubernetesDiscovery,
     LabelSelector, DEFAULT_BOOTSTRAP_PORT_ANNOTATION, DEFAULT_KV_EVENTS_PORT_ANNOTATION,
-    DP_SIZE_ANNOTATION, PORT_ANNOTATION,
+    DP_SIZE_ANNOTATION, KV_EVENTS_REPLAY_PORT_ANNOTATION, PORT_ANNOTATION,
 };
 
 /// Starts the discovery tasks the configuration asks for; they run until aborted.

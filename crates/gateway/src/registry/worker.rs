@@ -27,6 +27,8 @@ pub struct WorkerSpec {
     pub ec_zmq_addrs: Vec<String>,
     /// Where the worker publishes its KV-cache events (`tcp://host:port`), if it does.
     pub kv_events_endpoint: Option<String>,
+    /// Where the worker answers KV-event replay requests, if it does.
+    pub kv_events_replay_endpoint: Option<String>,
 }
 
 impl WorkerSpec {
@@ -39,6 +41,7 @@ impl WorkerSpec {
             bootstrap_port: None,
             ec_zmq_addrs: Vec::new(),
             kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
         }
     }
 

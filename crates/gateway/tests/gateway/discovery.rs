@@ -3,13 +3,13 @@
 //! source, and never takes a gateway for a worker.
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 
 use crate::double::{Double, Role};
-use crate::{bounded, client, metric, pd_config, Gateway};
+use crate::{bounded, client, metric, pd_config, Gateway, RosterRow};
 
 /// A listing file in the temporary directory, removed when dropped.
 struct Listing(PathBuf);
@@ -52,48 +52,12 @@ fn discovering(listing: &Listing) -> GatewayConfig {
     config
 }
 
-/// The roster's workers as (url, role, source), sorted.
-async fn roster(gw: &Gateway) -> Vec<(String, String, String)> {
-    let instances = gw.instances().await;
-    let mut out: Vec<_> = instances["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| {
-            let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
-            (s("url"), s("role"), s("source"))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-async fn wait_for_roster(gw: &Gateway, expected: &[(String, String, String)]) {
-    let mut expected = expected.to_vec();
-    expected.sort();
-    for _ in 0..200 {
-        if roster(gw).await == expected {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("roster {:?}, expected {expected:?}", roster(gw).await);
+async fn wait_for_roster(gw: &Gateway, expected: &[RosterRow]) {
+    gw.roster_becomes(expected, Instant::now()).await;
 }
 
 fn entry(double: &Double, role: &str) -> (String, String, String) {
     (double.url.clone(), role.to_string(), "file".to_string())
-}
-
-async fn chat_status(gw: &Gateway) -> u16 {
-    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
-    client()
-        .post(gw.at("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
 }
 
 #[tokio::test]
@@ -107,14 +71,14 @@ async fn the_roster_follows_a_listing_file_and_keeps_its_workers_when_the_file_b
         let gw = Gateway::start(discovering(&listing)).await;
         let first = [entry(&p, "prefill"), entry(&d1, "decode")];
         wait_for_roster(&gw, &first).await;
-        assert_eq!(chat_status(&gw).await, 200);
+        assert_eq!(gw.chat_status().await, 200);
 
         // D2 joins, D1 leaves.
         listing.list(&[("prefill", &p), ("decode", &d2)]);
         let second = [entry(&p, "prefill"), entry(&d2, "decode")];
         wait_for_roster(&gw, &second).await;
         let before = d2.requests().len();
-        assert_eq!(chat_status(&gw).await, 200);
+        assert_eq!(gw.chat_status().await, 200);
         assert!(d2.requests().len() > before);
 
         // Half-written, wrong and deleted files keep the last good roster, counted.
@@ -135,7 +99,7 @@ async fn the_roster_follows_a_listing_file_and_keeps_its_workers_when_the_file_b
                 metric(&gw, "pdserve_gateway_discovery_errors_total").await > errors,
                 "{broken:?} was not reported"
             );
-            assert_eq!(roster(&gw).await, {
+            assert_eq!(gw.roster().await, {
                 let mut s = second.to_vec();
                 s.sort();
                 s
@@ -146,7 +110,7 @@ async fn the_roster_follows_a_listing_file_and_keeps_its_workers_when_the_file_b
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(metric(&gw, "pdserve_gateway_discovery_errors_total").await > errors);
         assert_eq!(
-            chat_status(&gw).await,
+            gw.chat_status().await,
             200,
             "a deleted file empties nothing"
         );

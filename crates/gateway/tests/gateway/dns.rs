@@ -5,17 +5,16 @@
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{RData, Record, RecordType};
 use pdserve_gateway::discovery::parse_dns_target;
 use pdserve_gateway::GatewayConfig;
-use serde_json::json;
 
 use crate::double::{Double, Role};
-use crate::{bounded, client, metric, Gateway};
+use crate::{bounded, metric, Gateway, RosterRow};
 
 /// How the stand-in resolver answers.
 #[derive(Clone, Copy, PartialEq)]
@@ -123,34 +122,11 @@ fn port_of(double: &Double) -> u16 {
     double.url.rsplit(':').next().unwrap().parse().unwrap()
 }
 
-async fn roster(gw: &Gateway) -> Vec<(String, String, String)> {
-    let instances = gw.instances().await;
-    let mut rows: Vec<_> = instances["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| {
-            let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
-            (s("url"), s("role"), s("source"))
-        })
-        .collect();
-    rows.sort();
-    rows
+async fn roster_becomes(gw: &Gateway, expected: &[RosterRow]) {
+    gw.roster_becomes(expected, Instant::now()).await;
 }
 
-async fn roster_becomes(gw: &Gateway, expected: &[(String, String, String)]) {
-    let mut expected = expected.to_vec();
-    expected.sort();
-    for _ in 0..500 {
-        if roster(gw).await == expected {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("roster {:?}, expected {expected:?}", roster(gw).await);
-}
-
-fn row(double: &Double, role: &str) -> (String, String, String) {
+fn row(double: &Double, role: &str) -> RosterRow {
     (double.url.clone(), role.into(), "dns".into())
 }
 
@@ -176,15 +152,7 @@ async fn dns_names_add_and_remove_workers_and_a_failing_resolver_keeps_them() {
         let gw = Gateway::start(config).await;
 
         roster_becomes(&gw, &[row(&p, "prefill"), row(&d0, "decode")]).await;
-        let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
-        let status = client()
-            .post(gw.at("/v1/chat/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .status();
-        assert_eq!(status, 200);
+        assert_eq!(gw.chat_status().await, 200);
 
         // A name gains an address: added. Another loses it (NXDOMAIN): removed.
         dns.set("d1.pool.test", &local);
@@ -231,7 +199,7 @@ async fn dns_names_add_and_remove_workers_and_a_failing_resolver_keeps_them() {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let mut expected = kept.to_vec();
             expected.sort();
-            assert_eq!(roster(&gw).await, expected);
+            assert_eq!(gw.roster().await, expected);
         }
         // The resolver comes back with a change: applied.
         dns.mode(Mode::Answer);

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::double::{Double, Role};
 use crate::kube_api::{pod, KubeApi};
-use crate::{bounded, client, metric, Gateway};
+use crate::{bounded, client, metric, Gateway, RosterRow};
 
 const NAMESPACE: &str = "serving";
 
@@ -49,53 +49,12 @@ fn discovering(api: &KubeApi, name: &str) -> GatewayConfig {
     config
 }
 
-/// The roster as sorted (url, role, source) rows.
-async fn roster(gw: &Gateway) -> Vec<(String, String, String)> {
-    let instances = gw.instances().await;
-    let mut rows: Vec<_> = instances["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| {
-            let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
-            (s("url"), s("role"), s("source"))
-        })
-        .collect();
-    rows.sort();
-    rows
-}
-
-fn row(double: &Double, role: &str) -> (String, String, String) {
+fn row(double: &Double, role: &str) -> RosterRow {
     (double.url.clone(), role.into(), "kubernetes".into())
 }
 
-/// Waits until the roster is `expected`; returns how long after `since` that was.
-async fn roster_becomes(
-    gw: &Gateway,
-    expected: &[(String, String, String)],
-    since: Instant,
-) -> Duration {
-    let mut expected = expected.to_vec();
-    expected.sort();
-    for _ in 0..2000 {
-        if roster(gw).await == expected {
-            return since.elapsed();
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    panic!("roster {:?}, expected {expected:?}", roster(gw).await);
-}
-
-async fn chat_status(gw: &Gateway) -> u16 {
-    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
-    client()
-        .post(gw.at("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+async fn roster_becomes(gw: &Gateway, expected: &[RosterRow], since: Instant) -> Duration {
+    gw.roster_becomes(expected, since).await
 }
 
 fn set_ready(pod: &mut Value, ready: bool) {
@@ -130,7 +89,7 @@ async fn the_roster_follows_pod_events_watch_cuts_and_expiry() {
             "list to routable",
             roster_becomes(&gw, &first, started).await,
         ));
-        assert_eq!(chat_status(&gw).await, 200);
+        assert_eq!(gw.chat_status().await, 200);
         // Each role's watch asks for its own selector.
         let log = api.log();
         for role in ["prefill", "decode"] {

@@ -13,13 +13,14 @@ mod handoff;
 mod hardening;
 mod kube_api;
 mod kubernetes;
+mod kv_events;
 mod loops;
 mod multiturn;
 mod routing;
 mod sglang_double;
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pdserve_gateway::args::parse_worker_url;
 use pdserve_gateway::{GatewayConfig, GatewayError};
@@ -28,6 +29,9 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 
 use double::Double;
+
+/// One roster member as `(url, role, source)`.
+pub type RosterRow = (String, String, String);
 
 /// A gateway serving on a free port; shut down when dropped.
 pub struct Gateway {
@@ -88,6 +92,51 @@ impl Gateway {
             .unwrap_or_else(|| panic!("{url} is not in {instances}"))["in_flight"]
             .as_i64()
             .unwrap()
+    }
+
+    /// The roster as sorted `(url, role, source)` rows, from `/instances`.
+    pub async fn roster(&self) -> Vec<RosterRow> {
+        let instances = self.instances().await;
+        let mut rows: Vec<RosterRow> = instances["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
+                (s("url"), s("role"), s("source"))
+            })
+            .collect();
+        rows.sort();
+        rows
+    }
+
+    /// Waits (up to 10 s) until the roster is `expected`; returns how long after `since`
+    /// that was.
+    pub async fn roster_becomes(&self, expected: &[RosterRow], since: Instant) -> Duration {
+        let mut expected = expected.to_vec();
+        expected.sort();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.roster().await == expected {
+                return since.elapsed();
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        panic!("roster {:?}, expected {expected:?}", self.roster().await);
+    }
+
+    /// The status of a small chat request.
+    pub async fn chat_status(&self) -> u16 {
+        let body =
+            serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+        client()
+            .post(self.at("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
     }
 
     /// `GET /health` as JSON.

@@ -1,0 +1,293 @@
+//! One worker's prefix-cache contents as its KV events describe them, keyed by the
+//! gateway's own hash of each block's tokens chained over its parent's key. The engine's
+//! hashes (seeded per process in vLLM unless PYTHONHASHSEED is set, sha256 or integers)
+//! are kept only to resolve removals and parents, so a match never depends on how an
+//! engine hashes.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::num::NonZeroUsize;
+
+use lru::LruCache;
+use pdserve_protocol::kv_events::{EngineBlockHash, KvCacheEvent};
+
+/// The gateway's key for a block: its tokens hashed after its parent's key, so equal keys
+/// mean equal prefixes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockKey(pub u64);
+
+impl BlockKey {
+    /// The key of a block of `tokens` following the block keyed `parent`.
+    pub fn chain(parent: Option<BlockKey>, tokens: &[u32]) -> Self {
+        // Fixed keys: every gateway process of this build keys alike.
+        let mut h = DefaultHasher::new();
+        parent.map(|p| p.0).hash(&mut h);
+        tokens.hash(&mut h);
+        BlockKey(h.finish())
+    }
+}
+
+/// The keys of every full block of `tokens`, in order.
+pub fn prompt_keys(tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+    let mut keys = Vec::with_capacity(tokens.len() / block_size.max(1));
+    let mut parent = None;
+    for block in tokens.chunks_exact(block_size.max(1)) {
+        let key = BlockKey::chain(parent, block);
+        keys.push(key);
+        parent = Some(key);
+    }
+    keys
+}
+
+/// Why an index no longer describes its worker and must start over.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexFault {
+    /// The worker's blocks grew (another engine behind the URL, a restart with other
+    /// settings): keys computed with the old size mean nothing. Smaller blocks are a
+    /// partial last page and are only skipped.
+    #[error("the block size changed from {before} to {now}")]
+    BlockSizeChanged {
+        /// The size the index was built with.
+        before: u32,
+        /// The size the event has.
+        now: u32,
+    },
+}
+
+/// What applying one event did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Blocks added.
+    pub stored: usize,
+    /// Blocks removed.
+    pub removed: usize,
+    /// Blocks left out: their parent is not in the index (evicted here, or stored before
+    /// this gateway listened), so no prompt walk from the start could reach them.
+    pub orphaned: usize,
+    /// Blocks left out because the event was malformed (token count not a multiple).
+    pub malformed: usize,
+    /// Blocks left out because they are shorter than the worker's blocks (a partial
+    /// last page).
+    pub partial: usize,
+}
+
+/// A bounded index of one worker's cached blocks, least recently used evicted first.
+#[derive(Debug)]
+pub struct BlockIndex {
+    block_size: Option<u32>,
+    blocks: LruCache<BlockKey, EngineBlockHash>,
+    by_engine: HashMap<EngineBlockHash, BlockKey>,
+}
+
+impl BlockIndex {
+    /// An empty index holding at most `capacity` blocks.
+    pub fn new(capacity: NonZeroUsize) -> Self {
+        Self {
+            block_size: None,
+            blocks: LruCache::new(capacity),
+            by_engine: HashMap::new(),
+        }
+    }
+
+    /// Blocks indexed.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The worker's tokens per block, once an event has said.
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    /// Forgets everything (the block size too).
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.by_engine.clear();
+        self.block_size = None;
+    }
+
+    /// Applies one event.
+    pub fn apply(&mut self, event: &KvCacheEvent) -> Result<Applied, IndexFault> {
+        let mut applied = Applied::default();
+        match event {
+            KvCacheEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                ..
+            } => {
+                match self.block_size {
+                    // SGLang sends a node's last, partial page with its own length:
+                    // no full-block prompt key can match it.
+                    Some(before) if *block_size < before => {
+                        applied.partial = block_hashes.len();
+                        return Ok(applied);
+                    }
+                    Some(before) if *block_size > before => {
+                        return Err(IndexFault::BlockSizeChanged {
+                            before,
+                            now: *block_size,
+                        });
+                    }
+                    _ => {}
+                }
+                self.block_size = Some(*block_size);
+                let size = *block_size as usize;
+                if token_ids.len() != block_hashes.len() * size {
+                    applied.malformed = block_hashes.len();
+                    return Ok(applied);
+                }
+                let mut parent = match parent_block_hash {
+                    None => None,
+                    Some(engine) => match self.by_engine.get(engine) {
+                        Some(key) => Some(*key),
+                        None => {
+                            applied.orphaned = block_hashes.len();
+                            return Ok(applied);
+                        }
+                    },
+                };
+                for (engine, tokens) in block_hashes.iter().zip(token_ids.chunks_exact(size)) {
+                    let key = BlockKey::chain(parent, tokens);
+                    // An engine hash stored again (re-computed after eviction) moves.
+                    if let Some(old) = self.by_engine.insert(engine.clone(), key) {
+                        if old != key {
+                            self.blocks.pop(&old);
+                        }
+                    }
+                    if let Some((evicted_key, evicted)) = self.blocks.push(key, engine.clone()) {
+                        // Past the cap (or the same key under another engine hash): the
+                        // entry pushed out no longer resolves.
+                        if (evicted_key != key || evicted != *engine)
+                            && self.by_engine.get(&evicted) == Some(&evicted_key)
+                        {
+                            self.by_engine.remove(&evicted);
+                        }
+                    }
+                    applied.stored += 1;
+                    parent = Some(key);
+                }
+            }
+            KvCacheEvent::BlockRemoved { block_hashes, .. } => {
+                for engine in block_hashes {
+                    if let Some(key) = self.by_engine.remove(engine) {
+                        if self.blocks.pop(&key).is_some() {
+                            applied.removed += 1;
+                        }
+                    }
+                }
+            }
+            KvCacheEvent::AllBlocksCleared => {
+                applied.removed = self.blocks.len();
+                let block_size = self.block_size;
+                self.clear();
+                // A clear empties the cache; it does not change the engine.
+                self.block_size = block_size;
+            }
+        }
+        Ok(applied)
+    }
+
+    /// How many of `keys`, from the first, the worker holds (its cached prefix in
+    /// blocks); the matched blocks count as used.
+    pub fn cached_prefix(&mut self, keys: &[BlockKey]) -> usize {
+        keys.iter()
+            .take_while(|key| self.blocks.get(*key).is_some())
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: u32,
+    ) -> KvCacheEvent {
+        KvCacheEvent::BlockStored {
+            block_hashes: hashes.iter().map(|h| EngineBlockHash::Int(*h)).collect(),
+            parent_block_hash: parent.map(EngineBlockHash::Int),
+            token_ids: tokens.to_vec(),
+            block_size,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+        }
+    }
+
+    fn removed(hashes: &[u64]) -> KvCacheEvent {
+        KvCacheEvent::BlockRemoved {
+            block_hashes: hashes.iter().map(|h| EngineBlockHash::Int(*h)).collect(),
+            medium: None,
+        }
+    }
+
+    fn index(cap: usize) -> BlockIndex {
+        BlockIndex::new(NonZeroUsize::new(cap).unwrap())
+    }
+
+    #[test]
+    fn prompts_match_what_the_events_stored_whatever_the_engine_hashes() {
+        let mut idx = index(100);
+        let prompt: Vec<u32> = (0..10).collect();
+        // Two events of one chain, hashed by the engine in its own way.
+        idx.apply(&stored(&[900, 901], None, &prompt[..4], 2))
+            .unwrap();
+        idx.apply(&stored(&[77], Some(901), &prompt[4..6], 2))
+            .unwrap();
+        assert_eq!(idx.len(), 3);
+        let keys = prompt_keys(&prompt, 2);
+        assert_eq!(keys.len(), 5);
+        assert_eq!(idx.cached_prefix(&keys), 3);
+        // Another prompt sharing the first block only.
+        let other = [0u32, 1, 9, 9, 4, 5];
+        assert_eq!(idx.cached_prefix(&prompt_keys(&other, 2)), 1);
+        // A removal in the middle cuts the prefix there.
+        idx.apply(&removed(&[901])).unwrap();
+        assert_eq!(idx.cached_prefix(&keys), 1);
+        // An unknown parent: nothing reachable is added.
+        let applied = idx.apply(&stored(&[5], Some(12345), &[1, 2], 2)).unwrap();
+        assert_eq!((applied.stored, applied.orphaned), (0, 1));
+        // Malformed: tokens do not fill the blocks.
+        assert_eq!(
+            idx.apply(&stored(&[6], None, &[1], 2)).unwrap().malformed,
+            1
+        );
+        idx.apply(&KvCacheEvent::AllBlocksCleared).unwrap();
+        assert!(idx.is_empty());
+        assert_eq!(idx.block_size(), Some(2), "a clear keeps the block size");
+    }
+
+    #[test]
+    fn a_changed_block_size_is_a_fault_and_the_cap_holds() {
+        let mut idx = index(3);
+        idx.apply(&stored(&[1], None, &[1, 2], 2)).unwrap();
+        assert_eq!(
+            idx.apply(&stored(&[2], None, &[1, 2, 3, 4], 4)),
+            Err(IndexFault::BlockSizeChanged { before: 2, now: 4 })
+        );
+        // A shorter block is a partial page: skipped, not a fault.
+        assert_eq!(idx.apply(&stored(&[3], None, &[1], 1)).unwrap().partial, 1);
+        idx.clear();
+        for i in 0..1000u64 {
+            idx.apply(&stored(&[i], None, &[i as u32, 0], 2)).unwrap();
+        }
+        assert_eq!(idx.len(), 3);
+        assert!(
+            idx.by_engine.len() <= 3,
+            "removals resolve only what is indexed"
+        );
+        // The newest survive.
+        assert_eq!(idx.cached_prefix(&prompt_keys(&[999, 0], 2)), 1);
+        assert_eq!(idx.cached_prefix(&prompt_keys(&[0, 0], 2)), 0);
+    }
+}
