@@ -317,7 +317,16 @@ impl Stack<'_> {
             let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
             let name = format!("{role} worker {}", worker_urls.len());
             gateway.args([gateway_flag(*role), &url]);
-            // Every worker publishes its KV-cache events; the gateway indexes them.
+            let mut line = format!("{role} worker at {url} on {}", describe(&placement));
+            if sglang && *role == WorkerRole::Prefill {
+                // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.
+                let bootstrap = free_port()?.to_string();
+                worker.args(["--bootstrap-port", &bootstrap]);
+                gateway.arg(&bootstrap);
+                line.push_str(&format!(", bootstrap port {bootstrap}"));
+            }
+            // Every worker publishes its KV-cache events; the gateway indexes them. (After
+            // the bootstrap port: SGLang's `--prefill URL PORT` must stay together.)
             let (events, replay) = (
                 format!("tcp://127.0.0.1:{}", free_port()?),
                 format!("tcp://127.0.0.1:{}", free_port()?),
@@ -335,14 +344,6 @@ impl Stack<'_> {
             gateway
                 .args(["--kv-events", &format!("{url}={events}")])
                 .args(["--kv-events-replay", &format!("{url}={replay}")]);
-            let mut line = format!("{role} worker at {url} on {}", describe(&placement));
-            if sglang && *role == WorkerRole::Prefill {
-                // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.
-                let bootstrap = free_port()?.to_string();
-                worker.args(["--bootstrap-port", &bootstrap]);
-                gateway.arg(&bootstrap);
-                line.push_str(&format!(", bootstrap port {bootstrap}"));
-            }
             members.push(spawn(&name, false, worker, &placement)?);
             summary.push(line);
             worker_urls.push(url);
