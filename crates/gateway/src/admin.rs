@@ -72,6 +72,12 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                 "health": m.health,
                 "source": m.source,
                 "in_flight": w.in_flight(),
+                "load": w.load(),
+                "reported_load": w.reported_load().map(|r| json!({
+                    "waiting": r.waiting,
+                    "running": r.running,
+                    "kv_usage": r.kv_usage,
+                })),
                 "dp_size": w.spec.dp_size,
                 "bootstrap_port": w.spec.bootstrap_port,
                 "ec_zmq_addrs": w.spec.ec_zmq_addrs,

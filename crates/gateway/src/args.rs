@@ -232,6 +232,13 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_PROBE_INTERVAL", default_value = "5", value_parser = parse_secs)]
     pub probe_interval: Duration,
 
+    /// Seconds between reads of every worker's `/metrics` for the load it reports
+    /// (vLLM's `vllm:num_requests_waiting`/`running`, SGLang's queue gauges), which
+    /// `power_of_two` and `cache_aware` balance on, the same for every gateway replica;
+    /// this gateway's in-flight count is the fallback and the tie-break. 0 turns it off.
+    #[arg(long, env = "PDSERVE_LOAD_SCRAPE_INTERVAL", default_value = "1", value_parser = parse_secs)]
+    pub load_scrape_interval: Duration,
+
     /// Time limit in seconds of one health probe.
     #[arg(long, env = "PDSERVE_PROBE_TIMEOUT", default_value = "2", value_parser = parse_secs)]
     pub probe_timeout: Duration,
@@ -412,6 +419,8 @@ pub struct GatewayConfig {
     pub admin_api_key: Option<String>,
     /// Health probe timing.
     pub probe: ProbeSettings,
+    /// Time between two scrapes of the workers' load (zero: off).
+    pub load_scrape_interval: Duration,
     /// Whether worker URLs may answer as another pdserve gateway.
     pub allow_gateway_workers: bool,
     /// The discovery sources (file, DNS, Kubernetes).
@@ -474,6 +483,7 @@ impl GatewayConfig {
                 timeout: Duration::from_secs(2),
             },
             allow_gateway_workers: false,
+            load_scrape_interval: Duration::from_secs(1),
             discovery: crate::discovery::DiscoveryConfig::default(),
             kv_events: crate::kv_events::KvEventsConfig::default(),
             max_hops: 4,
@@ -646,6 +656,7 @@ impl GatewayArgs {
                 timeout: self.probe_timeout,
             },
             allow_gateway_workers: self.allow_gateway_workers,
+            load_scrape_interval: self.load_scrape_interval,
             discovery,
             kv_events: self.kv_events.to_config()?,
             max_hops: self.max_hops,

@@ -23,6 +23,7 @@ pub mod hops;
 pub mod identity;
 pub mod kv_events;
 pub mod legs;
+pub mod load;
 pub mod metrics;
 pub mod model_len;
 pub mod policy;

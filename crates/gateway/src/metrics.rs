@@ -123,6 +123,8 @@ pub struct Metrics {
     encoder_reencodes: Counter,
     /// The KV-event subscribers' families.
     pub kv_events: std::sync::Arc<crate::kv_events::KvEventMetrics>,
+    /// The load scraper's failures.
+    pub load: std::sync::Arc<crate::load::LoadMetrics>,
 }
 
 impl Default for Metrics {
@@ -298,9 +300,11 @@ impl Default for Metrics {
         );
         let kv_events =
             std::sync::Arc::new(crate::kv_events::KvEventMetrics::register(&mut registry));
+        let load = std::sync::Arc::new(crate::load::LoadMetrics::register(&mut registry));
         Self {
             registry,
             kv_events,
+            load,
             epd_stage_seconds,
             encoder_sub_requests,
             encoder_reencodes,

@@ -124,6 +124,12 @@ pub async fn serve(
     ));
     tasks.extend(crate::discovery::spawn(&state));
     tasks.push(state.kv_events.spawn(state.registry.clone()));
+    tasks.extend(crate::load::spawn(
+        state.registry.clone(),
+        state.client.pooled().clone(),
+        state.config.load_scrape_interval,
+        state.metrics.load.clone(),
+    ));
     if state.config.prewarm {
         tasks.push(prewarm::spawn(state.clone()));
     }

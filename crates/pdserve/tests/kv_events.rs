@@ -183,6 +183,21 @@ async fn indexes_follow_computed_imported_and_reclaimed_blocks() {
                 && metric(&http, &gateway, &format!(r#"pdserve_gateway_kv_events_total{{worker="{p_url}",kind="block_removed"}}"#)).await > 0.0,
             "removals are counted"
         );
+        // The gateway reads the workers' own load from their /metrics too.
+        let instances: Value = http
+            .get(format!("{gateway}/instances"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        for worker in instances["workers"].as_array().unwrap() {
+            assert!(
+                worker["reported_load"]["running"].is_number(),
+                "the worker's vllm:* gauges were read: {worker}"
+            );
+        }
         // No gap went unexplained: a replay filled any.
         assert_eq!(metric(&http, &gateway, "pdserve_gateway_kv_index_rebuilds_total").await, 0.0);
 

@@ -157,11 +157,12 @@ impl CacheAware {
         self.epoch.elapsed().as_secs()
     }
 
-    /// SGLang's imbalance test over the candidates' in-flight counts.
+    /// SGLang's imbalance test over the candidates' loads (reported by the workers, else
+    /// this gateway's in-flight counts).
     fn is_imbalanced(&self, candidates: &[Arc<Worker>]) -> bool {
         let (mut min, mut max) = (i64::MAX, i64::MIN);
         for w in candidates {
-            let load = w.in_flight();
+            let load = w.load();
             min = min.min(load);
             max = max.max(load);
         }
@@ -194,7 +195,7 @@ impl CacheAware {
                 }
                 None => (0, 0),
             };
-            let rank = (w.in_flight(), size);
+            let rank = (w.load(), size);
             if i == 0 || len > scan.best_len || (len == scan.best_len && rank < best_rank) {
                 (scan.best, scan.best_len, best_rank) = (i, len, rank);
             }
@@ -282,7 +283,7 @@ fn queue_outweighs_cache(
     prompt_len: usize,
     queue_cost: f64,
 ) -> bool {
-    let extra = candidates[scan.best].in_flight() - candidates[scan.lowest].in_flight();
+    let extra = candidates[scan.best].load() - candidates[scan.lowest].load();
     let lead = scan.best_len.saturating_sub(scan.lowest_len);
     queue_cost > 0.0 && extra > 0 && extra as f64 * prompt_len as f64 * queue_cost > lead as f64
 }
@@ -327,9 +328,9 @@ impl Policy for CacheAware {
                     %role,
                     match_ratio = ratio,
                     best = %candidates[scan.best].base,
-                    best_load = candidates[scan.best].in_flight(),
+                    best_load = candidates[scan.best].load(),
                     lowest = %candidates[scan.lowest].base,
-                    lowest_load = candidates[scan.lowest].in_flight(),
+                    lowest_load = candidates[scan.lowest].load(),
                     follow_match,
                     "cache_aware decision"
                 );

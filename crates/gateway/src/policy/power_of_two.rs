@@ -1,4 +1,4 @@
-//! Power of two choices: two distinct random candidates, the one with fewer requests open.
+//! Power of two choices: two distinct random candidates, the less loaded one.
 
 use std::sync::Arc;
 
@@ -8,9 +8,11 @@ use rand::Rng;
 use super::{Policy, RouteRequest};
 use crate::registry::Worker;
 
-/// Samples two distinct candidates and keeps the one with fewer in-flight requests
-/// (the first sampled on a tie), which avoids the herd behaviour of always picking the
-/// global minimum from slightly stale counts while staying close to least-loaded.
+/// Samples two distinct candidates and keeps the less loaded one — by the load the
+/// workers report (`--load-scrape-interval`), else this gateway's in-flight counts, which
+/// also break ties (then the first sampled) — which avoids the herd behaviour of always
+/// picking the global minimum from slightly stale counts while staying close to
+/// least-loaded.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PowerOfTwo;
 
@@ -37,7 +39,8 @@ impl Policy for PowerOfTwo {
             b += 1;
         }
         let (a, b) = (&candidates[a], &candidates[b]);
-        Some(if b.in_flight() < a.in_flight() { b } else { a }.clone())
+        let rank = |w: &Worker| (w.load(), w.in_flight());
+        Some(if rank(b) < rank(a) { b } else { a }.clone())
     }
 }
 

@@ -1,6 +1,8 @@
 //! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use pdserve_protocol::WorkerRole;
 use prometheus_client::metrics::gauge::Gauge;
@@ -78,6 +80,7 @@ pub struct Worker {
     completions_url: Url,
     models_url: Url,
     health_url: Url,
+    metrics_url: Url,
     /// Open requests, exported as a metric and read for `/instances` and load balancing.
     in_flight: Gauge,
     /// Consecutive failed probes (or failed connections) since the last success.
@@ -89,6 +92,26 @@ pub struct Worker {
     /// Mirrors the roster's health of this record (read by requests that succeed, to
     /// re-admit it without scanning the roster).
     evicted: AtomicBool,
+    /// What the worker's own `/metrics` said last (`--load-scrape-interval`).
+    reported: Mutex<Option<ReportedLoad>>,
+}
+
+/// A worker's load as its own metrics report it (vLLM's `vllm:num_requests_*`, SGLang's
+/// queue gauges): the same for every gateway replica, unlike in-flight counts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReportedLoad {
+    /// Requests queued on the worker.
+    pub waiting: f64,
+    /// Requests running on the worker.
+    pub running: f64,
+    /// Share of its KV cache in use (0-1), when it says.
+    pub kv_usage: Option<f64>,
+    /// This gateway's open requests on the worker when the report came.
+    in_flight_then: i64,
+    /// When the report came.
+    at: Instant,
+    /// How long it stands for.
+    valid_for: Duration,
 }
 
 impl Worker {
@@ -112,6 +135,7 @@ impl Worker {
             completions_url: join(Endpoint::Completions.path()),
             models_url: join("/v1/models"),
             health_url: join("/health"),
+            metrics_url: join("/metrics"),
             in_flight,
             base: root,
             spec,
@@ -119,6 +143,7 @@ impl Worker {
             breaker,
             dp_cursor: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
+            reported: Mutex::new(None),
         }
     }
 
@@ -145,9 +170,56 @@ impl Worker {
         &self.health_url
     }
 
+    /// The worker's `/metrics` URL (scraped for its load).
+    pub fn metrics_url(&self) -> &Url {
+        &self.metrics_url
+    }
+
     /// Requests this gateway has open on the worker.
     pub fn in_flight(&self) -> i64 {
         self.in_flight.get()
+    }
+
+    /// The worker's load for routing: the requests it reported waiting and running, plus
+    /// those this gateway opened on it since the report; this gateway's in-flight count
+    /// when there is no fresh report.
+    pub fn load(&self) -> i64 {
+        let in_flight = self.in_flight();
+        match self.reported_load() {
+            Some(r) => {
+                (r.waiting + r.running).round() as i64 + (in_flight - r.in_flight_then).max(0)
+            }
+            None => in_flight,
+        }
+    }
+
+    /// The worker's last report, while it is fresh.
+    pub fn reported_load(&self) -> Option<ReportedLoad> {
+        let reported = *self.reported.lock().unwrap_or_else(|e| e.into_inner());
+        reported.filter(|r| r.at.elapsed() <= r.valid_for)
+    }
+
+    /// Records what the worker's metrics said now, standing for `valid_for`.
+    pub fn report_load(
+        &self,
+        waiting: f64,
+        running: f64,
+        kv_usage: Option<f64>,
+        valid_for: Duration,
+    ) {
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = Some(ReportedLoad {
+            waiting,
+            running,
+            kv_usage,
+            in_flight_then: self.in_flight(),
+            at: Instant::now(),
+            valid_for,
+        });
+    }
+
+    /// Forgets the worker's report (its metrics stopped answering).
+    pub fn clear_reported_load(&self) {
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// Counts a request opened on the worker (see [`crate::policy::InFlight`]).
@@ -193,6 +265,8 @@ impl Worker {
             previous.dp_cursor.load(Ordering::Relaxed),
             Ordering::Relaxed,
         );
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) =
+            *previous.reported.lock().unwrap_or_else(|e| e.into_inner());
     }
 
     /// The circuit breaker's state.

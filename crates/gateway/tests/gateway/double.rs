@@ -68,6 +68,8 @@ struct Shared {
     cancelled_notify: Notify,
     gate: Notify,
     profiling: std::sync::atomic::AtomicBool,
+    /// `(waiting, running)` the double's `/metrics` reports; `None`: 404.
+    queue: Mutex<Option<(f64, f64)>>,
 }
 
 /// Counts a request as cancelled if dropped before it finished.
@@ -122,6 +124,7 @@ impl Double {
             cancelled_notify: Notify::new(),
             gate: Notify::new(),
             profiling: std::sync::atomic::AtomicBool::new(false),
+            queue: Mutex::new(None),
         });
         let (runtime, addr) = serve(&shared, "127.0.0.1:0".parse().unwrap());
         Self {
@@ -197,6 +200,12 @@ impl Double {
         }
     }
 
+    /// Makes `/metrics` report `waiting` and `running` requests (vLLM's gauges); `None`
+    /// answers 404.
+    pub fn report_queue(&self, queue: Option<(f64, f64)>) {
+        *self.shared.queue.lock().unwrap() = queue;
+    }
+
     /// Lets a `Gated` stream finish.
     pub fn release(&self) {
         self.shared.gate.notify_one();
@@ -224,6 +233,7 @@ fn serve(
         .route("/v1/completions", post(generate))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .route("/start_profile", post(profile))
         .route("/stop_profile", post(profile))
         .with_state(shared.clone());
@@ -241,6 +251,22 @@ fn serve(
         axum::serve(listener, app).await.unwrap();
     });
     (runtime, bound)
+}
+
+/// vLLM's queue gauges, as `report_queue` set them.
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    match *shared.queue.lock().unwrap() {
+        Some((waiting, running)) => format!(
+            "# TYPE vllm:num_requests_running gauge\n\
+             vllm:num_requests_running{{engine=\"0\",model_name=\"double\"}} {running}\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{engine=\"0\",model_name=\"double\"}} {waiting}\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n\
+             vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"double\"}} 0.5\n"
+        )
+        .into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
