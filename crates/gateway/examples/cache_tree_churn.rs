@@ -89,6 +89,7 @@ fn main() {
             request: Some(&request),
             headers: &headers,
             conversation_id: None,
+            tokens: None,
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

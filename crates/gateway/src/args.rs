@@ -232,6 +232,12 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_PROBE_INTERVAL", default_value = "5", value_parser = parse_secs)]
     pub probe_interval: Duration,
 
+    /// The served model's GGUF (its tokenizer and chat template; no weights are read):
+    /// the gateway then tokenizes prompts as the workers do, so prefix matching and
+    /// `--disagg-threshold` and the context-length check use exact token counts.
+    #[arg(long, env = "PDSERVE_TOKENIZER", value_name = "GGUF")]
+    pub tokenizer: Option<std::path::PathBuf>,
+
     /// Seconds between reads of every worker's `/metrics` for the load it reports
     /// (vLLM's `vllm:num_requests_waiting`/`running`, SGLang's queue gauges), which
     /// `power_of_two` and `cache_aware` balance on, the same for every gateway replica;
@@ -421,6 +427,8 @@ pub struct GatewayConfig {
     pub probe: ProbeSettings,
     /// Time between two scrapes of the workers' load (zero: off).
     pub load_scrape_interval: Duration,
+    /// `--tokenizer`.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Whether worker URLs may answer as another pdserve gateway.
     pub allow_gateway_workers: bool,
     /// The discovery sources (file, DNS, Kubernetes).
@@ -484,6 +492,7 @@ impl GatewayConfig {
             },
             allow_gateway_workers: false,
             load_scrape_interval: Duration::from_secs(1),
+            tokenizer: None,
             discovery: crate::discovery::DiscoveryConfig::default(),
             kv_events: crate::kv_events::KvEventsConfig::default(),
             max_hops: 4,
@@ -657,6 +666,7 @@ impl GatewayArgs {
             },
             allow_gateway_workers: self.allow_gateway_workers,
             load_scrape_interval: self.load_scrape_interval,
+            tokenizer: self.tokenizer.clone(),
             discovery,
             kv_events: self.kv_events.to_config()?,
             max_hops: self.max_hops,

@@ -29,6 +29,7 @@ pub mod model_len;
 pub mod policy;
 pub mod prewarm;
 pub mod profile;
+pub mod prompt_tokens;
 pub mod readiness;
 pub mod registry;
 pub mod request;

@@ -64,10 +64,16 @@ async fn fetch(client: &WorkerClient, worker: &Worker) -> Option<u64> {
 }
 
 /// Rejects, in vLLM's words, a request whose `max_tokens` (plus its prompt, when given as
-/// token ids; else at least one token) cannot fit in `max_model_len`.
+/// token ids or counted by the gateway's tokenizer as `known`; else at least one token)
+/// cannot fit in `max_model_len`.
 #[allow(clippy::result_large_err)]
-pub fn check(request: &mut ClientRequest, max_model_len: u64) -> Result<(), ApiError> {
+pub fn check(
+    request: &mut ClientRequest,
+    max_model_len: u64,
+    known: Option<u64>,
+) -> Result<(), ApiError> {
     let (input, exact) = match request {
+        _ if known.is_some() => (known.unwrap_or(1), true),
         ClientRequest::Completion(c) => match &c.prompt {
             Prompt::Tokens(ids) => (ids.len() as u64, true),
             Prompt::TokenBatches(batches) => (
@@ -128,11 +134,11 @@ mod tests {
     #[test]
     fn rejects_what_cannot_fit_and_passes_the_rest() {
         let mut fits = parse(Endpoint::Chat, r#"{"messages":[],"max_tokens":2047}"#);
-        assert!(check(&mut fits, 2048).is_ok());
+        assert!(check(&mut fits, 2048, None).is_ok());
         let mut open = parse(Endpoint::Chat, r#"{"messages":[]}"#);
-        assert!(check(&mut open, 2048).is_ok());
+        assert!(check(&mut open, 2048, None).is_ok());
         let mut too_many = parse(Endpoint::Chat, r#"{"messages":[],"max_tokens":2048}"#);
-        let err = check(&mut too_many, 2048).unwrap_err();
+        let err = check(&mut too_many, 2048, None).unwrap_err();
         assert_eq!(err.status, http::StatusCode::BAD_REQUEST);
         assert_eq!(err.body.error.param.as_deref(), Some("max_tokens"));
         assert!(
@@ -147,7 +153,7 @@ mod tests {
             Endpoint::Completions,
             r#"{"prompt":[1,2,3,4],"max_completion_tokens":5}"#,
         );
-        let err = check(&mut ids, 8).unwrap_err();
+        let err = check(&mut ids, 8, None).unwrap_err();
         assert_eq!(
             err.body.error.param.as_deref(),
             Some("max_completion_tokens")
@@ -157,10 +163,10 @@ mod tests {
             Endpoint::Completions,
             r#"{"prompt":[1,2,3],"max_tokens":5}"#,
         );
-        assert!(check(&mut ids_fit, 8).is_ok());
+        assert!(check(&mut ids_fit, 8, None).is_ok());
         let mut long_prompt = parse(Endpoint::Completions, r#"{"prompt":[1,2,3,4]}"#);
         assert_eq!(
-            check(&mut long_prompt, 4)
+            check(&mut long_prompt, 4, None)
                 .unwrap_err()
                 .body
                 .error
@@ -168,5 +174,14 @@ mod tests {
                 .as_deref(),
             Some("prompt")
         );
+        // A chat counted by the gateway's tokenizer is checked exactly.
+        let mut counted = parse(Endpoint::Chat, r#"{"messages":[],"max_tokens":5}"#);
+        let err = check(&mut counted, 8, Some(4)).unwrap_err();
+        assert!(
+            err.body.error.message.contains("your request has 4 input"),
+            "{}",
+            err.body.error.message
+        );
+        assert!(check(&mut counted, 9, Some(4)).is_ok());
     }
 }

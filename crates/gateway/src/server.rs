@@ -210,10 +210,13 @@ async fn generate(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let ctx = RequestContext::new(endpoint, endpoint.path(), headers);
+    let mut ctx = RequestContext::new(endpoint, endpoint.path(), headers);
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
+        if let Some(tokenizer) = &state.tokenizer {
+            ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, &request).await;
+        }
         handoff::generate(&state, &ctx, request, conversation_id).await
     }
     .await;

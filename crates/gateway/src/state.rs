@@ -36,6 +36,8 @@ pub struct AppState {
     pub instance: Instance,
     /// The workers' KV-event subscriptions and block indexes.
     pub kv_events: Arc<crate::kv_events::KvEventsHub>,
+    /// The served model's tokenizer, with `--tokenizer`.
+    pub tokenizer: Option<Arc<crate::prompt_tokens::PromptTokenizer>>,
 }
 
 impl AppState {
@@ -61,6 +63,10 @@ impl AppState {
             build(&config.policy)?,
             build(&config.policy)?,
         ];
+        let tokenizer = match &config.tokenizer {
+            Some(path) => Some(Arc::new(crate::prompt_tokens::PromptTokenizer::load(path)?)),
+            None => None,
+        };
         let kv_events = Arc::new(crate::kv_events::KvEventsHub::new(
             config.kv_events.clone(),
             metrics.kv_events.clone(),
@@ -77,6 +83,7 @@ impl AppState {
             model_lens: Default::default(),
             instance: Instance::new(),
             kv_events,
+            tokenizer,
             config,
         })
     }

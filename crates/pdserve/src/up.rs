@@ -294,6 +294,9 @@ impl Stack<'_> {
             .args(["--host", &args.host, "--port", &args.port.to_string()])
             .args(["--shutdown-timeout", &args.shutdown_timeout.to_string()])
             .args(["--policy", &args.policy])
+            // The gateway tokenizes as the workers do (exact counts, token prefixes).
+            .arg("--tokenizer")
+            .arg(self.model)
             .args(&args.gateway_args);
         // The gateway asks prefill workers to release KV decode will not read: same secret.
         gateway.env("PDSERVE_KV_SECRET", self.kv_secret);

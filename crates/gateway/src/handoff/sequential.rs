@@ -46,7 +46,8 @@ pub async fn serve(
     // A request that cannot fit the model's context is refused before the prefill leg,
     // which asks for one token and would pass, pinning blocks decode then never reads.
     if let Some(max_model_len) = context_limit(state) {
-        crate::model_len::check(&mut request, max_model_len)?;
+        let known = ctx.prompt_tokens.as_ref().map(|t| t.len() as u64);
+        crate::model_len::check(&mut request, max_model_len, known)?;
     }
     let body = prefill_body(&request, prefill_params);
     let (answer, prefill_worker) = {

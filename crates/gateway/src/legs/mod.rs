@@ -37,6 +37,8 @@ pub struct RequestContext {
     pub client_headers: HeaderMap,
     /// When the client request arrived.
     pub started: Instant,
+    /// The prompt's token ids as the workers will compute them (`--tokenizer`).
+    pub prompt_tokens: Option<std::sync::Arc<[u32]>>,
 }
 
 impl RequestContext {
@@ -48,6 +50,7 @@ impl RequestContext {
             headers: ForwardHeaders::from_client(&headers),
             client_headers: headers,
             started: Instant::now(),
+            prompt_tokens: None,
         }
     }
 
@@ -62,6 +65,7 @@ impl RequestContext {
             request: Some(request),
             headers: &self.client_headers,
             conversation_id,
+            tokens: self.prompt_tokens.as_deref(),
         }
     }
 }

@@ -36,6 +36,7 @@ fn cached(
         request: Some(request),
         headers: &headers,
         conversation_id: None,
+        tokens: None,
     };
     policy.cached_prefix(role, ws, &route)
 }

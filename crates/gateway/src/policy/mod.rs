@@ -46,6 +46,8 @@ pub struct RouteRequest<'a> {
     pub headers: &'a HeaderMap,
     /// The gateway's `conversation_id`, when the client sent one.
     pub conversation_id: Option<&'a str>,
+    /// The prompt's token ids, when the gateway tokenized it (`--tokenizer`).
+    pub tokens: Option<&'a [u32]>,
 }
 
 /// A request's prompt as a policy sees it.
@@ -65,12 +67,16 @@ impl<'a> RouteRequest<'a> {
             request: None,
             headers,
             conversation_id: None,
+            tokens: None,
         }
     }
 
     /// The prompt (the first one of a batch), computed on demand so policies that do
     /// not look at it cost nothing.
     pub fn prompt(&self) -> Option<RoutePrompt<'a>> {
+        if let Some(tokens) = self.tokens {
+            return Some(RoutePrompt::TokenIds(tokens));
+        }
         match self.request? {
             ClientRequest::Chat(chat) => {
                 let mut text = String::new();

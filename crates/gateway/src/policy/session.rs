@@ -120,6 +120,7 @@ mod tests {
             request: Some(request),
             headers,
             conversation_id,
+            tokens: None,
         }
     }
 

@@ -69,6 +69,7 @@ pub fn pick(
         request: Some(request),
         headers: &headers,
         conversation_id: None,
+        tokens: None,
     };
     policy
         .select(role, candidates, &route)

@@ -1,0 +1,111 @@
+//! The gateway's `--tokenizer` counts a prompt's tokens exactly as the workers do: with
+//! `max_model_len` 64, a chat (or a text completion) whose `max_tokens` fills the context
+//! to the last token is served, and one more token is refused by the gateway itself,
+//! naming the same input count the worker reports in its usage.
+
+use std::time::Duration;
+
+use clap::Parser;
+use pdserve_engine::{Worker, WorkerArgs};
+use pdserve_gateway::GatewayConfig;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: WorkerArgs,
+}
+
+const MAX_MODEL_LEN: u64 = 64;
+
+async fn start_worker(role: &str, model: &std::path::Path) -> (Worker, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let args = Cli::try_parse_from([
+        "worker",
+        "--role",
+        role,
+        "--model",
+        &model.display().to_string(),
+        "--threads",
+        "1",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        &MAX_MODEL_LEN.to_string(),
+    ])
+    .unwrap()
+    .args;
+    let worker = Worker::start(listener, args).await.unwrap();
+    let url = format!("http://{}", worker.local_addr());
+    (worker, url)
+}
+
+async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let response = http.post(url).json(&body).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_counts_prompt_tokens_as_the_workers_do() {
+    tokio::time::timeout(Duration::from_secs(300), async {
+        let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+        let (prefill, p_url) = start_worker("prefill", &model).await;
+        let (decode, d_url) = start_worker("decode", &model).await;
+        let mut config = GatewayConfig::new(
+            vec![p_url.parse().unwrap()],
+            vec![d_url.parse().unwrap()],
+            Vec::new(),
+        );
+        config.tokenizer = Some(model.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let gateway = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+            let _ = stopped.await;
+        }));
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+
+        let chat = |max_tokens: u64| {
+            json!({
+                "messages": [
+                    {"role": "system", "content": "You answer in one word."},
+                    {"role": "user", "content": "What colour is the sea on a sunny day?"}
+                ],
+                "max_tokens": max_tokens,
+                "temperature": 0
+            })
+        };
+        let text = |max_tokens: u64| {
+            json!({"prompt": "The three primary colours are", "max_tokens": max_tokens, "temperature": 0})
+        };
+        for (path, body) in [
+            ("/v1/chat/completions", &chat as &dyn Fn(u64) -> Value),
+            ("/v1/completions", &text),
+        ] {
+            let url = format!("{gateway}{path}");
+            let (status, first) = post(&http, &url, body(1)).await;
+            assert_eq!(status, 200, "{first}");
+            let input = first["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(input > 3 && input < MAX_MODEL_LEN, "{input}");
+            // To the last token of the context: served.
+            let (status, full) = post(&http, &url, body(MAX_MODEL_LEN - input)).await;
+            assert_eq!(status, 200, "{path}: {full}");
+            // One more: the gateway refuses it, with the worker's count, exactly.
+            let (status, refused) = post(&http, &url, body(MAX_MODEL_LEN - input + 1)).await;
+            assert_eq!(status, 400, "{path}: {refused}");
+            let message = refused["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains(&format!("your request has {input} input tokens")),
+                "{path}: {message}"
+            );
+        }
+        let _ = stop.send(());
+        let _ = served.await;
+        let _ = prefill.shutdown().await;
+        let _ = decode.shutdown().await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
