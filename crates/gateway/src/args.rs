@@ -144,7 +144,9 @@ pub struct GatewayArgs {
 
     /// How a worker is chosen among the live workers of a role: round_robin, random,
     /// power_of_two (the less loaded of two random workers), cache_aware (the worker that
-    /// already holds the longest prefix of the prompt, unless load is imbalanced) or
+    /// already holds the longest prefix of the prompt, unless load is imbalanced),
+    /// precise_prefix (the worker whose own KV events hold the most of the prompt, net of
+    /// load; needs --kv-events and token ids or --tokenizer, else cache_aware decides) or
     /// session (the same conversation_id / X-Session-Id / `user` to the same worker).
     #[arg(long, env = "PDSERVE_POLICY", default_value = "round_robin", value_parser = clap::builder::PossibleValuesParser::new(POLICY_NAMES))]
     pub policy: String,
@@ -185,6 +187,12 @@ pub struct GatewayArgs {
     /// 0 (default) is SGLang's behaviour.
     #[arg(long, env = "PDSERVE_CACHE_QUEUE_COST", default_value_t = 0.0)]
     pub cache_queue_cost: f64,
+
+    /// precise_prefix: the share of the prompt one request of a worker's load costs
+    /// (score = cached tokens − this × load × prompt tokens): a worker whose KV events
+    /// hold more of the prompt wins unless its extra load costs more than that lead.
+    #[arg(long, env = "PDSERVE_PRECISE_LOAD_COST", default_value_t = PolicyConfig::default().precise_load_cost)]
+    pub precise_load_cost: f64,
 
     /// session: the policy for requests that carry no session key.
     #[arg(long, env = "PDSERVE_SESSION_FALLBACK", default_value = "round_robin")]
@@ -605,6 +613,7 @@ impl GatewayArgs {
             max_tree_size: self.max_tree_size,
             session_fallback: self.session_fallback.clone(),
             queue_cost: self.cache_queue_cost,
+            precise_load_cost: self.precise_load_cost,
         };
         policy_config.validate().map_err(GatewayError::Config)?;
         for (flag, key) in [

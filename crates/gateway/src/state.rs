@@ -50,8 +50,12 @@ impl AppState {
                 .register_from(spec, WorkerSource::Static)
                 .map_err(|e| GatewayError::Config(e.to_string()))?;
         }
+        let kv_events = Arc::new(crate::kv_events::KvEventsHub::new(
+            config.kv_events.clone(),
+            metrics.kv_events.clone(),
+        ));
         let build = |name: &str| {
-            policy::build(name, &config.policy_config)
+            policy::build_with(name, &config.policy_config, &kv_events)
                 .ok_or_else(|| GatewayError::Config(format!("unknown routing policy `{name}`")))
         };
         let own =
@@ -67,10 +71,6 @@ impl AppState {
             Some(path) => Some(Arc::new(crate::prompt_tokens::PromptTokenizer::load(path)?)),
             None => None,
         };
-        let kv_events = Arc::new(crate::kv_events::KvEventsHub::new(
-            config.kv_events.clone(),
-            metrics.kv_events.clone(),
-        ));
         Ok(Self {
             client: WorkerClient::new(&config)?,
             conversations: Arc::new(ConversationCache::new(

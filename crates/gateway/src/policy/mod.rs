@@ -6,11 +6,14 @@
 //!
 //! Policies (`--policy`): `round_robin`, `random`, `power_of_two` (fewer in-flight of two
 //! random candidates), `cache_aware` (an approximate prefix tree per worker, bounded by
-//! `max_tree_size`) and `session` (rendezvous hashing on a session key).
+//! `max_tree_size`), `precise_prefix` (the workers' own KV-event indexes, net of load;
+//! `cache_aware` where there are no events) and `session` (rendezvous hashing on a
+//! session key).
 
 mod cache_aware;
 mod in_flight;
 mod power_of_two;
+mod precise_prefix;
 pub mod prefix_tree;
 mod random;
 mod round_robin;
@@ -25,12 +28,14 @@ use http::HeaderMap;
 use pdserve_protocol::{Prompt, WorkerRole};
 
 use crate::endpoint::Endpoint;
+use crate::kv_events::{KvEventMetrics, KvEventsHub};
 pub use crate::registry::RequestOutcome;
 use crate::registry::Worker;
 use crate::request::ClientRequest;
 pub use cache_aware::CacheAware;
 pub use in_flight::InFlight;
 pub use power_of_two::PowerOfTwo;
+pub use precise_prefix::PrecisePrefix;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use session::Session;
@@ -193,6 +198,9 @@ pub struct PolicyConfig {
     /// longest match loses to the least-loaded worker when its extra load costs more than
     /// its lead in cached tokens. 0 turns the comparison off (SGLang's behaviour).
     pub queue_cost: f64,
+    /// precise_prefix: the share of the prompt one request of load costs; a worker whose
+    /// events hold more of the prompt than another wins unless its extra load costs more.
+    pub precise_load_cost: f64,
 }
 
 /// Default `max_tree_size`: 8 MiB per worker tree (about 2M tokens of prompt text).
@@ -207,6 +215,7 @@ impl Default for PolicyConfig {
             max_tree_size: DEFAULT_MAX_TREE_SIZE,
             session_fallback: "round_robin".to_string(),
             queue_cost: 0.0,
+            precise_load_cost: 0.25,
         }
     }
 }
@@ -232,6 +241,12 @@ impl PolicyConfig {
                 self.queue_cost
             ));
         }
+        if !self.precise_load_cost.is_finite() || self.precise_load_cost < 0.0 {
+            return Err(format!(
+                "--precise-load-cost must be a non-negative number, got {}",
+                self.precise_load_cost
+            ));
+        }
         if self.max_tree_size == 0 {
             return Err("--max-tree-size must be at least 1".to_string());
         }
@@ -254,16 +269,35 @@ pub fn by_name(name: &str) -> Option<Arc<dyn Policy>> {
 
 /// The policy named `name` tuned by `config`; `None` for an unknown name (or, for
 /// `session`, an unknown or `session` fallback: [`PolicyConfig::validate`] says which).
+/// `precise_prefix` gets an index hub of its own that nothing feeds; the gateway builds
+/// it with [`build_with`].
 pub fn build(name: &str, config: &PolicyConfig) -> Option<Arc<dyn Policy>> {
+    let hub = Arc::new(KvEventsHub::new(
+        Default::default(),
+        Arc::new(KvEventMetrics::register(&mut Default::default())),
+    ));
+    build_with(name, config, &hub)
+}
+
+/// [`build`], with `precise_prefix` reading `hub`'s indexes.
+pub fn build_with(
+    name: &str,
+    config: &PolicyConfig,
+    hub: &Arc<KvEventsHub>,
+) -> Option<Arc<dyn Policy>> {
     match name {
         "round_robin" => Some(Arc::new(RoundRobin::default())),
         "random" => Some(Arc::new(Random)),
         "power_of_two" => Some(Arc::new(PowerOfTwo)),
         "cache_aware" => Some(Arc::new(CacheAware::new(config))),
-        "session" if config.session_fallback != "session" => Some(Arc::new(Session::new(build(
-            &config.session_fallback,
-            config,
-        )?))),
+        "precise_prefix" => Some(Arc::new(PrecisePrefix::new(
+            hub.clone(),
+            CacheAware::new(config),
+            config.precise_load_cost,
+        ))),
+        "session" if config.session_fallback != "session" => Some(Arc::new(Session::new(
+            build_with(&config.session_fallback, config, hub)?,
+        ))),
         _ => None,
     }
 }
@@ -274,6 +308,7 @@ pub const POLICY_NAMES: &[&str] = &[
     "random",
     "power_of_two",
     "cache_aware",
+    "precise_prefix",
     "session",
 ];
 
@@ -293,7 +328,7 @@ mod tests {
 
     #[test]
     fn every_listed_name_builds_under_its_own_name() {
-        assert_eq!(POLICY_NAMES.len(), 5);
+        assert_eq!(POLICY_NAMES.len(), 6);
         for name in POLICY_NAMES {
             assert_eq!(by_name(name).unwrap().name(), *name);
             assert_eq!(build(name, &PolicyConfig::default()).unwrap().name(), *name);

@@ -328,3 +328,95 @@ async fn a_million_blocks_stay_under_the_cap_and_a_removed_worker_takes_its_inde
     })
     .await;
 }
+
+/// `precise_prefix` sends a prompt to the worker whose events hold it, unless that
+/// worker's reported load costs more than the cached tokens are worth; a prompt nobody
+/// holds goes to the less loaded worker.
+#[tokio::test]
+async fn precise_prefix_routes_on_the_events_net_of_load() {
+    bounded(async {
+        let a = Double::start(Role::Decode, "A").await;
+        let b = Double::start(Role::Decode, "B").await;
+        let (mut pub_a, mut pub_b) = (FakePublisher::start().await, FakePublisher::start().await);
+        let mut config =
+            pdserve_gateway::GatewayConfig::new(Vec::new(), Vec::new(), crate::urls(&[&a, &b]));
+        config.policy = "precise_prefix".into();
+        config.load_scrape_interval = Duration::from_millis(50);
+        for (double, publisher) in [(&a, &pub_a), (&b, &pub_b)] {
+            config
+                .kv_events
+                .publishers
+                .insert(double.url.clone(), publisher.endpoint.clone());
+        }
+        a.report_queue(Some((0.0, 0.0)));
+        b.report_queue(Some((0.0, 0.0)));
+        let gw = Gateway::start(config).await;
+        let mut seq_a = pub_a.until_heard(&gw).await;
+        let seq_b = pub_b.until_heard(&gw).await;
+        // B's cache holds the 16-token prompt (4 blocks of 4), A's nothing.
+        let prompt: Vec<u32> = (0..16).map(|t| t + 500).collect();
+        pub_b
+            .publish(
+                seq_b,
+                vec![KvCacheEvent::BlockStored {
+                    block_hashes: (1..=4).map(EngineBlockHash::Int).collect(),
+                    parent_block_hash: None,
+                    token_ids: prompt.clone(),
+                    block_size: 4,
+                    lora_id: None,
+                    medium: None,
+                    lora_name: None,
+                }],
+            )
+            .await;
+        // A says its block size too (an unrelated block), so both are indexed.
+        pub_a.publish(seq_a, vec![stored(90, 1, 4)]).await;
+        seq_a += 1;
+        let _ = seq_a;
+        let b_blocks = format!(r#"pdserve_gateway_kv_index_blocks{{worker="{}"}}"#, b.url);
+        wait_metric(&gw, &b_blocks, 4.0).await;
+        let complete = |tokens: Vec<u32>| {
+            let url = gw.at("/v1/completions");
+            async move {
+                client()
+                    .post(url)
+                    .json(&json!({"prompt": tokens, "max_tokens": 2}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            }
+        };
+        for _ in 0..5 {
+            assert_eq!(complete(prompt.clone()).await, 200);
+        }
+        assert_eq!(
+            (a.requests().len(), b.requests().len()),
+            (0, 5),
+            "cached: to B"
+        );
+
+        // B reports a queue whose cost (0.25 × 10 requests × 16 tokens) outweighs its
+        // 16 cached tokens: A takes the prompt.
+        b.report_queue(Some((10.0, 0.0)));
+        for _ in 0..200 {
+            let instances = gw.instances().await;
+            let reported = instances["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|w| w["url"] == b.url && w["reported_load"]["waiting"] == 10.0);
+            if reported {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(complete(prompt.clone()).await, 200);
+        assert_eq!(
+            (a.requests().len(), b.requests().len()),
+            (1, 5),
+            "net of load: to A"
+        );
+    })
+    .await;
+}
