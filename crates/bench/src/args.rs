@@ -50,9 +50,16 @@ impl Endpoint {
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
     /// Base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000 (a trailing
-    /// `/v1` is accepted).
-    #[arg(long, env = "PDSERVE_BENCH_URL")]
-    pub url: String,
+    /// `/v1` is accepted). Repeat it (comma-separated in the environment variable) to
+    /// spread the load over gateway replicas: `serve` sends request i to URL i mod n,
+    /// `multi-turn` keeps conversation c on URL c mod n.
+    #[arg(
+        long,
+        env = "PDSERVE_BENCH_URL",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub url: Vec<String>,
     /// Model name to request; default: the first id listed by `GET /v1/models`.
     #[arg(long, env = "PDSERVE_BENCH_MODEL")]
     pub model: Option<String>,
@@ -137,12 +144,44 @@ pub struct ServeArgs {
     /// message (the chat template adds a few tokens).
     #[arg(long, env = "PDSERVE_BENCH_ENDPOINT", value_enum, default_value_t = Endpoint::Completions)]
     pub endpoint: Endpoint,
+    /// The prompts: `random` (distinct random words, `--input-len`), or `shared-prefix`
+    /// (SGLang's generated-shared-prefix set: `--gsp-num-groups` groups of
+    /// `--gsp-prompts-per-group` prompts, each a group's system prompt followed by its own
+    /// question, in a seeded random order; `--num-prompts`, `--input-len`, `--output-len`
+    /// and `--range-ratio` do not apply).
+    #[arg(long, env = "PDSERVE_BENCH_DATASET", value_enum, default_value_t = Dataset::Random)]
+    pub dataset: Dataset,
+    /// shared-prefix: groups, each with its own system prompt.
+    #[arg(long, env = "PDSERVE_BENCH_GSP_NUM_GROUPS", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub gsp_num_groups: u64,
+    /// shared-prefix: prompts per group.
+    #[arg(long, env = "PDSERVE_BENCH_GSP_PROMPTS_PER_GROUP", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub gsp_prompts_per_group: u64,
+    /// shared-prefix: tokens of each group's system prompt.
+    #[arg(long, env = "PDSERVE_BENCH_GSP_SYSTEM_PROMPT_LEN", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    pub gsp_system_prompt_len: u64,
+    /// shared-prefix: tokens of each question.
+    #[arg(long, env = "PDSERVE_BENCH_GSP_QUESTION_LEN", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub gsp_question_len: u64,
+    /// shared-prefix: tokens of each answer.
+    #[arg(long, env = "PDSERVE_BENCH_GSP_OUTPUT_LEN", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub gsp_output_len: u64,
     /// SLOs for goodput.
     #[command(flatten)]
     pub slo: SloArgs,
     /// Result file, plot and label.
     #[command(flatten)]
     pub output: OutputArgs,
+}
+
+/// Where `serve`'s prompts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dataset {
+    /// Distinct prompts of random words.
+    Random,
+    /// Groups of prompts sharing a long system prompt (SGLang's generated-shared-prefix).
+    SharedPrefix,
 }
 
 /// `pdserve bench multi-turn`.

@@ -174,9 +174,25 @@ pub struct ApiClient {
 }
 
 impl ApiClient {
-    /// A client for `args.url` with bounded connect and request timeouts.
+    /// One client per `--url`, sharing a connection pool, with bounded connect and
+    /// request timeouts.
+    pub fn replicas(args: &ServerArgs) -> Result<Vec<Self>, BenchError> {
+        let first = Self::new(args)?;
+        args.url
+            .iter()
+            .map(|url| {
+                Ok(Self {
+                    base: normalize_base_url(url)?,
+                    ..first.clone()
+                })
+            })
+            .collect()
+    }
+
+    /// A client for the first `--url` with bounded connect and request timeouts.
     pub fn new(args: &ServerArgs) -> Result<Self, BenchError> {
-        let base = normalize_base_url(&args.url)?;
+        let first = args.url.first().map(String::as_str).unwrap_or_default();
+        let base = normalize_base_url(first)?;
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs_f64(args.connect_timeout_s))
             .tcp_nodelay(true)

@@ -191,9 +191,68 @@ impl PromptGenerator {
     }
 }
 
+impl PromptGenerator {
+    /// SGLang's generated-shared-prefix set: `groups` system prompts of `system_len`
+    /// tokens, each followed by `per_group` questions of `question_len` tokens, shuffled
+    /// (seeded) so that groups interleave as concurrent tenants' requests do.
+    pub fn shared_prefix(
+        &mut self,
+        groups: u64,
+        per_group: u64,
+        system_len: u64,
+        question_len: u64,
+        output_len: u64,
+    ) -> Result<Vec<SyntheticRequest>, BenchError> {
+        let mut requests = Vec::with_capacity((groups * per_group) as usize);
+        for _ in 0..groups {
+            let system = self.prompt(system_len)?;
+            for _ in 0..per_group {
+                let question = self.prompt(question_len)?;
+                requests.push(SyntheticRequest {
+                    prompt: format!("{system}{question}"),
+                    prompt_tokens: system_len + question_len,
+                    output_tokens: output_len,
+                });
+            }
+        }
+        // Fisher-Yates with the generator's own seeded stream.
+        for i in (1..requests.len()).rev() {
+            let j = self.rng.random_range(0..=i);
+            requests.swap(i, j);
+        }
+        Ok(requests)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_prefix_groups_share_their_system_prompt_and_are_interleaved() {
+        let a = PromptGenerator::new(3)
+            .shared_prefix(4, 5, 40, 6, 9)
+            .unwrap();
+        assert_eq!(
+            a,
+            PromptGenerator::new(3)
+                .shared_prefix(4, 5, 40, 6, 9)
+                .unwrap()
+        );
+        assert_eq!(a.len(), 20);
+        let prefix =
+            |r: &SyntheticRequest| r.prompt.split(' ').take(41).collect::<Vec<_>>().join(" ");
+        let mut groups: std::collections::HashMap<String, usize> = Default::default();
+        for r in &a {
+            assert_eq!((r.prompt_tokens, r.output_tokens), (46, 9));
+            assert_eq!(r.prompt.split_whitespace().count(), 46);
+            *groups.entry(prefix(r)).or_default() += 1;
+        }
+        assert_eq!(groups.len(), 4, "four system prompts");
+        assert!(groups.values().all(|&n| n == 5));
+        let first_four: std::collections::HashSet<String> = a[..8].iter().map(prefix).collect();
+        assert!(first_four.len() > 1, "groups interleave");
+    }
 
     #[test]
     fn prompts_have_the_requested_word_count_and_depend_only_on_the_seed() {

@@ -24,7 +24,8 @@ use crate::{progress, BenchError};
 
 /// What every conversation task shares.
 struct Shared {
-    client: ApiClient,
+    /// One per `--url`; conversation c talks to `clients[c % len]`.
+    clients: Vec<ApiClient>,
     model: String,
     output_len: u64,
     ignore_eos: bool,
@@ -48,7 +49,8 @@ pub async fn run_multi_turn(
     args: &MultiTurnArgs,
     shutdown: impl Future<Output = ()>,
 ) -> Result<BenchResult, BenchError> {
-    let client = ApiClient::new(&args.server)?;
+    let clients = ApiClient::replicas(&args.server)?;
+    let client = clients[0].clone();
     let model = resolve_model(&client, args.server.model.as_deref()).await?;
     let ignore_eos = !args.server.no_ignore_eos;
     let started_at_unix_s = unix_now();
@@ -83,7 +85,7 @@ pub async fn run_multi_turn(
     let planned = args.conversations * args.turns;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
-        client: client.clone(),
+        clients: clients.clone(),
         model: model.clone(),
         output_len: args.output_len,
         ignore_eos,
@@ -150,6 +152,9 @@ pub async fn run_multi_turn(
         interrupted,
         config: RunConfig {
             url: client.base_url().to_string(),
+            urls: clients.iter().map(|c| c.base_url().to_string()).collect(),
+            dataset: None,
+            shared_prefix: None,
             model,
             endpoint: Endpoint::Chat,
             num_requests: planned,
@@ -203,7 +208,8 @@ async fn converse(shared: Arc<Shared>, script: Script) {
             extra.clone(),
         );
         let sent = shared.start.elapsed();
-        let outcome = shared.client.stream(Endpoint::Chat, &body).await;
+        let client = &shared.clients[script.index as usize % shared.clients.len()];
+        let outcome = client.stream(Endpoint::Chat, &body).await;
         let index = script.index * shared.turns + turn as u64;
         let mut record =
             RequestRecord::new(index, sent, history_tokens, shared.output_len, &outcome);

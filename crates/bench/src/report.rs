@@ -36,8 +36,18 @@ impl RunKind {
 /// What was asked for. Fields that do not apply to a kind are `null`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
-    /// Server base URL.
+    /// Server base URL (the first, with several).
     pub url: String,
+    /// Every base URL the load was spread over (absent in files written before
+    /// repeated `--url`).
+    #[serde(default)]
+    pub urls: Vec<String>,
+    /// serve: `random` or `shared-prefix` (absent in older files: random).
+    #[serde(default)]
+    pub dataset: Option<crate::args::Dataset>,
+    /// shared-prefix: groups × prompts per group, system prompt and question tokens.
+    #[serde(default)]
+    pub shared_prefix: Option<SharedPrefixConfig>,
     /// Model requested.
     pub model: String,
     /// API called.
@@ -74,6 +84,19 @@ pub struct RunConfig {
     /// files written before the option existed).
     #[serde(default)]
     pub system_prompt_len: Option<u64>,
+}
+
+/// The shape of a shared-prefix workload.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SharedPrefixConfig {
+    /// Groups (tenants), each with its own system prompt.
+    pub groups: u64,
+    /// Prompts per group.
+    pub prompts_per_group: u64,
+    /// Tokens of each system prompt.
+    pub system_prompt_len: u64,
+    /// Tokens of each question.
+    pub question_len: u64,
 }
 
 /// Per-turn figures of a multi-turn run.

@@ -8,11 +8,11 @@ use serde_json::Map;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::args::{Endpoint, ServeArgs};
+use crate::args::{Dataset, Endpoint, ServeArgs};
 use crate::client::{request_body, ApiClient, RequestError, RequestInput};
 use crate::dataset::{load_tokenizer, PromptGenerator};
 use crate::metrics::{failures, summarize, RequestRecord, Slo};
-use crate::report::{BenchResult, RunConfig, RunKind, SCHEMA_VERSION};
+use crate::report::{BenchResult, RunConfig, RunKind, SharedPrefixConfig, SCHEMA_VERSION};
 use crate::schedule::Dispatcher;
 use crate::{progress, BenchError};
 
@@ -75,23 +75,39 @@ pub async fn run_serve(
     args: &ServeArgs,
     shutdown: impl Future<Output = ()>,
 ) -> Result<BenchResult, BenchError> {
-    let client = ApiClient::new(&args.server)?;
+    let clients = ApiClient::replicas(&args.server)?;
+    let client = clients[0].clone();
     let model = resolve_model(&client, args.server.model.as_deref()).await?;
     let ignore_eos = !args.server.no_ignore_eos;
     let endpoint = args.endpoint;
-    let planned = args.num_prompts;
     let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
-    let workload = PromptGenerator::new(args.seed)
-        .with_tokenizer(tokenizer)
-        .requests(planned, args.input_len, args.output_len, args.range_ratio)?;
-    probe(
-        &client,
-        endpoint,
-        &model,
-        RequestInput::Prompt(probe_prompt(args.seed)),
-        ignore_eos,
-    )
-    .await?;
+    let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer);
+    let workload = match args.dataset {
+        Dataset::Random => generator.requests(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+        )?,
+        Dataset::SharedPrefix => generator.shared_prefix(
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+        )?,
+    };
+    let planned = workload.len() as u64;
+    for replica in &clients {
+        probe(
+            replica,
+            endpoint,
+            &model,
+            RequestInput::Prompt(probe_prompt(args.seed)),
+            ignore_eos,
+        )
+        .await?;
+    }
     let mut jobs: Vec<Option<_>> = workload
         .into_iter()
         .map(|r| {
@@ -143,7 +159,7 @@ pub async fn run_serve(
                 let Some((body, prompt_tokens, output_tokens)) = jobs[index].take() else {
                     continue;
                 };
-                let client = client.clone();
+                let client = clients[index % clients.len()].clone();
                 tasks.spawn(async move {
                     let _slot = permit;
                     let sent = start.elapsed();
@@ -161,7 +177,7 @@ pub async fn run_serve(
     Ok(assemble(
         args,
         model,
-        client.base_url(),
+        &clients,
         started_at_unix_s,
         interrupted,
         duration,
@@ -172,7 +188,7 @@ pub async fn run_serve(
 fn assemble(
     args: &ServeArgs,
     model: String,
-    url: &str,
+    clients: &[ApiClient],
     started_at_unix_s: u64,
     interrupted: bool,
     duration: Duration,
@@ -182,6 +198,10 @@ fn assemble(
         ttft_ms: args.slo.slo_ttft_ms,
         tpot_ms: args.slo.slo_tpot_ms,
     };
+    let planned = match args.dataset {
+        Dataset::Random => args.num_prompts,
+        Dataset::SharedPrefix => args.gsp_num_groups * args.gsp_prompts_per_group,
+    };
     BenchResult {
         schema_version: SCHEMA_VERSION,
         kind: RunKind::Serve,
@@ -190,10 +210,18 @@ fn assemble(
         started_at_unix_s,
         interrupted,
         config: RunConfig {
-            url: url.to_string(),
+            url: clients[0].base_url().to_string(),
+            urls: clients.iter().map(|c| c.base_url().to_string()).collect(),
+            dataset: Some(args.dataset),
+            shared_prefix: (args.dataset == Dataset::SharedPrefix).then_some(SharedPrefixConfig {
+                groups: args.gsp_num_groups,
+                prompts_per_group: args.gsp_prompts_per_group,
+                system_prompt_len: args.gsp_system_prompt_len,
+                question_len: args.gsp_question_len,
+            }),
             model,
             endpoint: args.endpoint,
-            num_requests: args.num_prompts,
+            num_requests: planned,
             concurrency: args
                 .request_rate
                 .is_none()
@@ -213,7 +241,7 @@ fn assemble(
             send_conversation_id: None,
             system_prompt_len: None,
         },
-        summary: summarize(&records, args.num_prompts, duration, &slo),
+        summary: summarize(&records, planned, duration, &slo),
         failures: failures(&records),
         turns: Vec::new(),
         requests: records,

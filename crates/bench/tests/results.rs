@@ -20,6 +20,7 @@ const GOLDEN_KEYS: &[&str] = &[
     "config",
     "config.concurrency",
     "config.conversations",
+    "config.dataset",
     "config.endpoint",
     "config.ignore_eos",
     "config.input_len",
@@ -30,12 +31,14 @@ const GOLDEN_KEYS: &[&str] = &[
     "config.request_rate",
     "config.seed",
     "config.send_conversation_id",
+    "config.shared_prefix",
     "config.system_prompt_len",
     "config.slo_tpot_ms",
     "config.slo_ttft_ms",
     "config.turn_input_len",
     "config.turns",
     "config.url",
+    "config.urls",
     "failures",
     "failures[].count",
     "failures[].reason",
@@ -156,6 +159,67 @@ fn same_json(a: &Value, b: &Value) -> bool {
         }
         _ => a == b,
     }
+}
+
+/// `--dataset shared-prefix` over two `--url`s: every request sent, alternately, each a
+/// group's system prompt plus its own question.
+#[tokio::test]
+async fn shared_prefix_requests_spread_over_repeated_urls() {
+    let (a, b) = (
+        ScriptedServer::start(|_| Reply::stream_ms(1, 1)).await,
+        ScriptedServer::start(|_| Reply::stream_ms(1, 1)).await,
+    );
+    let (url_a, url_b) = (a.url(), b.url());
+    let flags = [
+        "--url",
+        url_a.as_str(),
+        "--url",
+        url_b.as_str(),
+        "--concurrency",
+        "2",
+        "--dataset",
+        "shared-prefix",
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "3",
+        "--gsp-system-prompt-len",
+        "20",
+        "--gsp-question-len",
+        "4",
+        "--gsp-output-len",
+        "2",
+    ];
+    let result = timeout(TEST_LIMIT, run_serve(&serve_args(&flags), never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    assert_eq!(result.config.num_requests, 6);
+    assert_eq!(result.summary.completed, 6);
+    assert_eq!(result.config.urls, vec![url_a.clone(), url_b.clone()]);
+    let shape = result.config.shared_prefix.expect("recorded");
+    assert_eq!(
+        (
+            shape.groups,
+            shape.prompts_per_group,
+            shape.system_prompt_len
+        ),
+        (2, 3, 20)
+    );
+    // The probe, then half the requests each.
+    let (sent_a, sent_b) = (a.requests(), b.requests());
+    assert_eq!((sent_a.len(), sent_b.len()), (1 + 3, 1 + 3));
+    let prefixes: BTreeSet<String> = sent_a[1..]
+        .iter()
+        .chain(&sent_b[1..])
+        .map(|r| {
+            let prompt = r["prompt"].as_str().unwrap();
+            prompt.split(' ').take(21).collect::<Vec<_>>().join(" ")
+        })
+        .collect();
+    assert_eq!(prefixes.len(), 2, "two groups' system prompts");
+    a.stop().await;
+    b.stop().await;
 }
 
 async fn serve_result(server: &ScriptedServer, extra: &[&str]) -> BenchResult {
