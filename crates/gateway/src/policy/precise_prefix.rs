@@ -4,19 +4,36 @@
 //! then the lower load. Every gateway replica reads the same events and the same worker
 //! load, so replicas choose alike without sharing anything.
 //!
+//! Events arrive once a worker has computed a prompt; until then the prompts this
+//! gateway just sent a worker count as held there too (for `PENDING_FOR`), or every
+//! request of a new shared prefix that arrives at once would find it nowhere and spread,
+//! each worker computing it again.
+//!
 //! Needs the prompt's token ids: token-id prompts, or any prompt with `--tokenizer`.
 //! Without them, or when no candidate publishes events, the approximate prefix tree
 //! (`cache_aware`) decides.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use lru::LruCache;
 use pdserve_protocol::WorkerRole;
 
 use super::{
     CacheAware, Policy, PolicyStats, PrefixMatch, RequestOutcome, RoutePrompt, RouteRequest,
 };
-use crate::kv_events::KvEventsHub;
+use crate::kv_events::{prompt_keys, BlockKey, KvEventsHub};
 use crate::registry::Worker;
+
+/// How long a prompt sent to a worker counts as cached there before its events say so.
+const PENDING_FOR: Duration = Duration::from_secs(10);
+/// Blocks remembered as pending per worker.
+const PENDING_BLOCKS: usize = 65_536;
+/// The block size pending prompts are cut into before a worker's events have said its
+/// own (vLLM's and pdserve's default).
+const PROVISIONAL_BLOCK_SIZE: usize = 16;
 
 /// Routes on the workers' KV-event indexes.
 #[derive(Debug)]
@@ -24,6 +41,8 @@ pub struct PrecisePrefix {
     hub: Arc<KvEventsHub>,
     fallback: CacheAware,
     load_cost: f64,
+    /// Blocks of prompts recently sent to each worker, with when.
+    pending: Mutex<HashMap<String, LruCache<BlockKey, Instant>>>,
 }
 
 /// One candidate's standing for a prompt.
@@ -42,6 +61,42 @@ impl PrecisePrefix {
             hub,
             fallback,
             load_cost,
+            pending: Mutex::default(),
+        }
+    }
+
+    /// `worker`'s block size as its events say, else the provisional one.
+    fn block_size(&self, worker: &str) -> usize {
+        self.hub
+            .worker(worker)
+            .and_then(|e| e.lock().block_size())
+            .map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize)
+    }
+
+    /// Tokens of `tokens` from the start that this gateway sent `worker` within
+    /// `PENDING_FOR`, in whole blocks of `block_size`.
+    fn pending_tokens(&self, worker: &str, tokens: &[u32], block_size: usize) -> usize {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(blocks) = pending.get_mut(worker) else {
+            return 0;
+        };
+        let fresh = |at: &Instant| at.elapsed() < PENDING_FOR;
+        prompt_keys(tokens, block_size)
+            .iter()
+            .take_while(|key| blocks.get(*key).is_some_and(fresh))
+            .count()
+            * block_size
+    }
+
+    /// Remembers that `tokens` went to `worker`.
+    fn sent(&self, worker: &str, tokens: &[u32], block_size: usize) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let blocks = pending
+            .entry(worker.to_string())
+            .or_insert_with(|| LruCache::new(NonZeroUsize::new(PENDING_BLOCKS).expect("non-zero")));
+        let now = Instant::now();
+        for key in prompt_keys(tokens, block_size) {
+            blocks.put(key, now);
         }
     }
 
@@ -53,12 +108,12 @@ impl PrecisePrefix {
             .iter()
             .enumerate()
             .map(|(index, w)| {
-                let cached = self
-                    .hub
-                    .worker(&w.base)
-                    .and_then(|events| events.cached_tokens(tokens));
-                any_index |= cached.is_some();
-                let cached = cached.unwrap_or(0);
+                let events = self.hub.worker(&w.base);
+                any_index |= events.is_some();
+                let block_size = self.block_size(&w.base);
+                let cached = events.and_then(|e| e.cached_tokens(tokens)).unwrap_or(0);
+                let pending = self.pending_tokens(&w.base, tokens, block_size);
+                let cached = cached.max(pending);
                 let load = w.load();
                 let score = cached as f64 - self.load_cost * load as f64 * tokens.len() as f64;
                 Standing {
@@ -72,17 +127,18 @@ impl PrecisePrefix {
         any_index.then_some(standings)
     }
 
+    /// The best score, then the lower load; among equals, one at random (always the
+    /// first would pile every new prefix onto one worker).
     fn best(standings: &[Standing]) -> Standing {
-        *standings
+        let top = standings.iter().map(|s| (s.score, -s.load)).fold(
+            (f64::NEG_INFINITY, i64::MIN),
+            |a, b| if b > a { b } else { a },
+        );
+        let equal: Vec<&Standing> = standings
             .iter()
-            .reduce(|best, s| {
-                if s.score > best.score || (s.score == best.score && s.load < best.load) {
-                    s
-                } else {
-                    best
-                }
-            })
-            .expect("candidates are not empty")
+            .filter(|s| (s.score, -s.load) == top)
+            .collect();
+        *equal[rand::Rng::random_range(&mut rand::rng(), 0..equal.len())]
     }
 }
 
@@ -113,6 +169,7 @@ impl Policy for PrecisePrefix {
         };
         let best = Self::best(&standings);
         let chosen = candidates[best.index].clone();
+        self.sent(&chosen.base, tokens, self.block_size(&chosen.base));
         tracing::debug!(
             %role,
             worker = %chosen.base,

@@ -420,3 +420,46 @@ async fn precise_prefix_routes_on_the_events_net_of_load() {
     })
     .await;
 }
+
+/// Before a worker's events report a new prefix, the prompts just sent there count as
+/// held there: requests sharing a new prefix all go to the worker computing it.
+#[tokio::test]
+async fn precise_prefix_keeps_a_new_prefix_on_the_worker_computing_it() {
+    bounded(async {
+        let a = Double::start(Role::Decode, "A").await;
+        let b = Double::start(Role::Decode, "B").await;
+        let (mut pub_a, mut pub_b) = (FakePublisher::start().await, FakePublisher::start().await);
+        let mut config =
+            pdserve_gateway::GatewayConfig::new(Vec::new(), Vec::new(), crate::urls(&[&a, &b]));
+        config.policy = "precise_prefix".into();
+        config.load_scrape_interval = Duration::ZERO;
+        for (double, publisher) in [(&a, &pub_a), (&b, &pub_b)] {
+            config
+                .kv_events
+                .publishers
+                .insert(double.url.clone(), publisher.endpoint.clone());
+        }
+        let gw = Gateway::start(config).await;
+        pub_a.until_heard(&gw).await;
+        pub_b.until_heard(&gw).await;
+        let shared: Vec<u32> = (0..64).map(|t| t + 900).collect();
+        for question in 0..6u32 {
+            let mut prompt = shared.clone();
+            prompt.extend([question, question + 1]);
+            let status = client()
+                .post(gw.at("/v1/completions"))
+                .json(&json!({"prompt": prompt, "max_tokens": 2}))
+                .send()
+                .await
+                .unwrap()
+                .status();
+            assert_eq!(status, 200);
+        }
+        let (to_a, to_b) = (a.requests().len(), b.requests().len());
+        assert!(
+            (to_a, to_b) == (6, 0) || (to_a, to_b) == (0, 6),
+            "one worker computes the new prefix: {to_a} / {to_b}"
+        );
+    })
+    .await;
+}
