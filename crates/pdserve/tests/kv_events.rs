@@ -8,50 +8,19 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
-use pdserve_engine::{Worker, WorkerArgs};
+use pdserve_engine::Worker;
 use pdserve_gateway::kv_events::subscriber::{follow, EventEndpoints};
 use pdserve_gateway::kv_events::{KvEventMetrics, WorkerEvents};
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: WorkerArgs,
-}
+#[path = "support/worker.rs"]
+mod worker;
+
+use worker::start_worker;
 
 const BLOCK: usize = 16;
-
-async fn start_worker(role: &str, model: &std::path::Path) -> (Worker, String) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let config = json!({
-        "enable_kv_cache_events": true,
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:0",
-        "replay_endpoint": "tcp://127.0.0.1:0",
-        "topic": format!("kv@{role}"),
-    });
-    let args = Cli::try_parse_from([
-        "worker",
-        "--role",
-        role,
-        "--model",
-        &model.display().to_string(),
-        "--threads",
-        "1",
-        "--num-kv-blocks",
-        "40",
-        "--kv-events-config",
-        &config.to_string(),
-    ])
-    .unwrap()
-    .args;
-    let worker = Worker::start(listener, args).await.unwrap();
-    let url = format!("http://{}", worker.local_addr());
-    (worker, url)
-}
 
 fn endpoints(worker: &Worker) -> EventEndpoints {
     let (publisher, replay) = worker.kv_events_endpoints().expect("events are on");
@@ -108,8 +77,21 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 async fn indexes_follow_computed_imported_and_reclaimed_blocks() {
     tokio::time::timeout(Duration::from_secs(300), async {
         let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
-        let (prefill, p_url) = start_worker("prefill", &model).await;
-        let (decode, d_url) = start_worker("decode", &model).await;
+        let events = |role: &str| {
+            json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": "tcp://127.0.0.1:0",
+                "replay_endpoint": "tcp://127.0.0.1:0",
+                "topic": format!("kv@{role}"),
+            })
+            .to_string()
+        };
+        let (p_events, d_events) = (events("prefill"), events("decode"));
+        let (prefill, p_url) =
+            start_worker("prefill", &model, &["--num-kv-blocks", "40", "--kv-events-config", &p_events]).await;
+        let (decode, d_url) =
+            start_worker("decode", &model, &["--num-kv-blocks", "40", "--kv-events-config", &d_events]).await;
 
         // The test's own subscribers, to compare prompts with the indexes exactly.
         let metrics = Arc::new(KvEventMetrics::register(

@@ -5,41 +5,16 @@
 
 use std::time::Duration;
 
-use clap::Parser;
-use pdserve_engine::{Worker, WorkerArgs};
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: WorkerArgs,
-}
+#[path = "support/worker.rs"]
+mod worker;
+
+use worker::start_worker;
 
 const MAX_MODEL_LEN: u64 = 64;
-
-async fn start_worker(role: &str, model: &std::path::Path) -> (Worker, String) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let args = Cli::try_parse_from([
-        "worker",
-        "--role",
-        role,
-        "--model",
-        &model.display().to_string(),
-        "--threads",
-        "1",
-        "--num-kv-blocks",
-        "64",
-        "--max-model-len",
-        &MAX_MODEL_LEN.to_string(),
-    ])
-    .unwrap()
-    .args;
-    let worker = Worker::start(listener, args).await.unwrap();
-    let url = format!("http://{}", worker.local_addr());
-    (worker, url)
-}
 
 async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
     let response = http.post(url).json(&body).send().await.unwrap();
@@ -51,8 +26,10 @@ async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
 async fn the_gateway_counts_prompt_tokens_as_the_workers_do() {
     tokio::time::timeout(Duration::from_secs(300), async {
         let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
-        let (prefill, p_url) = start_worker("prefill", &model).await;
-        let (decode, d_url) = start_worker("decode", &model).await;
+        let len = MAX_MODEL_LEN.to_string();
+        let flags = ["--num-kv-blocks", "64", "--max-model-len", len.as_str()];
+        let (prefill, p_url) = start_worker("prefill", &model, &flags).await;
+        let (decode, d_url) = start_worker("decode", &model, &flags).await;
         let mut config = GatewayConfig::new(
             vec![p_url.parse().unwrap()],
             vec![d_url.parse().unwrap()],

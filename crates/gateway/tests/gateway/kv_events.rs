@@ -329,25 +329,37 @@ async fn a_million_blocks_stay_under_the_cap_and_a_removed_worker_takes_its_inde
     .await;
 }
 
+/// Two aggregated doubles, each with its own fake publisher, under `precise_prefix`.
+async fn precise_pair() -> (
+    Double,
+    Double,
+    FakePublisher,
+    FakePublisher,
+    pdserve_gateway::GatewayConfig,
+) {
+    let a = Double::start(Role::Decode, "A").await;
+    let b = Double::start(Role::Decode, "B").await;
+    let (pub_a, pub_b) = (FakePublisher::start().await, FakePublisher::start().await);
+    let mut config =
+        pdserve_gateway::GatewayConfig::new(Vec::new(), Vec::new(), crate::urls(&[&a, &b]));
+    config.policy = "precise_prefix".into();
+    for (double, publisher) in [(&a, &pub_a), (&b, &pub_b)] {
+        config
+            .kv_events
+            .publishers
+            .insert(double.url.clone(), publisher.endpoint.clone());
+    }
+    (a, b, pub_a, pub_b, config)
+}
+
 /// `precise_prefix` sends a prompt to the worker whose events hold it, unless that
 /// worker's reported load costs more than the cached tokens are worth; a prompt nobody
 /// holds goes to the less loaded worker.
 #[tokio::test]
 async fn precise_prefix_routes_on_the_events_net_of_load() {
     bounded(async {
-        let a = Double::start(Role::Decode, "A").await;
-        let b = Double::start(Role::Decode, "B").await;
-        let (mut pub_a, mut pub_b) = (FakePublisher::start().await, FakePublisher::start().await);
-        let mut config =
-            pdserve_gateway::GatewayConfig::new(Vec::new(), Vec::new(), crate::urls(&[&a, &b]));
-        config.policy = "precise_prefix".into();
+        let (a, b, mut pub_a, mut pub_b, mut config) = precise_pair().await;
         config.load_scrape_interval = Duration::from_millis(50);
-        for (double, publisher) in [(&a, &pub_a), (&b, &pub_b)] {
-            config
-                .kv_events
-                .publishers
-                .insert(double.url.clone(), publisher.endpoint.clone());
-        }
         a.report_queue(Some((0.0, 0.0)));
         b.report_queue(Some((0.0, 0.0)));
         let gw = Gateway::start(config).await;
@@ -426,19 +438,8 @@ async fn precise_prefix_routes_on_the_events_net_of_load() {
 #[tokio::test]
 async fn precise_prefix_keeps_a_new_prefix_on_the_worker_computing_it() {
     bounded(async {
-        let a = Double::start(Role::Decode, "A").await;
-        let b = Double::start(Role::Decode, "B").await;
-        let (mut pub_a, mut pub_b) = (FakePublisher::start().await, FakePublisher::start().await);
-        let mut config =
-            pdserve_gateway::GatewayConfig::new(Vec::new(), Vec::new(), crate::urls(&[&a, &b]));
-        config.policy = "precise_prefix".into();
+        let (a, b, mut pub_a, mut pub_b, mut config) = precise_pair().await;
         config.load_scrape_interval = Duration::ZERO;
-        for (double, publisher) in [(&a, &pub_a), (&b, &pub_b)] {
-            config
-                .kv_events
-                .publishers
-                .insert(double.url.clone(), publisher.endpoint.clone());
-        }
         let gw = Gateway::start(config).await;
         pub_a.until_heard(&gw).await;
         pub_b.until_heard(&gw).await;
