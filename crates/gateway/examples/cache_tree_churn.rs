@@ -90,6 +90,7 @@ fn main() {
             headers: &headers,
             conversation_id: None,
             tokens: None,
+            notes: None,
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

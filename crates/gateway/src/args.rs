@@ -6,7 +6,7 @@ use std::time::Duration;
 use pdserve_protocol::WorkerRole;
 use reqwest::Url;
 
-use crate::policy::{PolicyConfig, POLICY_NAMES};
+use crate::policy::{CacheSource, PolicyConfig, POLICY_NAMES};
 use crate::registry::probe::ProbeSettings;
 use crate::registry::{BreakerSettings, HealthPolicy, WorkerSpec};
 use crate::GatewayError;
@@ -193,6 +193,13 @@ pub struct GatewayArgs {
     /// hold more of the prompt wins unless its extra load costs more than that lead.
     #[arg(long, env = "PDSERVE_PRECISE_LOAD_COST", default_value_t = PolicyConfig::default().precise_load_cost)]
     pub precise_load_cost: f64,
+
+    /// cache_aware: where a worker's cached share of a prompt comes from when the prompt
+    /// has token ids (token-id prompts, or any with --tokenizer): `auto` — the worker's
+    /// KV events where it publishes them, the approximate tree elsewhere; `events` —
+    /// events only; `approximate` — the gateway's own tree of what it sent.
+    #[arg(long, env = "PDSERVE_CACHE_SOURCE", value_enum, default_value_t = CacheSource::Auto)]
+    pub cache_source: CacheSource,
 
     /// session: the policy for requests that carry no session key.
     #[arg(long, env = "PDSERVE_SESSION_FALLBACK", default_value = "round_robin")]
@@ -614,6 +621,7 @@ impl GatewayArgs {
             session_fallback: self.session_fallback.clone(),
             queue_cost: self.cache_queue_cost,
             precise_load_cost: self.precise_load_cost,
+            cache_source: self.cache_source,
         };
         policy_config.validate().map_err(GatewayError::Config)?;
         for (flag, key) in [

@@ -211,6 +211,9 @@ async fn generate(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut ctx = RequestContext::new(endpoint, endpoint.path(), headers);
+    if state.config.expose_routing {
+        ctx.routing_notes = Some(Default::default());
+    }
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
@@ -230,7 +233,10 @@ async fn sglang_generate(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let ctx = RequestContext::new(Endpoint::Completions, GENERATE_ROUTE, headers);
+    let mut ctx = RequestContext::new(Endpoint::Completions, GENERATE_ROUTE, headers);
+    if state.config.expose_routing {
+        ctx.routing_notes = Some(Default::default());
+    }
     let result = async {
         if state.config.protocol != Protocol::Sglang {
             return Err(ApiError::new(

@@ -106,7 +106,7 @@ impl AppState {
         let policy = self.policy(role);
         // The common case allocates nothing: a first attempt with every circuit closed.
         if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
-            let chosen = policy.select(role, live, route)?;
+            let chosen = choose(policy.as_ref(), role, live, route)?;
             log_choice(policy.name(), role, &chosen, live.len());
             return Some(chosen);
         }
@@ -117,7 +117,7 @@ impl AppState {
                 .filter(|w| !passed_over.contains(&w.base.as_str()) && w.breaker.is_candidate())
                 .cloned()
                 .collect();
-            let chosen = policy.select(role, &candidates, route)?;
+            let chosen = choose(policy.as_ref(), role, &candidates, route)?;
             // An open circuit past its cooldown admits one trial request; if another
             // request claimed it first, choose again without this worker.
             if chosen.breaker.admit() {
@@ -155,6 +155,24 @@ impl AppState {
             _ => {}
         }
     }
+}
+
+/// The policy's choice; its cache match noted for the response headers where the request
+/// keeps notes (`--expose-routing`).
+fn choose(
+    policy: &dyn Policy,
+    role: WorkerRole,
+    candidates: &[Arc<Worker>],
+    route: &RouteRequest<'_>,
+) -> Option<Arc<Worker>> {
+    let Some(notes) = route.notes else {
+        return policy.select(role, candidates, route);
+    };
+    let choice = policy.choose(role, candidates, route)?;
+    if let Some(cache) = choice.cache {
+        notes.record(&choice.worker, cache);
+    }
+    Some(choice.worker)
 }
 
 fn log_choice(policy: &str, role: WorkerRole, chosen: &Worker, candidates: usize) {

@@ -100,8 +100,8 @@ async fn indexes_follow_computed_imported_and_reclaimed_blocks() {
         let cap = NonZeroUsize::new(10_000).unwrap();
         let (p_events, d_events) = (Arc::new(WorkerEvents::new(cap)), Arc::new(WorkerEvents::new(cap)));
         let followers = [
-            tokio::spawn(follow(p_url.clone(), endpoints(&prefill), p_events.clone(), metrics.clone())),
-            tokio::spawn(follow(d_url.clone(), endpoints(&decode), d_events.clone(), metrics.clone())),
+            tokio::spawn(follow(p_url.clone(), endpoints(&prefill), p_events.clone(), metrics.clone(), Duration::from_secs(60))),
+            tokio::spawn(follow(d_url.clone(), endpoints(&decode), d_events.clone(), metrics.clone(), Duration::from_secs(60))),
         ];
 
         let mut config = GatewayConfig::new(

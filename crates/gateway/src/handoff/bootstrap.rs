@@ -256,8 +256,8 @@ async fn attempt(
         }
     };
     if state.config.expose_routing {
-        expose_worker(&mut response, X_PDSERVE_PREFILL, &prefill);
-        expose_worker(&mut response, X_PDSERVE_DECODE, &decode);
+        expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill);
+        expose_worker(&mut response, ctx, X_PDSERVE_DECODE, &decode);
     }
     Ok(response)
 }

@@ -220,7 +220,7 @@ pub async fn serve(
                 current.release.disarm();
                 current.stages.decode_ttfb = started.elapsed();
                 if state.config.expose_routing {
-                    expose_worker(&mut response, X_PDSERVE_PREFILL, &current.prefill);
+                    expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &current.prefill);
                 }
                 record(
                     state,

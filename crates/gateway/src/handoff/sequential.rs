@@ -85,7 +85,7 @@ pub async fn serve(
         response = with_prefill_cached_tokens(response, stream, cached).await;
     }
     if state.config.expose_routing {
-        expose_worker(&mut response, X_PDSERVE_PREFILL, &prefill_worker);
+        expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
     }
     Ok(response)
 }

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
+use std::time::Duration;
 
 use crate::args::parse_worker_url;
 use crate::registry::worker_key;
@@ -34,6 +35,19 @@ pub struct KvEventsArgs {
     /// Most blocks indexed per worker; the least recently used go first.
     #[arg(long, env = "PDSERVE_MAX_INDEXED_BLOCKS", default_value = "262144")]
     pub max_indexed_blocks: NonZeroUsize,
+
+    /// A worker's index goes stale (routing falls back to the approximate tree for it)
+    /// when it was sent prompts needing new blocks and no event arrived for this many
+    /// seconds: the worker serves but its stream stopped. The next event revives it.
+    #[arg(long, env = "PDSERVE_KV_EVENTS_STALE_SECS", default_value = "60", value_parser = positive_secs)]
+    pub kv_events_stale_secs: f64,
+}
+
+fn positive_secs(raw: &str) -> Result<f64, String> {
+    match raw.parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 => Ok(secs),
+        _ => Err(format!("expected a positive number of seconds, got `{raw}`")),
+    }
 }
 
 /// The resolved KV-event settings.
@@ -45,6 +59,8 @@ pub struct KvEventsConfig {
     pub replays: HashMap<String, String>,
     /// Blocks per worker index.
     pub max_indexed_blocks: NonZeroUsize,
+    /// How long events may be owed before an index goes stale.
+    pub stale_after: Duration,
 }
 
 impl Default for KvEventsConfig {
@@ -53,6 +69,7 @@ impl Default for KvEventsConfig {
             publishers: HashMap::new(),
             replays: HashMap::new(),
             max_indexed_blocks: NonZeroUsize::new(262_144).expect("non-zero"),
+            stale_after: Duration::from_secs(60),
         }
     }
 }
@@ -64,6 +81,7 @@ impl KvEventsArgs {
             publishers: pairs("--kv-events", &self.kv_events)?,
             replays: pairs("--kv-events-replay", &self.kv_events_replay)?,
             max_indexed_blocks: self.max_indexed_blocks,
+            stale_after: Duration::from_secs_f64(self.kv_events_stale_secs),
         })
     }
 }
@@ -112,16 +130,20 @@ mod tests {
             "http://10.0.0.1:8000=tcp://10.0.0.1:5558",
             "--max-indexed-blocks",
             "1000",
+            "--kv-events-stale-secs",
+            "2.5",
         ])
         .unwrap();
         assert_eq!(c.publishers["http://10.0.0.1:8000"], "tcp://10.0.0.1:5557");
         assert_eq!(c.replays["http://10.0.0.1:8000"], "tcp://10.0.0.1:5558");
         assert_eq!(c.max_indexed_blocks.get(), 1000);
+        assert_eq!(c.stale_after, Duration::from_millis(2500));
         for (bad, says) in [
             (&["--kv-events", "http://h:1"][..], "WORKER_URL="),
             (&["--kv-events", "http://h:1=h:5557"][..], "tcp://"),
             (&["--kv-events", "ftp://h:1=tcp://h:5557"][..], "http://"),
             (&["--max-indexed-blocks", "0"][..], "0"),
+            (&["--kv-events-stale-secs", "0"][..], "positive"),
         ] {
             let err = config(bad).unwrap_err();
             assert!(err.contains(says), "{bad:?}: {err}");

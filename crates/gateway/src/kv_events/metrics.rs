@@ -34,6 +34,7 @@ struct ReasonLabels {
 pub struct KvEventMetrics {
     events: Family<KindLabels, Counter>,
     index_blocks: Family<WorkerLabels, Gauge>,
+    index_stale: Family<WorkerLabels, Gauge>,
     gaps: Family<WorkerLabels, Counter>,
     replays: Family<OutcomeLabels, Counter>,
     rebuilds: Family<ReasonLabels, Counter>,
@@ -46,6 +47,7 @@ impl KvEventMetrics {
         let metrics = Self {
             events: Family::default(),
             index_blocks: Family::default(),
+            index_stale: Family::default(),
             gaps: Family::default(),
             replays: Family::default(),
             rebuilds: Family::default(),
@@ -61,6 +63,12 @@ impl KvEventMetrics {
             "kv_index_blocks",
             "Blocks in each worker's KV index (what its events say it caches)",
             metrics.index_blocks.clone(),
+        );
+        registry.register(
+            "kv_index_stale",
+            "1 while a worker's KV index is stale (events owed longer than \
+             --kv-events-stale-secs; routing falls back for it), else 0",
+            metrics.index_stale.clone(),
         );
         registry.register(
             "kv_event_gaps",
@@ -112,6 +120,13 @@ impl KvEventMetrics {
             .set(blocks as i64);
     }
 
+    /// Whether the worker's index is stale.
+    pub fn set_stale(&self, worker: &str, stale: bool) {
+        self.index_stale
+            .get_or_create(&Self::worker(worker))
+            .set(i64::from(stale));
+    }
+
     /// A sequence gap.
     pub fn gap(&self, worker: &str) {
         self.gaps.get_or_create(&Self::worker(worker)).inc();
@@ -145,5 +160,6 @@ impl KvEventMetrics {
     /// Drops a removed worker's index gauge (its counters stay, as totals do).
     pub fn forget(&self, worker: &str) {
         self.index_blocks.remove(&Self::worker(worker));
+        self.index_stale.remove(&Self::worker(worker));
     }
 }

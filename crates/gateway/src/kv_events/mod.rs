@@ -14,8 +14,9 @@ pub mod subscriber;
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
@@ -31,6 +32,12 @@ use crate::registry::{Registry, WorkerSpec};
 pub struct WorkerEvents {
     index: Mutex<BlockIndex>,
     last_heard: Mutex<Option<Instant>>,
+    /// When the gateway first sent the worker a prompt it must compute new blocks for
+    /// after the last batch arrived: events are owed since then.
+    owed_since: Mutex<Option<Instant>>,
+    /// Events were owed for longer than `--kv-events-stale-secs`: the index is not
+    /// trusted until the stream speaks again.
+    stale: AtomicBool,
 }
 
 impl WorkerEvents {
@@ -39,6 +46,8 @@ impl WorkerEvents {
         Self {
             index: Mutex::new(BlockIndex::new(capacity)),
             last_heard: Mutex::new(None),
+            owed_since: Mutex::new(None),
+            stale: AtomicBool::new(false),
         }
     }
 
@@ -53,9 +62,33 @@ impl WorkerEvents {
         self.lock().clear();
     }
 
-    /// Records that a batch arrived at `at`.
+    /// Records that a batch arrived at `at`: the stream is alive, nothing is owed.
     pub fn heard(&self, at: Instant) {
         *self.last_heard.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+        *self.owed_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.stale.store(false, Ordering::Relaxed);
+    }
+
+    /// Records that the worker was just sent a prompt it will compute new blocks for, so
+    /// its stream owes events (a stream that owes them for too long goes stale).
+    pub fn expect_events(&self) {
+        self.owed_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(Instant::now);
+    }
+
+    /// Marks the index stale when events have been owed for longer than `stale_after`;
+    /// true when it just went stale.
+    pub fn check_stale(&self, stale_after: Duration) -> bool {
+        let owed = *self.owed_since.lock().unwrap_or_else(|e| e.into_inner());
+        let overdue = owed.is_some_and(|since| since.elapsed() > stale_after);
+        overdue && !self.stale.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether the index is stale (events owed too long; cleared by the next batch).
+    pub fn is_stale(&self) -> bool {
+        self.stale.load(Ordering::Relaxed)
     }
 
     /// When the last batch arrived.
@@ -64,8 +97,11 @@ impl WorkerEvents {
     }
 
     /// Tokens of `tokens` from the start that the worker holds, in whole blocks; `None`
-    /// before its events have said its block size.
+    /// before its events have said its block size, and while the index is stale.
     pub fn cached_tokens(&self, tokens: &[u32]) -> Option<usize> {
+        if self.is_stale() {
+            return None;
+        }
         let mut index = self.lock();
         let block_size = index.block_size()? as usize;
         let keys = prompt_keys(tokens, block_size);
@@ -166,6 +202,7 @@ impl KvEventsHub {
                 endpoints.clone(),
                 events,
                 self.metrics.clone(),
+                self.config.stale_after,
             ));
             subscriptions.insert(url, (endpoints, task));
         }

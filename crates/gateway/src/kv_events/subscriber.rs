@@ -4,6 +4,9 @@
 //! size — clears the worker's index, which then fills again from new events, and is
 //! said in the log and in `pdserve_gateway_kv_index_rebuilds_total`. Nothing a publisher
 //! sends can crash the task: bad frames and undecodable payloads are counted and skipped.
+//! A stream that falls silent while the worker is sent prompts to compute (events owed
+//! for longer than `--kv-events-stale-secs`) marks the index stale: it is cleared,
+//! routing stops trusting it, and the next batch revives it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,13 +30,17 @@ pub struct EventEndpoints {
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Pause between attempts to connect to a publisher that is not there.
 const RECONNECT_DELAY: Duration = Duration::from_millis(500);
+/// How often owed events are checked for (a share of the stale time, at most 1 s).
+const STALE_CHECKS_PER_PERIOD: u32 = 4;
 
-/// Follows `endpoints` into `events` until aborted.
+/// Follows `endpoints` into `events` until aborted; the index goes stale when events are
+/// owed for longer than `stale_after`.
 pub async fn follow(
     worker: String,
     endpoints: EventEndpoints,
     events: Arc<WorkerEvents>,
     metrics: Arc<KvEventMetrics>,
+    stale_after: Duration,
 ) {
     let mut stream = Stream {
         worker,
@@ -41,7 +48,12 @@ pub async fn follow(
         events,
         metrics,
         expected: None,
+        stale_after,
     };
+    stream.metrics.set_stale(&stream.worker, false);
+    let check_every = (stale_after / STALE_CHECKS_PER_PERIOD).min(Duration::from_secs(1));
+    let mut stale_check = tokio::time::interval(check_every);
+    stale_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let mut sub = SubSocket::new();
         let connected = async {
@@ -51,18 +63,24 @@ pub async fn follow(
         if let Err(e) = connected.await {
             stream.metrics.error(&stream.worker, "connect");
             tracing::debug!(worker = %stream.worker, endpoint = %stream.endpoints.publisher, "KV events: cannot subscribe yet: {e}");
+            stream.check_stale();
             tokio::time::sleep(RECONNECT_DELAY).await;
             continue;
         }
         tracing::info!(worker = %stream.worker, endpoint = %stream.endpoints.publisher, "subscribed to KV events");
         loop {
-            match sub.recv().await {
-                Ok(message) => stream.receive(message).await,
-                Err(e) => {
-                    stream.metrics.error(&stream.worker, "receive");
-                    tracing::warn!(worker = %stream.worker, "KV events: the subscription broke ({e}); reconnecting");
-                    break;
-                }
+            // A SUB socket's recv is a poll of its incoming queue: dropping it for a
+            // tick loses no message.
+            tokio::select! {
+                received = sub.recv() => match received {
+                    Ok(message) => stream.receive(message).await,
+                    Err(e) => {
+                        stream.metrics.error(&stream.worker, "receive");
+                        tracing::warn!(worker = %stream.worker, "KV events: the subscription broke ({e}); reconnecting");
+                        break;
+                    }
+                },
+                _ = stale_check.tick() => stream.check_stale(),
             }
         }
         tokio::time::sleep(RECONNECT_DELAY).await;
@@ -76,9 +94,24 @@ struct Stream {
     metrics: Arc<KvEventMetrics>,
     /// The next sequence number; `None` before the first message.
     expected: Option<u64>,
+    stale_after: Duration,
 }
 
 impl Stream {
+    /// Clears the index when its events have been owed too long.
+    fn check_stale(&self) {
+        if self.events.check_stale(self.stale_after) {
+            self.rebuild(
+                "stale",
+                &format!(
+                    "the worker was sent prompts to compute and its stream said nothing for {:?}; routing falls back until it does",
+                    self.stale_after
+                ),
+            );
+            self.metrics.set_stale(&self.worker, true);
+        }
+    }
+
     async fn receive(&mut self, message: ZmqMessage) {
         let frames = message.into_vec();
         let [_topic, seq, payload] = frames.as_slice() else {
@@ -200,6 +233,10 @@ impl Stream {
         }
         let blocks = index.len();
         drop(index);
+        if self.events.is_stale() {
+            tracing::info!(worker = %self.worker, "KV events: the stream speaks again; its index is trusted");
+            self.metrics.set_stale(&self.worker, false);
+        }
         self.events.heard(Instant::now());
         self.metrics.set_blocks(&self.worker, blocks);
     }

@@ -13,7 +13,10 @@ use pdserve_protocol::WorkerRole;
 use serde::de::IgnoredAny;
 use tokio::time::timeout_at;
 
-use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_WORKER};
+use super::{
+    RequestContext, X_PDSERVE_DECODE, X_PDSERVE_DECODE_CACHE, X_PDSERVE_PREFILL,
+    X_PDSERVE_PREFILL_CACHE, X_PDSERVE_WORKER, X_PDSERVE_WORKER_CACHE,
+};
 use crate::error::Failure;
 use crate::legs::relay::{split_kv_params, ByteStream, ConversationSink, Relay};
 use crate::legs::retry::{with_retries, Leg};
@@ -52,7 +55,7 @@ pub async fn forward(
         attempt(state, ctx, &leg, w)
     })
     .await?;
-    expose_final(state, &mut response, leg.role, &worker);
+    expose_final(state, ctx, &mut response, leg.role, &worker);
     Ok(response)
 }
 
@@ -68,25 +71,46 @@ pub async fn forward_once(
         .await
         .inspect_err(|e| state.report(worker, e))?;
     state.registry.record_answer(worker);
-    expose_final(state, &mut response, leg.role, worker);
+    expose_final(state, ctx, &mut response, leg.role, worker);
     Ok(response)
 }
 
-fn expose_final(state: &AppState, response: &mut Response, role: WorkerRole, worker: &Worker) {
+fn expose_final(
+    state: &AppState,
+    ctx: &RequestContext,
+    response: &mut Response,
+    role: WorkerRole,
+    worker: &Worker,
+) {
     if state.config.expose_routing {
         let name = if role == WorkerRole::PrefillDecode {
             X_PDSERVE_WORKER
         } else {
             X_PDSERVE_DECODE
         };
-        expose_worker(response, name, worker);
+        expose_worker(response, ctx, name, worker);
     }
 }
 
-/// Names `worker` in the response header `name` (with `--expose-routing`).
-pub fn expose_worker(response: &mut Response, name: &'static str, worker: &Worker) {
+/// Names `worker` in the response header `name` (with `--expose-routing`), and what it
+/// held of the prompt when chosen in the matching `…-cache` header.
+pub fn expose_worker(
+    response: &mut Response,
+    ctx: &RequestContext,
+    name: &'static str,
+    worker: &Worker,
+) {
     if let Ok(value) = HeaderValue::from_str(&worker.base) {
         response.headers_mut().insert(name, value);
+    }
+    let cache_header = match name {
+        X_PDSERVE_PREFILL => X_PDSERVE_PREFILL_CACHE,
+        X_PDSERVE_DECODE => X_PDSERVE_DECODE_CACHE,
+        _ => X_PDSERVE_WORKER_CACHE,
+    };
+    let held = ctx.routing_notes.as_ref().and_then(|n| n.get(worker));
+    if let Some(value) = held.and_then(|m| HeaderValue::from_str(&m.header_value()).ok()) {
+        response.headers_mut().insert(cache_header, value);
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 use http::HeaderMap;
 
 use crate::endpoint::Endpoint;
-use crate::policy::RouteRequest;
+use crate::policy::{RouteRequest, RoutingNotes};
 use crate::request::ClientRequest;
 use crate::worker_client::ForwardHeaders;
 
@@ -23,6 +23,13 @@ pub const X_PDSERVE_PREFILL: &str = "x-pdserve-prefill";
 pub const X_PDSERVE_DECODE: &str = "x-pdserve-decode";
 /// With `--expose-routing`: the prefill_decode worker that served the request.
 pub const X_PDSERVE_WORKER: &str = "x-pdserve-worker";
+/// With `--expose-routing`: what the prefill worker held of the prompt when chosen
+/// (`events; matched=128; prompt=300; unit=tokens`).
+pub const X_PDSERVE_PREFILL_CACHE: &str = "x-pdserve-prefill-cache";
+/// With `--expose-routing`: what the decode worker held of the prompt when chosen.
+pub const X_PDSERVE_DECODE_CACHE: &str = "x-pdserve-decode-cache";
+/// With `--expose-routing`: what the prefill_decode worker held of the prompt when chosen.
+pub const X_PDSERVE_WORKER_CACHE: &str = "x-pdserve-worker-cache";
 
 /// Per-request facts every leg needs.
 #[derive(Debug, Clone)]
@@ -39,6 +46,8 @@ pub struct RequestContext {
     pub started: Instant,
     /// The prompt's token ids as the workers will compute them (`--tokenizer`).
     pub prompt_tokens: Option<std::sync::Arc<[u32]>>,
+    /// The chosen workers' cache matches, kept with `--expose-routing` only.
+    pub routing_notes: Option<std::sync::Arc<RoutingNotes>>,
 }
 
 impl RequestContext {
@@ -51,6 +60,7 @@ impl RequestContext {
             client_headers: headers,
             started: Instant::now(),
             prompt_tokens: None,
+            routing_notes: None,
         }
     }
 
@@ -66,6 +76,7 @@ impl RequestContext {
             headers: &self.client_headers,
             conversation_id,
             tokens: self.prompt_tokens.as_deref(),
+            notes: self.routing_notes.as_deref(),
         }
     }
 }

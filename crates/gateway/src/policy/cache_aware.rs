@@ -22,6 +22,13 @@
 //! once; trees of workers that have not been a candidate for [`IDLE_PRUNE_SECS`] are
 //! dropped (checked at most once a minute on the request path), and
 //! [`Policy::retain_workers`] drops them at a roster change.
+//!
+//! `--cache-source` says where a worker's match comes from when the prompt has token ids
+//! (a token-id prompt, or any prompt with `--tokenizer`): `approximate`, the tree alone;
+//! `events`, the worker's own KV events ([`EventMatcher`]; a worker without a trusted
+//! index holds only what was just sent it); `auto` (the default), events where the worker
+//! publishes them and the tree elsewhere. The tree is kept in every mode, so a worker
+//! whose stream goes stale falls back to it at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,9 +39,23 @@ use pdserve_protocol::WorkerRole;
 
 use super::prefix_tree::PrefixTree;
 use super::{
-    role_index, Policy, PolicyConfig, PolicyStats, PrefixMatch, RoutePrompt, RouteRequest,
+    role_index, CacheMatch, Choice, EventMatcher, MatchSource, Policy, PolicyConfig, PolicyStats,
+    PrefixMatch, RoutePrompt, RouteRequest,
 };
+use crate::kv_events::KvEventsHub;
 use crate::registry::Worker;
+
+/// Where `cache_aware` reads a worker's match from (`--cache-source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CacheSource {
+    /// The worker's KV events where it publishes them, the approximate tree elsewhere.
+    #[default]
+    Auto,
+    /// The workers' KV events only.
+    Events,
+    /// The gateway's approximate tree of what it sent each worker.
+    Approximate,
+}
 
 /// A worker's trees are dropped once it has not been a candidate for this long.
 pub const IDLE_PRUNE_SECS: u64 = 600;
@@ -49,6 +70,9 @@ pub struct CacheAware {
     balance_abs_threshold: usize,
     balance_rel_threshold: f64,
     max_tree_size: usize,
+    source: CacheSource,
+    /// The workers' event indexes (none: every match is approximate).
+    events: Option<EventMatcher>,
     /// Per role, each worker's trees by base URL.
     roles: [RwLock<HashMap<String, Entry>>; 4],
     epoch: Instant,
@@ -127,6 +151,8 @@ struct Scan {
     /// Index of the least-loaded candidate (ties: smaller tree), and its match length.
     lowest: usize,
     lowest_len: usize,
+    /// Per candidate, whether its match came from its events.
+    from_events: Vec<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -136,14 +162,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl CacheAware {
-    /// A cache-aware policy tuned by `config`.
+    /// A cache-aware policy tuned by `config`, on its approximate trees alone.
     pub fn new(config: &PolicyConfig) -> Self {
+        Self::build(config, None)
+    }
+
+    /// A cache-aware policy tuned by `config`, reading `hub`'s event indexes as its
+    /// `cache_source` says.
+    pub fn with_events(config: &PolicyConfig, hub: &Arc<KvEventsHub>) -> Self {
+        let events = (config.cache_source != CacheSource::Approximate)
+            .then(|| EventMatcher::new(hub.clone()));
+        Self::build(config, events)
+    }
+
+    fn build(config: &PolicyConfig, events: Option<EventMatcher>) -> Self {
         Self {
             cache_threshold: config.cache_threshold,
             queue_cost: config.queue_cost,
             balance_abs_threshold: config.balance_abs_threshold,
             balance_rel_threshold: config.balance_rel_threshold,
             max_tree_size: config.max_tree_size,
+            source: if events.is_some() {
+                config.cache_source
+            } else {
+                CacheSource::Approximate
+            },
+            events,
             roles: Default::default(),
             epoch: Instant::now(),
             last_prune: AtomicU64::new(0),
@@ -171,9 +215,21 @@ impl CacheAware {
             && max as f64 > min as f64 * self.balance_rel_threshold
     }
 
-    /// Matches `key` (when given) against every candidate's tree; `candidates` is not
-    /// empty.
+    /// What `worker` holds of `tokens` by its events, when the cache source reads them
+    /// for this worker.
+    fn event_match(&self, worker: &Worker, tokens: &[u32]) -> Option<usize> {
+        let held = self.events.as_ref()?.held(worker, tokens);
+        match self.source {
+            CacheSource::Events => Some(held.tokens),
+            CacheSource::Auto if held.indexed => Some(held.tokens),
+            _ => None,
+        }
+    }
+
+    /// Matches `key` (when given) against every candidate's events or tree;
+    /// `candidates` is not empty.
     fn scan(
+        &self,
         map: &HashMap<String, Entry>,
         candidates: &[Arc<Worker>],
         key: Option<Key<'_>>,
@@ -184,17 +240,28 @@ impl CacheAware {
             best_len: 0,
             lowest: 0,
             lowest_len: 0,
+            from_events: vec![false; candidates.len()],
         };
         let (mut best_rank, mut lowest_rank) = ((i64::MAX, usize::MAX), (i64::MAX, usize::MAX));
         for (i, w) in candidates.iter().enumerate() {
-            let (len, size) = match map.get(&w.base) {
+            let from_events = match key {
+                Some(Key::Tokens(tokens)) => self.event_match(w, tokens),
+                _ => None,
+            };
+            scan.from_events[i] = from_events.is_some();
+            let (tree_len, size) = match map.get(&w.base) {
                 Some(entry) => {
                     entry.seen.store(now, Ordering::Relaxed);
                     let trees = lock(&entry.trees);
-                    (key.map_or(0, |k| trees.match_len(k)), trees.size_for(key))
+                    let len = match from_events {
+                        Some(_) => 0,
+                        None => key.map_or(0, |k| trees.match_len(k)),
+                    };
+                    (len, trees.size_for(key))
                 }
                 None => (0, 0),
             };
+            let len = from_events.unwrap_or(tree_len);
             let rank = (w.load(), size);
             if i == 0 || len > scan.best_len || (len == scan.best_len && rank < best_rank) {
                 (scan.best, scan.best_len, best_rank) = (i, len, rank);
@@ -299,6 +366,15 @@ impl Policy for CacheAware {
         candidates: &[Arc<Worker>],
         request: &RouteRequest<'_>,
     ) -> Option<Arc<Worker>> {
+        self.choose(role, candidates, request).map(|c| c.worker)
+    }
+
+    fn choose(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Choice> {
         if candidates.is_empty() {
             return None;
         }
@@ -307,13 +383,13 @@ impl Policy for CacheAware {
         let prompt = request.prompt();
         let key = prompt.as_ref().map(Key::of);
         let imbalanced = self.is_imbalanced(candidates);
-        let chosen = {
+        let (chosen, scan) = {
             let map = self.roles[role_index(role)]
                 .read()
                 .unwrap_or_else(PoisonError::into_inner);
             // Matching is wasted work when load decides.
-            let scan = Self::scan(&map, candidates, key.filter(|_| !imbalanced), now);
-            if imbalanced {
+            let scan = self.scan(&map, candidates, key.filter(|_| !imbalanced), now);
+            let chosen = if imbalanced {
                 self.imbalanced.fetch_add(1, Ordering::Relaxed);
                 scan.lowest
             } else if let Some(key) = key {
@@ -329,6 +405,7 @@ impl Policy for CacheAware {
                     match_ratio = ratio,
                     best = %candidates[scan.best].base,
                     best_load = candidates[scan.best].load(),
+                    best_from_events = scan.from_events[scan.best],
                     lowest = %candidates[scan.lowest].base,
                     lowest_load = candidates[scan.lowest].load(),
                     follow_match,
@@ -343,13 +420,46 @@ impl Policy for CacheAware {
                 }
             } else {
                 scan.lowest
-            }
+            };
+            (chosen, scan)
         };
         let worker = &candidates[chosen];
+        let matched = if chosen == scan.best {
+            scan.best_len
+        } else if chosen == scan.lowest {
+            scan.lowest_len
+        } else {
+            0
+        };
+        let from_events = scan.from_events[chosen];
         if let Some(key) = key.filter(|k| k.len() > 0) {
             self.record(role, worker, key, now);
+            if let (Key::Tokens(tokens), Some(events)) = (key, &self.events) {
+                if from_events || self.source == CacheSource::Events {
+                    events.sent(worker, tokens, matched);
+                }
+            }
         }
-        Some(worker.clone())
+        let cache = prompt.as_ref().filter(|_| !imbalanced).map(|prompt| {
+            let (matched, prompt_len) = match prompt {
+                RoutePrompt::Text(text) => (chars_in(text, matched), text.chars().count()),
+                RoutePrompt::TokenIds(ids) => (matched, ids.len()),
+            };
+            CacheMatch {
+                source: if from_events {
+                    MatchSource::Events
+                } else {
+                    MatchSource::Approximate
+                },
+                matched,
+                prompt_len,
+                tokens: matches!(prompt, RoutePrompt::TokenIds(_)),
+            }
+        });
+        Some(Choice {
+            worker: worker.clone(),
+            cache,
+        })
     }
 
     fn cached_prefix(
@@ -367,7 +477,7 @@ impl Policy for CacheAware {
             let map = self.roles[role_index(role)]
                 .read()
                 .unwrap_or_else(PoisonError::into_inner);
-            Self::scan(&map, candidates, Some(key), self.now())
+            self.scan(&map, candidates, Some(key), self.now())
         };
         if scan.best_len == 0 {
             return None;
@@ -407,6 +517,9 @@ impl Policy for CacheAware {
         for role in &self.roles {
             let mut map = role.write().unwrap_or_else(PoisonError::into_inner);
             map.retain(|base, _| live.contains(&base.as_str()));
+        }
+        if let Some(events) = &self.events {
+            events.retain_workers(live);
         }
     }
 }

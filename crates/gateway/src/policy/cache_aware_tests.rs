@@ -37,6 +37,7 @@ fn cached(
         headers: &headers,
         conversation_id: None,
         tokens: None,
+        notes: None,
     };
     policy.cached_prefix(role, ws, &route)
 }

@@ -11,6 +11,7 @@
 //! session key).
 
 mod cache_aware;
+mod event_match;
 mod in_flight;
 mod power_of_two;
 mod precise_prefix;
@@ -22,7 +23,7 @@ mod session;
 mod testing;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http::HeaderMap;
 use pdserve_protocol::{Prompt, WorkerRole};
@@ -32,7 +33,8 @@ use crate::kv_events::{KvEventMetrics, KvEventsHub};
 pub use crate::registry::RequestOutcome;
 use crate::registry::Worker;
 use crate::request::ClientRequest;
-pub use cache_aware::CacheAware;
+pub use cache_aware::{CacheAware, CacheSource};
+pub use event_match::{EventMatcher, Held};
 pub use in_flight::InFlight;
 pub use power_of_two::PowerOfTwo;
 pub use precise_prefix::PrecisePrefix;
@@ -53,6 +55,79 @@ pub struct RouteRequest<'a> {
     pub conversation_id: Option<&'a str>,
     /// The prompt's token ids, when the gateway tokenized it (`--tokenizer`).
     pub tokens: Option<&'a [u32]>,
+    /// Where the chosen workers' cache matches are written down (`--expose-routing`).
+    pub notes: Option<&'a RoutingNotes>,
+}
+
+/// Where a cache match came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatchSource {
+    /// The worker's own KV events (and the prompts just sent it, until they arrive).
+    Events,
+    /// The gateway's approximate prefix tree of what it sent the worker.
+    Approximate,
+}
+
+/// The chosen worker's cached share of the prompt, as the policy saw it when choosing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheMatch {
+    /// Where the policy learned it.
+    pub source: MatchSource,
+    /// How much of the prompt's start the worker holds.
+    pub matched: usize,
+    /// The prompt's length.
+    pub prompt_len: usize,
+    /// Whether both lengths count token ids (else characters of text).
+    pub tokens: bool,
+}
+
+impl CacheMatch {
+    /// The `--expose-routing` header value: `events; matched=128; prompt=300; unit=tokens`.
+    pub fn header_value(&self) -> String {
+        let source = match self.source {
+            MatchSource::Events => "events",
+            MatchSource::Approximate => "approximate",
+        };
+        let unit = if self.tokens { "tokens" } else { "chars" };
+        format!(
+            "{source}; matched={}; prompt={}; unit={unit}",
+            self.matched, self.prompt_len
+        )
+    }
+}
+
+/// A policy's choice and, for prefix-aware policies, what the worker held.
+#[derive(Debug, Clone)]
+pub struct Choice {
+    /// The chosen worker.
+    pub worker: Arc<Worker>,
+    /// Its cache match at the time of choosing.
+    pub cache: Option<CacheMatch>,
+}
+
+/// The cache matches of the workers a request was routed to, kept for its response
+/// headers.
+#[derive(Debug, Default)]
+pub struct RoutingNotes {
+    matches: Mutex<Vec<(String, CacheMatch)>>,
+}
+
+impl RoutingNotes {
+    /// Notes that `worker` was chosen holding `cache`.
+    pub fn record(&self, worker: &Worker, cache: CacheMatch) {
+        let mut matches = self.matches.lock().unwrap_or_else(|e| e.into_inner());
+        matches.retain(|(base, _)| *base != worker.base);
+        matches.push((worker.base.clone(), cache));
+    }
+
+    /// What `worker` held when it was last chosen for this request.
+    pub fn get(&self, worker: &Worker) -> Option<CacheMatch> {
+        let matches = self.matches.lock().unwrap_or_else(|e| e.into_inner());
+        matches
+            .iter()
+            .find(|(base, _)| *base == worker.base)
+            .map(|(_, m)| *m)
+    }
 }
 
 /// A request's prompt as a policy sees it.
@@ -73,6 +148,7 @@ impl<'a> RouteRequest<'a> {
             headers,
             conversation_id: None,
             tokens: None,
+            notes: None,
         }
     }
 
@@ -118,6 +194,21 @@ pub trait Policy: fmt::Debug + Send + Sync {
         candidates: &[Arc<Worker>],
         request: &RouteRequest<'_>,
     ) -> Option<Arc<Worker>>;
+
+    /// [`Policy::select`], with the chosen worker's cache match where the policy keeps
+    /// prefix state.
+    fn choose(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Choice> {
+        self.select(role, candidates, request)
+            .map(|worker| Choice {
+                worker,
+                cache: None,
+            })
+    }
 
     /// Called once for every request this policy routed, when it ends on `worker`.
     fn on_request_end(&self, worker: &Worker, outcome: RequestOutcome) {
@@ -201,6 +292,8 @@ pub struct PolicyConfig {
     /// precise_prefix: the share of the prompt one request of load costs; a worker whose
     /// events hold more of the prompt than another wins unless its extra load costs more.
     pub precise_load_cost: f64,
+    /// cache_aware: what a worker's match is read from (`--cache-source`).
+    pub cache_source: CacheSource,
 }
 
 /// Default `max_tree_size`: 8 MiB per worker tree (about 2M tokens of prompt text).
@@ -216,6 +309,7 @@ impl Default for PolicyConfig {
             session_fallback: "round_robin".to_string(),
             queue_cost: 0.0,
             precise_load_cost: 0.25,
+            cache_source: CacheSource::Auto,
         }
     }
 }
@@ -289,7 +383,7 @@ pub fn build_with(
         "round_robin" => Some(Arc::new(RoundRobin::default())),
         "random" => Some(Arc::new(Random)),
         "power_of_two" => Some(Arc::new(PowerOfTwo)),
-        "cache_aware" => Some(Arc::new(CacheAware::new(config))),
+        "cache_aware" => Some(Arc::new(CacheAware::with_events(config, hub))),
         "precise_prefix" => Some(Arc::new(PrecisePrefix::new(
             hub.clone(),
             CacheAware::new(config),

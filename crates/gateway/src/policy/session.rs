@@ -10,7 +10,7 @@ use pdserve_protocol::session::{header_session, rendezvous_owner};
 use pdserve_protocol::WorkerRole;
 use serde_json::Value;
 
-use super::{Policy, PolicyStats, PrefixMatch, RequestOutcome, RouteRequest};
+use super::{Choice, Policy, PolicyStats, PrefixMatch, RequestOutcome, RouteRequest};
 use crate::registry::Worker;
 use crate::request::ClientRequest;
 
@@ -68,6 +68,21 @@ impl Policy for Session {
         }
     }
 
+    fn choose(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Choice> {
+        match session_key(request) {
+            Some(_) => self.select(role, candidates, request).map(|worker| Choice {
+                worker,
+                cache: None,
+            }),
+            None => self.fallback.choose(role, candidates, request),
+        }
+    }
+
     // The fallback's own state (trees, counters) is kept up to date through these.
     fn on_request_end(&self, worker: &Worker, outcome: RequestOutcome) {
         self.fallback.on_request_end(worker, outcome);
@@ -121,6 +136,7 @@ mod tests {
             headers,
             conversation_id,
             tokens: None,
+            notes: None,
         }
     }
 

@@ -70,6 +70,7 @@ pub fn pick(
         headers: &headers,
         conversation_id: None,
         tokens: None,
+        notes: None,
     };
     policy
         .select(role, candidates, &route)
