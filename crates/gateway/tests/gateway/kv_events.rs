@@ -19,9 +19,9 @@ type Kept = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
 
 /// A publisher whose every message the test writes, with a replay socket that answers
 /// from what the test put in `kept`.
-struct FakePublisher {
+pub struct FakePublisher {
+    pub endpoint: String,
     socket: PubSocket,
-    endpoint: String,
     replay_endpoint: String,
     kept: Kept,
     task: tokio::task::JoinHandle<()>,
@@ -34,7 +34,7 @@ impl Drop for FakePublisher {
 }
 
 impl FakePublisher {
-    async fn start() -> Self {
+    pub async fn start() -> Self {
         let mut socket = PubSocket::new();
         let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         let mut router = RouterSocket::new();
@@ -78,7 +78,7 @@ impl FakePublisher {
     }
 
     /// Publishes `events` as batch `seq` (and keeps it for replay).
-    async fn publish(&mut self, seq: u64, events: Vec<KvCacheEvent>) {
+    pub async fn publish(&mut self, seq: u64, events: Vec<KvCacheEvent>) {
         let payload = batch(events);
         self.kept.lock().unwrap().push((seq, payload.clone()));
         self.send_frames(vec![
@@ -91,7 +91,7 @@ impl FakePublisher {
 
     /// Publishes clears until the gateway has counted one (a PUB socket drops what it
     /// sends before a subscriber is connected); returns the next sequence number.
-    async fn until_heard(&mut self, gw: &Gateway) -> u64 {
+    pub async fn until_heard(&mut self, gw: &Gateway) -> u64 {
         for seq in 0..200 {
             self.publish(seq, vec![KvCacheEvent::AllBlocksCleared])
                 .await;
@@ -118,7 +118,7 @@ fn batch(events: Vec<KvCacheEvent>) -> Vec<u8> {
 }
 
 /// `n` blocks of `block_size` tokens chained from the start, hashed `first..first+n`.
-fn stored(first: u64, n: u64, block_size: u32) -> KvCacheEvent {
+pub fn stored(first: u64, n: u64, block_size: u32) -> KvCacheEvent {
     KvCacheEvent::BlockStored {
         block_hashes: (first..first + n).map(EngineBlockHash::Int).collect(),
         parent_block_hash: None,
@@ -132,7 +132,7 @@ fn stored(first: u64, n: u64, block_size: u32) -> KvCacheEvent {
     }
 }
 
-async fn wait_metric(gw: &Gateway, name: &str, wanted: f64) {
+pub async fn wait_metric(gw: &Gateway, name: &str, wanted: f64) {
     for _ in 0..500 {
         if metric(gw, name).await == wanted {
             return;
@@ -325,142 +325,6 @@ async fn a_million_blocks_stay_under_the_cap_and_a_removed_worker_takes_its_inde
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("the removed worker's index is still exported");
-    })
-    .await;
-}
-
-/// Two aggregated doubles, each with its own fake publisher, under `precise_prefix`.
-async fn precise_pair() -> (
-    Double,
-    Double,
-    FakePublisher,
-    FakePublisher,
-    pdserve_gateway::GatewayConfig,
-) {
-    let a = Double::start(Role::Decode, "A").await;
-    let b = Double::start(Role::Decode, "B").await;
-    let (pub_a, pub_b) = (FakePublisher::start().await, FakePublisher::start().await);
-    let mut config =
-        pdserve_gateway::GatewayConfig::new(Vec::new(), Vec::new(), crate::urls(&[&a, &b]));
-    config.policy = "precise_prefix".into();
-    for (double, publisher) in [(&a, &pub_a), (&b, &pub_b)] {
-        config
-            .kv_events
-            .publishers
-            .insert(double.url.clone(), publisher.endpoint.clone());
-    }
-    (a, b, pub_a, pub_b, config)
-}
-
-/// `precise_prefix` sends a prompt to the worker whose events hold it, unless that
-/// worker's reported load costs more than the cached tokens are worth; a prompt nobody
-/// holds goes to the less loaded worker.
-#[tokio::test]
-async fn precise_prefix_routes_on_the_events_net_of_load() {
-    bounded(async {
-        let (a, b, mut pub_a, mut pub_b, mut config) = precise_pair().await;
-        config.load_scrape_interval = Duration::from_millis(50);
-        a.report_queue(Some((0.0, 0.0)));
-        b.report_queue(Some((0.0, 0.0)));
-        let gw = Gateway::start(config).await;
-        let mut seq_a = pub_a.until_heard(&gw).await;
-        let seq_b = pub_b.until_heard(&gw).await;
-        // B's cache holds the 16-token prompt (4 blocks of 4), A's nothing.
-        let prompt: Vec<u32> = (0..16).map(|t| t + 500).collect();
-        pub_b
-            .publish(
-                seq_b,
-                vec![KvCacheEvent::BlockStored {
-                    block_hashes: (1..=4).map(EngineBlockHash::Int).collect(),
-                    parent_block_hash: None,
-                    token_ids: prompt.clone(),
-                    block_size: 4,
-                    lora_id: None,
-                    medium: None,
-                    lora_name: None,
-                }],
-            )
-            .await;
-        // A says its block size too (an unrelated block), so both are indexed.
-        pub_a.publish(seq_a, vec![stored(90, 1, 4)]).await;
-        seq_a += 1;
-        let _ = seq_a;
-        let b_blocks = format!(r#"pdserve_gateway_kv_index_blocks{{worker="{}"}}"#, b.url);
-        wait_metric(&gw, &b_blocks, 4.0).await;
-        let complete = |tokens: Vec<u32>| {
-            let url = gw.at("/v1/completions");
-            async move {
-                client()
-                    .post(url)
-                    .json(&json!({"prompt": tokens, "max_tokens": 2}))
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-            }
-        };
-        for _ in 0..5 {
-            assert_eq!(complete(prompt.clone()).await, 200);
-        }
-        assert_eq!(
-            (a.requests().len(), b.requests().len()),
-            (0, 5),
-            "cached: to B"
-        );
-
-        // B reports a queue whose cost (0.25 × 10 requests × 16 tokens) outweighs its
-        // 16 cached tokens: A takes the prompt.
-        b.report_queue(Some((10.0, 0.0)));
-        for _ in 0..200 {
-            let instances = gw.instances().await;
-            let reported = instances["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|w| w["url"] == b.url && w["reported_load"]["waiting"] == 10.0);
-            if reported {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(complete(prompt.clone()).await, 200);
-        assert_eq!(
-            (a.requests().len(), b.requests().len()),
-            (1, 5),
-            "net of load: to A"
-        );
-    })
-    .await;
-}
-
-/// Before a worker's events report a new prefix, the prompts just sent there count as
-/// held there: requests sharing a new prefix all go to the worker computing it.
-#[tokio::test]
-async fn precise_prefix_keeps_a_new_prefix_on_the_worker_computing_it() {
-    bounded(async {
-        let (a, b, mut pub_a, mut pub_b, mut config) = precise_pair().await;
-        config.load_scrape_interval = Duration::ZERO;
-        let gw = Gateway::start(config).await;
-        pub_a.until_heard(&gw).await;
-        pub_b.until_heard(&gw).await;
-        let shared: Vec<u32> = (0..64).map(|t| t + 900).collect();
-        for question in 0..6u32 {
-            let mut prompt = shared.clone();
-            prompt.extend([question, question + 1]);
-            let status = client()
-                .post(gw.at("/v1/completions"))
-                .json(&json!({"prompt": prompt, "max_tokens": 2}))
-                .send()
-                .await
-                .unwrap()
-                .status();
-            assert_eq!(status, 200);
-        }
-        let (to_a, to_b) = (a.requests().len(), b.requests().len());
-        assert!(
-            (to_a, to_b) == (6, 0) || (to_a, to_b) == (0, 6),
-            "one worker computes the new prefix: {to_a} / {to_b}"
-        );
     })
     .await;
 }

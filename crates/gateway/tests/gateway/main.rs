@@ -14,6 +14,7 @@ mod hardening;
 mod kube_api;
 mod kubernetes;
 mod kv_events;
+mod kv_routing;
 mod load;
 mod loops;
 mod multiturn;
