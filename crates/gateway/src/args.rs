@@ -247,10 +247,12 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_PROBE_INTERVAL", default_value = "5", value_parser = parse_secs)]
     pub probe_interval: Duration,
 
-    /// The served model's GGUF (its tokenizer and chat template; no weights are read):
-    /// the gateway then tokenizes prompts as the workers do, so prefix matching and
-    /// `--disagg-threshold` and the context-length check use exact token counts.
-    #[arg(long, env = "PDSERVE_TOKENIZER", value_name = "GGUF")]
+    /// The served model's tokenizer and chat template: its GGUF (no weights are read), or
+    /// a Hugging Face model folder holding `tokenizer.json` (and `tokenizer_config.json`,
+    /// as vLLM and SGLang workers load it): the gateway then tokenizes prompts as the
+    /// workers do, so prefix matching and `--disagg-threshold` and the context-length
+    /// check use exact token counts.
+    #[arg(long, env = "PDSERVE_TOKENIZER", value_name = "GGUF|DIR")]
     pub tokenizer: Option<std::path::PathBuf>,
 
     /// Seconds between reads of every worker's `/metrics` for the load it reports

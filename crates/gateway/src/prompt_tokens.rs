@@ -35,13 +35,22 @@ impl std::fmt::Debug for PromptTokenizer {
 }
 
 impl PromptTokenizer {
-    /// Reads the tokenizer and chat template of a GGUF file (its metadata, no weights).
+    /// Reads the tokenizer and chat template of a GGUF file (its metadata, no weights),
+    /// or of a Hugging Face model folder (`tokenizer.json`, `tokenizer_config.json`,
+    /// `chat_template.jinja`; the folder or its `tokenizer.json`).
     pub fn load(path: &Path) -> Result<Self, GatewayError> {
         let bad = |e: pdserve_model::ModelError| {
             GatewayError::Config(format!("--tokenizer {}: {e}", path.display()))
         };
-        let tokenizer = Tokenizer::load(path).map_err(bad)?;
-        let template = ChatTemplate::load(path, &tokenizer).map_err(bad)?;
+        let (tokenizer, template) = if pdserve_model::is_hf_tokenizer(path) {
+            let tokenizer = Tokenizer::from_hf_folder(path).map_err(bad)?;
+            let template = ChatTemplate::from_hf_folder(path, &tokenizer).map_err(bad)?;
+            (tokenizer, template)
+        } else {
+            let tokenizer = Tokenizer::load(path).map_err(bad)?;
+            let template = ChatTemplate::load(path, &tokenizer).map_err(bad)?;
+            (tokenizer, template)
+        };
         Ok(Self {
             tokenizer,
             template,

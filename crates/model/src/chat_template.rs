@@ -19,6 +19,7 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
 /// Chat template from `tokenizer.chat_template`, rendered with minijinja.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -37,6 +38,7 @@ impl ChatTemplate {
             .map_err(|e| ModelError::Template(format!("cannot parse: {e}")))?;
         Ok(Self {
             env,
+            source: source.to_string(),
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -62,6 +64,11 @@ impl ChatTemplate {
     /// The ChatML template, for models whose GGUF has none.
     pub fn chatml(bos_token: &str, eos_token: &str) -> Self {
         Self::new(CHATML, bos_token, eos_token).expect("the built-in ChatML template parses")
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The prompt text for `messages`.

@@ -59,6 +59,7 @@ pub use kv_store::{BlockId, KvDtype, KvStore, BLOCK_SIZE};
 pub use linear::{LoadOptions, WeightFormat};
 pub use model::{Model, SequenceStep};
 pub use threads::set_threads;
+pub use tokenizer::hf_folder::is_hf_tokenizer;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 
 #[cfg(test)]

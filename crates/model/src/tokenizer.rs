@@ -1,4 +1,7 @@
-//! Byte-level BPE tokenizer built from a GGUF's `tokenizer.ggml.*` metadata.
+//! Byte-level BPE tokenizer built from a GGUF's `tokenizer.ggml.*` metadata, or read
+//! from a Hugging Face `tokenizer.json` ([`hf_folder`]).
+
+pub mod hf_folder;
 
 use std::collections::HashMap;
 
@@ -23,12 +26,15 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 /// llama.cpp's `qwen2` split pattern.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// Tokenizer built from `tokenizer.ggml.*`.
+/// Tokenizer built from `tokenizer.ggml.*` or read from `tokenizer.json`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos_token_id: Option<u32>,
     eos_token_ids: Vec<u32>,
     add_bos: bool,
+    /// Special tokens come from `inner`'s own post-processor (a `tokenizer.json`); a
+    /// GGUF's tokenizer has none, and `add_bos` alone decides.
+    post_processed: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -140,6 +146,7 @@ impl Tokenizer {
             bos_token_id,
             eos_token_ids,
             add_bos,
+            post_processed: false,
         })
     }
 
@@ -148,13 +155,18 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
         let encoding = self
             .inner
-            .encode(text, false)
+            .encode(text, add_special_tokens && self.post_processed)
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(encoding.len() + 1);
-        if add_special_tokens && self.add_bos {
+        let encoded = encoding.get_ids();
+        // A post-processor that already added BOS is not second-guessed.
+        let has_bos = self.post_processed
+            && self.bos_token_id.is_some()
+            && encoded.first() == self.bos_token_id.as_ref();
+        if add_special_tokens && self.add_bos && !has_bos {
             ids.extend(self.bos_token_id);
         }
-        ids.extend_from_slice(encoding.get_ids());
+        ids.extend_from_slice(encoded);
         Ok(ids)
     }
 

@@ -170,3 +170,41 @@ fn raise_exception_becomes_a_template_error() {
         .unwrap();
     assert_eq!(ok, "<s>");
 }
+
+/// The GGUF's tokenizer written as a Hugging Face folder (`tokenizer.json`,
+/// `tokenizer_config.json`) reads back as the same tokenizer and template.
+#[test]
+fn a_hugging_face_folder_of_the_same_tokenizer_encodes_alike() {
+    let (tok, template) = tokenizer();
+    let dir = std::env::temp_dir().join(format!("pdserve-text-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tok.to_hf_json().unwrap()).unwrap();
+    let config = serde_json::json!({
+        "bos_token": tok.bos_token(),
+        "eos_token": {"content": tok.eos_token(), "special": true},
+        "chat_template": template.source(),
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    assert!(pdserve_model::is_hf_tokenizer(&dir));
+    let hf = Tokenizer::from_hf_folder(&dir).unwrap();
+    let hf_template = ChatTemplate::from_hf_folder(&dir, &hf).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    for (text, ids) in REFERENCE {
+        assert_eq!(hf.encode(text, true).unwrap(), *ids, "{text:?}");
+        assert_eq!(
+            hf.encode(text, true).unwrap(),
+            tok.encode(text, true).unwrap()
+        );
+    }
+    assert_eq!(hf.eos_token_ids(), tok.eos_token_ids());
+    assert_eq!(hf.bos_token_id(), tok.bos_token_id());
+    let turns = [ChatTurn {
+        role: "user".into(),
+        content: "What is 2+2?".into(),
+    }];
+    assert_eq!(
+        hf_template.render(&turns, true).unwrap(),
+        template.render(&turns, true).unwrap()
+    );
+}

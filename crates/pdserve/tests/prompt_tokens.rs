@@ -1,7 +1,9 @@
 //! The gateway's `--tokenizer` counts a prompt's tokens exactly as the workers do: with
 //! `max_model_len` 64, a chat (or a text completion) whose `max_tokens` fills the context
 //! to the last token is served, and one more token is refused by the gateway itself,
-//! naming the same input count the worker reports in its usage.
+//! naming the same input count the worker reports in its usage — with the model's GGUF
+//! and with a Hugging Face folder (`tokenizer.json`, `tokenizer_config.json`) holding
+//! the same tokenizer and template.
 
 use std::time::Duration;
 
@@ -15,6 +17,24 @@ mod worker;
 use worker::start_worker;
 
 const MAX_MODEL_LEN: u64 = 64;
+
+/// A Hugging Face folder with `model`'s tokenizer and chat template.
+fn hf_folder(model: &std::path::Path) -> std::path::PathBuf {
+    let tokenizer = pdserve_model::Tokenizer::load(model).unwrap();
+    let template = pdserve_model::ChatTemplate::load(model, &tokenizer).unwrap();
+    let dir = std::env::temp_dir().join(format!("pdserve-hf-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_hf_json().unwrap()).unwrap();
+    let adds_bos = tokenizer.encode("x", true).unwrap() != tokenizer.encode("x", false).unwrap();
+    let config = json!({
+        "bos_token": tokenizer.bos_token(),
+        "eos_token": tokenizer.eos_token(),
+        "add_bos_token": adds_bos,
+        "chat_template": template.source(),
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
 
 async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
     let response = http.post(url).json(&body).send().await.unwrap();
@@ -30,56 +50,60 @@ async fn the_gateway_counts_prompt_tokens_as_the_workers_do() {
         let flags = ["--num-kv-blocks", "64", "--max-model-len", len.as_str()];
         let (prefill, p_url) = start_worker("prefill", &model, &flags).await;
         let (decode, d_url) = start_worker("decode", &model, &flags).await;
-        let mut config = GatewayConfig::new(
-            vec![p_url.parse().unwrap()],
-            vec![d_url.parse().unwrap()],
-            Vec::new(),
-        );
-        config.tokenizer = Some(model.clone());
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let gateway = format!("http://{}", listener.local_addr().unwrap());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
-            let _ = stopped.await;
-        }));
-        let http = reqwest::Client::builder().no_proxy().build().unwrap();
-
-        let chat = |max_tokens: u64| {
-            json!({
-                "messages": [
-                    {"role": "system", "content": "You answer in one word."},
-                    {"role": "user", "content": "What colour is the sea on a sunny day?"}
-                ],
-                "max_tokens": max_tokens,
-                "temperature": 0
-            })
-        };
-        let text = |max_tokens: u64| {
-            json!({"prompt": "The three primary colours are", "max_tokens": max_tokens, "temperature": 0})
-        };
-        for (path, body) in [
-            ("/v1/chat/completions", &chat as &dyn Fn(u64) -> Value),
-            ("/v1/completions", &text),
-        ] {
-            let url = format!("{gateway}{path}");
-            let (status, first) = post(&http, &url, body(1)).await;
-            assert_eq!(status, 200, "{first}");
-            let input = first["usage"]["prompt_tokens"].as_u64().unwrap();
-            assert!(input > 3 && input < MAX_MODEL_LEN, "{input}");
-            // To the last token of the context: served.
-            let (status, full) = post(&http, &url, body(MAX_MODEL_LEN - input)).await;
-            assert_eq!(status, 200, "{path}: {full}");
-            // One more: the gateway refuses it, with the worker's count, exactly.
-            let (status, refused) = post(&http, &url, body(MAX_MODEL_LEN - input + 1)).await;
-            assert_eq!(status, 400, "{path}: {refused}");
-            let message = refused["error"]["message"].as_str().unwrap();
-            assert!(
-                message.contains(&format!("your request has {input} input tokens")),
-                "{path}: {message}"
+        let folder = hf_folder(&model);
+        for tokenizer in [model.clone(), folder.clone()] {
+            let mut config = GatewayConfig::new(
+                vec![p_url.parse().unwrap()],
+                vec![d_url.parse().unwrap()],
+                Vec::new(),
             );
+            config.tokenizer = Some(tokenizer.clone());
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let gateway = format!("http://{}", listener.local_addr().unwrap());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+                let _ = stopped.await;
+            }));
+            let http = reqwest::Client::builder().no_proxy().build().unwrap();
+
+            let chat = |max_tokens: u64| {
+                json!({
+                    "messages": [
+                        {"role": "system", "content": "You answer in one word."},
+                        {"role": "user", "content": "What colour is the sea on a sunny day?"}
+                    ],
+                    "max_tokens": max_tokens,
+                    "temperature": 0
+                })
+            };
+            let text = |max_tokens: u64| {
+                json!({"prompt": "The three primary colours are", "max_tokens": max_tokens, "temperature": 0})
+            };
+            for (path, body) in [
+                ("/v1/chat/completions", &chat as &dyn Fn(u64) -> Value),
+                ("/v1/completions", &text),
+            ] {
+                let url = format!("{gateway}{path}");
+                let (status, first) = post(&http, &url, body(1)).await;
+                assert_eq!(status, 200, "{first}");
+                let input = first["usage"]["prompt_tokens"].as_u64().unwrap();
+                assert!(input > 3 && input < MAX_MODEL_LEN, "{input}");
+                // To the last token of the context: served.
+                let (status, full) = post(&http, &url, body(MAX_MODEL_LEN - input)).await;
+                assert_eq!(status, 200, "{path}: {full}");
+                // One more: the gateway refuses it, with the worker's count, exactly.
+                let (status, refused) = post(&http, &url, body(MAX_MODEL_LEN - input + 1)).await;
+                assert_eq!(status, 400, "{path}: {refused}");
+                let message = refused["error"]["message"].as_str().unwrap();
+                assert!(
+                    message.contains(&format!("your request has {input} input tokens")),
+                    "{path}: {message}"
+                );
+            }
+            let _ = stop.send(());
+            let _ = served.await;
         }
-        let _ = stop.send(());
-        let _ = served.await;
+        std::fs::remove_dir_all(&folder).unwrap();
         let _ = prefill.shutdown().await;
         let _ = decode.shutdown().await;
     })

@@ -46,7 +46,9 @@ pub struct KvEventsArgs {
 fn positive_secs(raw: &str) -> Result<f64, String> {
     match raw.parse::<f64>() {
         Ok(secs) if secs.is_finite() && secs > 0.0 => Ok(secs),
-        _ => Err(format!("expected a positive number of seconds, got `{raw}`")),
+        _ => Err(format!(
+            "expected a positive number of seconds, got `{raw}`"
+        )),
     }
 }
 

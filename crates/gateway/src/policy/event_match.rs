@@ -98,9 +98,9 @@ impl EventMatcher {
             }
         }
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let blocks = pending.entry(worker.base.clone()).or_insert_with(|| {
-            LruCache::new(NonZeroUsize::new(PENDING_BLOCKS).expect("non-zero"))
-        });
+        let blocks = pending
+            .entry(worker.base.clone())
+            .or_insert_with(|| LruCache::new(NonZeroUsize::new(PENDING_BLOCKS).expect("non-zero")));
         let now = Instant::now();
         for key in prompt_keys(tokens, block_size) {
             blocks.put(key, now);

@@ -203,11 +203,10 @@ pub trait Policy: fmt::Debug + Send + Sync {
         candidates: &[Arc<Worker>],
         request: &RouteRequest<'_>,
     ) -> Option<Choice> {
-        self.select(role, candidates, request)
-            .map(|worker| Choice {
-                worker,
-                cache: None,
-            })
+        self.select(role, candidates, request).map(|worker| Choice {
+            worker,
+            cache: None,
+        })
     }
 
     /// Called once for every request this policy routed, when it ends on `worker`.

@@ -58,8 +58,7 @@ impl PrecisePrefix {
                 let held = self.matcher.held(w, tokens);
                 any_index |= held.indexed;
                 let load = w.load();
-                let score =
-                    held.tokens as f64 - self.load_cost * load as f64 * tokens.len() as f64;
+                let score = held.tokens as f64 - self.load_cost * load as f64 * tokens.len() as f64;
                 Standing {
                     index,
                     cached: held.tokens,

@@ -195,7 +195,11 @@ async fn cache_aware_reads_events_or_trees_as_the_cache_source_says() {
     bounded(async {
         let cached: Vec<u32> = (0..16).map(|t| t + 700).collect();
         let fresh: Vec<u32> = (0..16).map(|t| t + 3000).collect();
-        for source in [CacheSource::Auto, CacheSource::Events, CacheSource::Approximate] {
+        for source in [
+            CacheSource::Auto,
+            CacheSource::Events,
+            CacheSource::Approximate,
+        ] {
             let a = Double::start(Role::Decode, "A").await;
             let b = Double::start(Role::Decode, "B").await;
             let mut pub_a = FakePublisher::start().await;
@@ -216,16 +220,25 @@ async fn cache_aware_reads_events_or_trees_as_the_cache_source_says() {
 
             let (worker, cache) = routed(&gw, &cached).await;
             if source == CacheSource::Approximate {
-                assert_eq!(cache, "approximate; matched=0; prompt=16; unit=tokens", "{source:?}");
+                assert_eq!(
+                    cache, "approximate; matched=0; prompt=16; unit=tokens",
+                    "{source:?}"
+                );
             } else {
                 assert_eq!(worker, a.url, "{source:?}: A's events hold the prompt");
-                assert_eq!(cache, "events; matched=16; prompt=16; unit=tokens", "{source:?}");
+                assert_eq!(
+                    cache, "events; matched=16; prompt=16; unit=tokens",
+                    "{source:?}"
+                );
             }
             // A prompt nobody holds, twice: the second follows the first, matched by the
             // source this worker is read from.
             let (first, _) = routed(&gw, &fresh).await;
             let (second, cache) = routed(&gw, &fresh).await;
-            assert_eq!(first, second, "{source:?}: the new prefix stays where it went");
+            assert_eq!(
+                first, second,
+                "{source:?}: the new prefix stays where it went"
+            );
             let expected = match source {
                 CacheSource::Auto if second == a.url => "events",
                 CacheSource::Auto | CacheSource::Approximate => "approximate",
@@ -273,7 +286,11 @@ async fn a_silent_event_stream_goes_stale_and_routing_falls_back() {
 
         // Idle, the stream owes nothing and stays trusted however long it is silent.
         tokio::time::sleep(Duration::from_millis(700)).await;
-        assert_eq!(crate::metric(&gw, &stale).await, 0.0, "an idle stream is not stale");
+        assert_eq!(
+            crate::metric(&gw, &stale).await,
+            0.0,
+            "an idle stream is not stale"
+        );
 
         // A prompt to compute, and no events for it: stale.
         let prompt: Vec<u32> = (0..32).map(|t| t + 1200).collect();
@@ -281,9 +298,16 @@ async fn a_silent_event_stream_goes_stale_and_routing_falls_back() {
         assert_eq!(cache, "events; matched=0; prompt=32; unit=tokens");
         wait_metric(&gw, &stale, 1.0).await;
         assert_eq!(crate::metric(&gw, &rebuilds).await, 1.0);
-        assert_eq!(crate::metric(&gw, &a_blocks).await, 0.0, "a stale index is cleared");
+        assert_eq!(
+            crate::metric(&gw, &a_blocks).await,
+            0.0,
+            "a stale index is cleared"
+        );
         let (_, cache) = routed(&gw, &prompt).await;
-        assert!(cache.starts_with("approximate;"), "a stale index is not trusted: {cache}");
+        assert!(
+            cache.starts_with("approximate;"),
+            "a stale index is not trusted: {cache}"
+        );
 
         // The stream speaks again: trusted again, and what it says is routed on.
         pub_a.publish(seq, vec![holds(&prompt, 100)]).await;
