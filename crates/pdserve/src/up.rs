@@ -6,16 +6,15 @@
 //! second signal kills whatever is left.
 
 use std::path::PathBuf;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use pdserve_engine::orchestrator::HandoffMode;
 use pdserve_gateway::args::Protocol;
 use pdserve_protocol::WorkerRole;
-use tokio::process::{Child, Command};
-use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::process::Command;
 
+use crate::members::{first_exit, spawn, stop_all, wait_ready, Member, StopSignals};
 use crate::placement::{place, CoreLayout, Placement};
 
 /// How long past its `--shutdown-timeout` a member may take to exit before it is killed.
@@ -69,6 +68,12 @@ pub struct UpArgs {
     /// The gateway's routing policy for every role (see `pdserve gateway --help`).
     #[arg(long, env = "PDSERVE_POLICY", default_value = "round_robin")]
     policy: String,
+    /// Gateway replicas, on --port, --port + 1, …: each with the same flags, workers and
+    /// event subscriptions (as replicas behind a load balancer; spread clients over them
+    /// with `pdserve bench serve --url` repeated).
+    #[arg(long, env = "PDSERVE_GATEWAY_REPLICAS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    gateway_replicas: u16,
     /// More `pdserve gateway` flags, passed through as given (repeat for each flag or
     /// value), e.g. `--gateway-arg=--disagg-threshold --gateway-arg=64`.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
@@ -115,37 +120,6 @@ fn gateway_flag(role: WorkerRole) -> &'static str {
         WorkerRole::Prefill => "--prefill",
         WorkerRole::Decode => "--decode",
         WorkerRole::Encode => unreachable!("pdserve up starts no encode workers"),
-    }
-}
-
-/// One child process of the stack.
-struct Member {
-    name: String,
-    /// The entry point (the gateway, or the orchestrating decode worker): drained first.
-    front: bool,
-    child: Child,
-}
-
-/// SIGTERM and SIGINT (Ctrl-C), caught from creation on.
-struct StopSignals {
-    terminate: Signal,
-    interrupt: Signal,
-}
-
-impl StopSignals {
-    fn new() -> anyhow::Result<Self> {
-        Ok(Self {
-            terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
-            interrupt: signal(SignalKind::interrupt()).context("cannot listen for Ctrl-C")?,
-        })
-    }
-
-    /// The next signal's name.
-    async fn recv(&mut self) -> &'static str {
-        tokio::select! {
-            _ = self.terminate.recv() => "SIGTERM",
-            _ = self.interrupt.recv() => "Ctrl-C",
-        }
     }
 }
 
@@ -287,30 +261,26 @@ impl Stack<'_> {
                 .chain(std::iter::repeat_n(WorkerRole::Decode, args.decode.into()))
                 .collect()
         };
-        let mut gateway = Command::new(self.exe);
-        gateway
-            .env("PDSERVE_KV_SECRET", self.kv_secret)
-            .arg("gateway")
-            .args(["--host", &args.host, "--port", &args.port.to_string()])
-            .args(["--shutdown-timeout", &args.shutdown_timeout.to_string()])
-            .args(["--policy", &args.policy])
+        // Every replica's flags but its port; the workers' are added below.
+        let mut gateway: Vec<String> = vec![
+            "gateway".into(),
+            "--host".into(),
+            args.host.clone(),
+            "--shutdown-timeout".into(),
+            args.shutdown_timeout.to_string(),
+            "--policy".into(),
+            args.policy.clone(),
             // The gateway tokenizes as the workers do (exact counts, token prefixes).
-            .arg("--tokenizer")
-            .arg(self.model)
-            .args(&args.gateway_args);
-        // The gateway asks prefill workers to release KV decode will not read: same secret.
-        gateway.env("PDSERVE_KV_SECRET", self.kv_secret);
-        if let Some(key) = &args.api_key {
-            gateway
-                .env("PDSERVE_API_KEY", key)
-                .env("PDSERVE_WORKER_API_KEY", key);
-        }
+            "--tokenizer".into(),
+            self.model.display().to_string(),
+        ];
+        gateway.extend(args.gateway_args.iter().cloned());
         let sglang = args.protocol == Protocol::Sglang;
         if sglang && args.aggregated {
             bail!("--protocol sglang is a P/D handoff: it does not apply to --aggregated");
         }
         if !args.aggregated {
-            gateway.args(["--protocol", protocol_name(args.protocol)]);
+            gateway.extend(["--protocol".into(), protocol_name(args.protocol).into()]);
         }
         let mut worker_urls = Vec::new();
         let mut summary = Vec::new();
@@ -319,13 +289,13 @@ impl Stack<'_> {
             let url = format!("http://127.0.0.1:{port}");
             let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
             let name = format!("{role} worker {}", worker_urls.len());
-            gateway.args([gateway_flag(*role), &url]);
+            gateway.extend([gateway_flag(*role).into(), url.clone()]);
             let mut line = format!("{role} worker at {url} on {}", describe(&placement));
             if sglang && *role == WorkerRole::Prefill {
                 // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.
                 let bootstrap = free_port()?.to_string();
                 worker.args(["--bootstrap-port", &bootstrap]);
-                gateway.arg(&bootstrap);
+                gateway.push(bootstrap.clone());
                 line.push_str(&format!(", bootstrap port {bootstrap}"));
             }
             // Every worker publishes its KV-cache events; the gateway indexes them. (After
@@ -344,9 +314,12 @@ impl Stack<'_> {
                 })
                 .to_string(),
             ]);
-            gateway
-                .args(["--kv-events", &format!("{url}={events}")])
-                .args(["--kv-events-replay", &format!("{url}={replay}")]);
+            gateway.extend([
+                "--kv-events".into(),
+                format!("{url}={events}"),
+                "--kv-events-replay".into(),
+                format!("{url}={replay}"),
+            ]);
             members.push(spawn(&name, false, worker, &placement)?);
             summary.push(line);
             worker_urls.push(url);
@@ -355,9 +328,38 @@ impl Stack<'_> {
         for url in &worker_urls {
             wait_ready(members, url, limit).await?;
         }
-        members.push(spawn("gateway", true, gateway, &Placement::anywhere())?);
-        let gateway_url = format!("http://{}:{}", args.host, args.port);
-        wait_ready(members, &gateway_url, Duration::from_secs(30)).await?;
+        let mut urls = Vec::new();
+        for replica in 0..args.gateway_replicas {
+            let port = args
+                .port
+                .checked_add(replica)
+                .context("--port + --gateway-replicas runs past port 65535")?;
+            let mut command = Command::new(self.exe);
+            // The gateway asks prefill workers to release KV decode will not read: same
+            // secret.
+            command
+                .env("PDSERVE_KV_SECRET", self.kv_secret)
+                .args(&gateway)
+                .args(["--port", &port.to_string()]);
+            if let Some(key) = &args.api_key {
+                command
+                    .env("PDSERVE_API_KEY", key)
+                    .env("PDSERVE_WORKER_API_KEY", key);
+            }
+            let name = match args.gateway_replicas {
+                1 => "gateway".to_string(),
+                _ => format!("gateway replica {replica}"),
+            };
+            members.push(spawn(&name, true, command, &Placement::anywhere())?);
+            urls.push(format!("http://{}:{port}", args.host));
+        }
+        for url in &urls {
+            wait_ready(members, url, Duration::from_secs(30)).await?;
+        }
+        if urls.len() > 1 {
+            summary.push(format!("gateway replicas at {}", urls.join(", ")));
+        }
+        let gateway_url = urls.swap_remove(0);
         Ok((gateway_url, summary))
     }
 
@@ -372,10 +374,15 @@ impl Stack<'_> {
         if args.protocol == Protocol::Sglang {
             bail!("--protocol sglang is the gateway's handoff: use --topology gateway");
         }
-        if args.aggregated || args.decode != 1 || !args.gateway_args.is_empty() {
+        if args.aggregated
+            || args.decode != 1
+            || !args.gateway_args.is_empty()
+            || args.gateway_replicas != 1
+        {
             bail!(
                 "--topology orchestrator runs --prefill N prefill workers and one decode \
-                 worker as the entry point: --aggregated, --decode and --gateway-arg do not apply"
+                 worker as the entry point: --aggregated, --decode, --gateway-arg and \
+                 --gateway-replicas do not apply"
             );
         }
         let roles: Vec<WorkerRole> = std::iter::repeat_n(WorkerRole::Prefill, args.prefill.into())
@@ -450,149 +457,6 @@ fn describe(placement: &Placement) -> String {
     match placement.nice {
         0 => format!("cores {:?}", placement.cpus),
         nice => format!("cores {:?} (nice {nice})", placement.cpus),
-    }
-}
-
-/// Starts a member, pinned to its placement's cores (anywhere when none) at its niceness.
-fn spawn(
-    name: &str,
-    front: bool,
-    mut cmd: Command,
-    placement: &Placement,
-) -> anyhow::Result<Member> {
-    cmd.stdin(Stdio::null()).kill_on_drop(true);
-    let cpus = placement.cpus.clone();
-    let nice = placement.nice;
-    // SAFETY: setpgid(2), prctl(2), sched_setaffinity(2) and setpriority(2) are
-    // async-signal-safe and touch only the child. Its own process group keeps a
-    // terminal's Ctrl-C from reaching it directly, so `up` decides the order of the
-    // drain; the death signal stops it with this process even if `up` is killed without
-    // a chance to stop it; the mask pins it and the niceness slows it (its threads
-    // inherit both).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setpgid(0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if !cpus.is_empty() {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                for &c in &cpus {
-                    libc::CPU_SET(c, &mut set);
-                }
-                let size = std::mem::size_of::<libc::cpu_set_t>();
-                if libc::sched_setaffinity(0, size, &set) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start the {name}"))?;
-    Ok(Member {
-        name: name.to_string(),
-        front,
-        child,
-    })
-}
-
-/// Polls `url/health` until it answers 200, failing early if a member exits.
-async fn wait_ready(members: &mut [Member], url: &str, limit: Duration) -> anyhow::Result<()> {
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
-        .build()?;
-    let started = Instant::now();
-    loop {
-        for m in members.iter_mut() {
-            if let Some(status) = m.child.try_wait()? {
-                bail!("{} exited before it was ready ({status})", m.name);
-            }
-        }
-        if let Ok(resp) = client.get(format!("{url}/health")).send().await {
-            if resp.status().is_success() {
-                return Ok(());
-            }
-        }
-        if started.elapsed() > limit {
-            bail!("{url} was not ready after {limit:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Resolves when any member exits, with its name and status.
-async fn first_exit(members: &mut [Member]) -> (String, std::process::ExitStatus) {
-    loop {
-        for m in members.iter_mut() {
-            if let Ok(Some(status)) = m.child.try_wait() {
-                return (m.name.clone(), status);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-/// Stops the entry point (gateway or orchestrating decode worker), then the other
-/// workers: each gets SIGTERM and `limit` to drain and exit, then is killed. A second
-/// signal kills every member still running at once.
-async fn stop_all(members: &mut [Member], limit: Duration, signals: &mut StopSignals) {
-    let (front, workers): (Vec<&mut Member>, Vec<&mut Member>) =
-        members.iter_mut().partition(|m| m.front);
-    let mut forced = false;
-    for mut stage in [front, workers] {
-        if !forced {
-            for m in stage.iter_mut() {
-                if let (Ok(None), Some(pid)) = (m.child.try_wait(), m.child.id()) {
-                    // SAFETY: kill(2) on our own running child's pid has no
-                    // memory-safety preconditions.
-                    unsafe {
-                        libc::kill(pid as libc::pid_t, libc::SIGTERM);
-                    }
-                }
-            }
-            tokio::select! {
-                _ = all_exited(&mut stage, limit) => {}
-                signal = signals.recv() => {
-                    eprintln!("{signal} again: killing the stack");
-                    forced = true;
-                }
-            }
-        }
-        for m in stage.iter_mut() {
-            match m.child.try_wait() {
-                Ok(Some(status)) if status.success() => {}
-                Ok(Some(status)) => {
-                    tracing::warn!(member = %m.name, %status, "exited with an error")
-                }
-                _ => {
-                    if !forced {
-                        tracing::warn!(member = %m.name, "did not stop in {limit:?}; killing it");
-                    }
-                    let _ = m.child.kill().await;
-                }
-            }
-        }
-    }
-}
-
-/// Resolves when every one of `members` has exited, or after `limit`.
-async fn all_exited(members: &mut [&mut Member], limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if members
-            .iter_mut()
-            .all(|m| !matches!(m.child.try_wait(), Ok(None)))
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

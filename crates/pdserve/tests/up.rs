@@ -1,6 +1,6 @@
 //! `pdserve up` end to end: the real binary starts a prefill worker, a decode worker and
-//! a gateway, answers a chat request through them, and stops every process on Ctrl-C
-//! (SIGINT).
+//! two gateway replicas, answers a chat request through each, and stops every process on
+//! Ctrl-C (SIGINT).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -11,6 +11,16 @@ use std::time::Duration;
 /// connection of a sibling test can take it before the process it is for binds it.
 fn free_port() -> u16 {
     pdserve_http_server::free_local_port().unwrap()
+}
+
+/// A free port whose next port is free too (for two gateway replicas).
+fn free_port_pair() -> u16 {
+    loop {
+        let port = free_port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// `pdserve up --port P --cores 2 <extra>` once it printed its summary, and the summary's
@@ -61,32 +71,34 @@ fn url_of(line: &str) -> String {
 
 #[test]
 fn up_serves_through_the_gateway_and_stops_cleanly() {
-    let port = free_port();
-    let (mut up, worker_lines) = start_up(port, &[]);
+    let port = free_port_pair();
+    let (mut up, worker_lines) = start_up(port, &["--gateway-replicas", "2"]);
     let worker_urls: Vec<String> = worker_lines.iter().map(|l| url_of(l)).collect();
     // The default stack is disaggregated: one prefill and one decode worker.
     assert_eq!(worker_urls.len(), 2, "{worker_urls:?}");
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let body: serde_json::Value = rt.block_on(async {
-        reqwest::Client::new()
-            .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
-            .json(&serde_json::json!({
-                "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 8,
-                "temperature": 0
-            }))
-            .timeout(Duration::from_secs(60))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    });
-    let text = body["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(!text.is_empty(), "{body}");
-    assert!(body["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    for replica in [port, port + 1] {
+        let body: serde_json::Value = rt.block_on(async {
+            reqwest::Client::new()
+                .post(format!("http://127.0.0.1:{replica}/v1/chat/completions"))
+                .json(&serde_json::json!({
+                    "messages": [{"role": "user", "content": "Say hello."}],
+                    "max_tokens": 8,
+                    "temperature": 0
+                }))
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap()
+        });
+        let text = body["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(!text.is_empty(), "{body}");
+        assert!(body["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    }
 
     // SAFETY: signalling our own child process.
     unsafe {
@@ -102,7 +114,8 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
     };
     assert!(status.success(), "{status}");
     // Its children are gone too: nothing answers on the workers' ports any more.
-    for url in &worker_urls {
+    let gateways = [port, port + 1].map(|p| format!("http://127.0.0.1:{p}"));
+    for url in worker_urls.iter().chain(&gateways) {
         let alive = rt.block_on(async {
             reqwest::Client::new()
                 .get(format!("{url}/health"))
