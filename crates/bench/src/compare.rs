@@ -95,8 +95,12 @@ fn setup_rows(runs: &[BenchResult]) -> Vec<Vec<String>> {
                 _ => "-".into(),
             }
         }),
-        ("Input / output tokens", |r| {
-            format!("{} / {}", r.config.input_len, r.config.output_len)
+        ("Input / output tokens", |r| match &r.config.shared_prefix {
+            Some(gsp) => format!(
+                "{} shared + {} / {}",
+                gsp.system_prompt_len, gsp.question_len, r.config.output_len
+            ),
+            None => format!("{} / {}", r.config.input_len, r.config.output_len),
         }),
     ];
     describe

@@ -228,8 +228,15 @@ fn assemble(
                 .then_some(args.concurrency)
                 .flatten(),
             request_rate: args.request_rate,
-            input_len: args.input_len,
-            output_len: args.output_len,
+            // What each request carried: the shared-prefix set has its own lengths.
+            input_len: match args.dataset {
+                Dataset::SharedPrefix => args.gsp_system_prompt_len + args.gsp_question_len,
+                Dataset::Random => args.input_len,
+            },
+            output_len: match args.dataset {
+                Dataset::SharedPrefix => args.gsp_output_len,
+                Dataset::Random => args.output_len,
+            },
             range_ratio: Some(args.range_ratio),
             seed: args.seed,
             ignore_eos: !args.server.no_ignore_eos,

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# What `--tokenizer` costs the gateway (issue 26): pdserve's gateway in front of the
+# peers harness's fake prefill/decode pair (../shared/peers; run `run_peers.sh` once so it
+# has built them), without and with the model's tokenizer, interleaved. Per run: wrk at
+# --conc with a chat of about --words words; the gateway's CPU per request (from
+# /proc) and wrk's latency percentiles.
+#
+#   scripts/bench-tokenizer-overhead.sh [--words 1500] [--conc 1] [--duration 8] [--repeat 3]
+set -euo pipefail
+words=1500 conc=1 duration=8 repeat=3
+while [ $# -gt 0 ]; do
+  case $1 in
+    --words) words=$2; shift 2 ;; --conc) conc=$2; shift 2 ;;
+    --duration) duration=$2; shift 2 ;; --repeat) repeat=$2; shift 2 ;;
+    *) echo "unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+here=$(cd "$(dirname "$0")/.." && pwd)
+peers=$here/../shared/peers
+fake=${PEERS_SCRATCH:-${TMPDIR:-/tmp}/peers}/target/release/fakeworker
+bin=${PDSERVE:-$here/target/release/pdserve}
+model=$("$bin" model fetch 2>/dev/null | tail -1)
+[ -x "$fake" ] || { echo "no fake worker at $fake: run ../shared/peers/run_peers.sh once" >&2; exit 1; }
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+"$fake" --host 127.0.0.1 --port 18801 --mode prefill --bootstrap-port 18899 >/dev/null 2>&1 & pids+=($!)
+"$fake" --host 127.0.0.1 --port 18802 --mode decode >/dev/null 2>&1 & pids+=($!)
+sleep 1
+body=$(python3 -c "
+import json, random
+random.seed(7)
+vocab = 'the of and to in is was for on that with as by at from his her they this which or an be had are not but have one all were we when there can been has more if will who'.split()
+text = ' '.join(random.choice(vocab) for _ in range($words))
+print(json.dumps({'model': 'fake-model', 'messages': [{'role': 'user', 'content': text}], 'max_tokens': 16}))")
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+echo "| gateway | run | req/s | p50 ms | p90 ms | CPU µs/req |"
+echo "|---|---|---|---|---|---|"
+for rep in $(seq 1 "$repeat"); do
+  for mode in plain tokenizer; do
+    extra=()
+    [ "$mode" = tokenizer ] && extra=(--tokenizer "$model")
+    "$bin" gateway --host 127.0.0.1 --port 18810 --prefill http://127.0.0.1:18801 \
+      --decode http://127.0.0.1:18802 --probe-interval 0 --load-scrape-interval 0 "${extra[@]}" \
+      >/dev/null 2>&1 &
+    gw=$!
+    for _ in $(seq 1 100); do curl -sf http://127.0.0.1:18810/health >/dev/null && break; sleep 0.1; done
+    # Warm-up, then the measured run.
+    WRK_BODY=$body wrk -t1 -c"$conc" -d2s -s "$peers/wrk_post.lua" http://127.0.0.1:18810/v1/chat/completions >/dev/null 2>&1
+    before=$(cpu_ticks $gw)
+    out=$(WRK_BODY=$body wrk -t1 -c"$conc" -d"${duration}s" -s "$peers/wrk_post.lua" http://127.0.0.1:18810/v1/chat/completions 2>/dev/null | tail -1)
+    after=$(cpu_ticks $gw)
+    kill -INT $gw; wait $gw 2>/dev/null || true
+    python3 -c "
+import json, os
+r = json.loads('''$out''')
+tick = os.sysconf('SC_CLK_TCK')
+cpu_us = ($after - $before) / tick * 1e6 / max(r['requests'], 1)
+print(f\"| $mode | $rep | {r['rps']:.0f} | {r['p50_us']/1000:.2f} | {r['p90_us']/1000:.2f} | {cpu_us:.0f} |\")"
+  done
+done
