@@ -190,7 +190,9 @@ pub struct GatewayArgs {
 
     /// precise_prefix: the share of the prompt one request of a worker's load costs
     /// (score = cached tokens − this × load × prompt tokens): a worker whose KV events
-    /// hold more of the prompt wins unless its extra load costs more than that lead.
+    /// hold more of the prompt wins unless its extra load costs more than that lead. The
+    /// default, 0.1, takes a queued request to cost a tenth of a prompt (most of a queue
+    /// that shares prefixes is cached); 1 treats every queued prompt as computed whole.
     #[arg(long, env = "PDSERVE_PRECISE_LOAD_COST", default_value_t = PolicyConfig::default().precise_load_cost)]
     pub precise_load_cost: f64,
 

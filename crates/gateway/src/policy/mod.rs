@@ -307,7 +307,7 @@ impl Default for PolicyConfig {
             max_tree_size: DEFAULT_MAX_TREE_SIZE,
             session_fallback: "round_robin".to_string(),
             queue_cost: 0.0,
-            precise_load_cost: 0.25,
+            precise_load_cost: 0.1,
             cache_source: CacheSource::Auto,
         }
     }

@@ -93,16 +93,16 @@ async fn precise_prefix_routes_on_the_events_net_of_load() {
             "cached: to B"
         );
 
-        // B reports a queue whose cost (0.25 × 10 requests × 16 tokens) outweighs its
+        // B reports a queue whose cost (0.1 × 20 requests × 16 tokens) outweighs its
         // 16 cached tokens: A takes the prompt.
-        b.report_queue(Some((10.0, 0.0)));
+        b.report_queue(Some((20.0, 0.0)));
         for _ in 0..200 {
             let instances = gw.instances().await;
             let reported = instances["workers"]
                 .as_array()
                 .unwrap()
                 .iter()
-                .any(|w| w["url"] == b.url && w["reported_load"]["waiting"] == 10.0);
+                .any(|w| w["url"] == b.url && w["reported_load"]["waiting"] == 20.0);
             if reported {
                 break;
             }
