@@ -35,6 +35,7 @@ pub mod registry;
 pub mod request;
 pub mod server;
 pub mod state;
+pub mod tokenize;
 pub mod worker_client;
 
 pub use args::{GatewayArgs, GatewayConfig};

@@ -17,6 +17,8 @@ use crate::worker_client::{Exchange, ForwardHeaders, WorkerClient};
 #[derive(Debug, Default)]
 pub struct ModelLens {
     known: Arc<Mutex<HashMap<String, Option<u64>>>>,
+    /// The model ids each worker serves, once its list was read.
+    names: Arc<Mutex<HashMap<String, Vec<String>>>>,
 }
 
 impl ModelLens {
@@ -29,9 +31,17 @@ impl ModelLens {
         }
         known.insert(worker.base.clone(), None);
         drop(known);
-        let (client, worker, known) = (client.clone(), worker.clone(), self.known.clone());
+        let (client, worker) = (client.clone(), worker.clone());
+        let (known, names) = (self.known.clone(), self.names.clone());
         tokio::spawn(async move {
-            let len = fetch(&client, &worker).await;
+            let list = fetch(&client, &worker).await;
+            let len = list.as_ref().and_then(|list| {
+                names.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                    worker.base.clone(),
+                    list.data.iter().map(|c| c.id.clone()).collect(),
+                );
+                list.data.iter().filter_map(|card| card.max_model_len).min()
+            });
             let mut known = known.lock().unwrap_or_else(|e| e.into_inner());
             match len {
                 Some(len) => {
@@ -46,6 +56,12 @@ impl ModelLens {
         None
     }
 
+    /// The model ids `worker` serves, once its model list was read (see [`Self::get`]).
+    pub fn names(&self, worker: &Worker) -> Option<Vec<String>> {
+        let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        names.get(&worker.base).cloned()
+    }
+
     /// Records a worker's context length (tests, and workers whose length is known).
     pub fn set(&self, base: &str, len: u64) {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
@@ -53,14 +69,13 @@ impl ModelLens {
     }
 }
 
-/// The smallest `max_model_len` in the worker's model list.
-async fn fetch(client: &WorkerClient, worker: &Worker) -> Option<u64> {
+/// The worker's model list (its smallest `max_model_len` is the context length).
+async fn fetch(client: &WorkerClient, worker: &Worker) -> Option<ModelList> {
     let headers = ForwardHeaders::from_client(&http::HeaderMap::new());
     let exchange = Exchange::new(worker, "worker", Duration::from_secs(10));
     let request = client.get(worker.models_url(), &headers);
     let body = exchange.send_and_read(request).await.ok()?;
-    let list: ModelList = serde_json::from_slice(&body).ok()?;
-    list.data.iter().filter_map(|card| card.max_model_len).min()
+    serde_json::from_slice(&body).ok()
 }
 
 /// Rejects, in vLLM's words, a request whose `max_tokens` (plus its prompt, when given as

@@ -58,6 +58,16 @@ impl PromptTokenizer {
         })
     }
 
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The chat template.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
     /// The token ids the workers will compute for `request`'s (first) prompt; `None` for
     /// token-id prompts (they are their own ids) and for what the workers will refuse
     /// anyway (their error is the one the client gets).

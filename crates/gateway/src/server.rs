@@ -38,6 +38,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route(GENERATE_ROUTE, post(sglang_generate))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
         .route("/health", get(readiness::readiness))
         .route("/readiness", get(readiness::readiness))
         .route("/liveness", get(readiness::liveness))

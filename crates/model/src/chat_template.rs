@@ -97,6 +97,29 @@ impl ChatTemplate {
     }
 }
 
+impl ChatTemplate {
+    /// The prompt for `messages` with the final message left open, for the model to
+    /// continue it: rendered whole, then cut after that message's text, as transformers'
+    /// `continue_final_message` does.
+    pub fn render_open(&self, messages: &[ChatTurn]) -> Result<String, ModelError> {
+        let last = messages
+            .last()
+            .ok_or_else(|| ModelError::Template("no message to continue".into()))?;
+        let mut text = self.render(messages, false)?;
+        let content = last.content.trim();
+        match text.rfind(content) {
+            Some(at) if !content.is_empty() => {
+                text.truncate(at + content.len());
+                Ok(text)
+            }
+            _ => Err(ModelError::Template(
+                "the final message's text is not in the rendered prompt, so it cannot be left open"
+                    .into(),
+            )),
+        }
+    }
+}
+
 /// `raise_exception(msg)` as Hugging Face templates call it to reject a conversation.
 fn raise_exception(message: String) -> Result<String, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))

@@ -36,6 +36,37 @@ fn hf_folder(model: &std::path::Path) -> std::path::PathBuf {
     dir
 }
 
+/// `/tokenize` and `/detokenize` through `gateway` answer as the worker at `worker` does.
+async fn tokenizes_as_the_worker(http: &reqwest::Client, gateway: &str, worker: &str) {
+    let bodies = [
+        (
+            "/tokenize",
+            json!({"prompt": "The three primary colours are", "return_token_strs": true}),
+        ),
+        (
+            "/tokenize",
+            json!({"messages": [{"role": "user", "content": "What colour is the sea?"}]}),
+        ),
+        (
+            "/tokenize",
+            json!({"model": "no-such-model", "prompt": "x"}),
+        ),
+        ("/tokenize", json!({"prompt": 1})),
+        ("/detokenize", json!({"tokens": [504, 713, 216]})),
+        ("/detokenize", json!({"tokens": [999999999]})),
+    ];
+    for (path, body) in bodies {
+        let (want_status, want) = post(http, &format!("{worker}{path}"), body.clone()).await;
+        let (status, got) = post(http, &format!("{gateway}{path}"), body.clone()).await;
+        assert_eq!(status, want_status, "{path} {body}: {got}");
+        if status == 200 {
+            assert_eq!(got, want, "{path} {body}");
+        } else {
+            assert!(got["error"]["message"].is_string(), "{got}");
+        }
+    }
+}
+
 async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
     let response = http.post(url).json(&body).send().await.unwrap();
     let status = response.status().as_u16();
@@ -100,9 +131,27 @@ async fn the_gateway_counts_prompt_tokens_as_the_workers_do() {
                     "{path}: {message}"
                 );
             }
+            // Once a worker's model list is known the gateway answers these itself.
+            tokenizes_as_the_worker(&http, &gateway, &d_url).await;
             let _ = stop.send(());
             let _ = served.await;
         }
+        // Without a tokenizer a worker answers them.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let gateway = format!("http://{}", listener.local_addr().unwrap());
+        let config = GatewayConfig::new(
+            vec![p_url.parse().unwrap()],
+            vec![d_url.parse().unwrap()],
+            Vec::new(),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+            let _ = stopped.await;
+        }));
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        tokenizes_as_the_worker(&http, &gateway, &d_url).await;
+        let _ = stop.send(());
+        let _ = served.await;
         std::fs::remove_dir_all(&folder).unwrap();
         let _ = prefill.shutdown().await;
         let _ = decode.shutdown().await;

@@ -11,6 +11,7 @@ pub mod openai;
 pub mod role;
 pub mod session;
 pub mod sse;
+pub mod tokenize;
 
 pub use error::{error_chain, ApiError, ErrorBody, ErrorDetail};
 pub use kv::{BootstrapParams, BootstrapShape, KvTransferParams, RemoteBlockIds};

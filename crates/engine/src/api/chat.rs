@@ -98,7 +98,7 @@ async fn prepare(
 }
 
 /// The messages as the template sees them; only text content is accepted.
-fn chat_turns(messages: &[ChatMessage]) -> Result<Vec<ChatTurn>, ApiError> {
+pub(super) fn chat_turns(messages: &[ChatMessage]) -> Result<Vec<ChatTurn>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").with_param("messages"));
     }

@@ -17,6 +17,7 @@ pub mod server_info;
 pub mod sglang_generate;
 mod sglang_generate_rooms;
 mod state;
+mod tokenize;
 pub mod unsupported;
 pub mod validate;
 

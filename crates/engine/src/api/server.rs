@@ -1,4 +1,5 @@
-//! The worker's HTTP API (axum): OpenAI chat and completions, `/v1/models`, `/health`,
+//! The worker's HTTP API (axum): OpenAI chat and completions, `/v1/models`, vLLM's
+//! `/tokenize` and `/detokenize`, `/health`,
 //! `/metrics`, and `/start_profile` / `/stop_profile` (with `--profile-dir`). Every error
 //! body is OpenAI-shaped, including malformed JSON.
 
@@ -26,6 +27,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/models", get(models))
+        // vLLM's tokenizer routes.
+        .route("/tokenize", post(super::tokenize::tokenize))
+        .route("/detokenize", post(super::tokenize::detokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/start_profile", post(start_profile))
