@@ -56,6 +56,12 @@ impl ModelLens {
         None
     }
 
+    /// The smallest context length known of any worker.
+    pub fn smallest(&self) -> Option<u64> {
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known.values().flatten().copied().min()
+    }
+
     /// The model ids `worker` serves, once its model list was read (see [`Self::get`]).
     pub fn names(&self, worker: &Worker) -> Option<Vec<String>> {
         let names = self.names.lock().unwrap_or_else(|e| e.into_inner());

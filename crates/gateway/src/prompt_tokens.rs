@@ -98,6 +98,35 @@ impl PromptTokenizer {
     }
 }
 
+/// Tokens a chat template may add around the messages (its markers and a default system
+/// prompt), for the bound in [`may_overflow`].
+const TEMPLATE_TOKENS: u64 = 1024;
+/// Tokens a template may add per message.
+const MESSAGE_TOKENS: u64 = 64;
+
+/// Whether the context-length check could need `request`'s exact count: its prompt,
+/// bounded by its bytes (a byte-level token holds at least one byte) plus what a template
+/// adds, and its `max_tokens` may exceed `max_model_len`. Otherwise counting is skipped
+/// when nothing else reads the tokens: the check passes on the bound alone.
+pub fn may_overflow(request: &ClientRequest, max_model_len: Option<u64>) -> bool {
+    let Some(limit) = max_model_len else {
+        // No length known yet: the check does not run.
+        return false;
+    };
+    let (messages, asked) = match request {
+        ClientRequest::Chat(chat) => (
+            chat.messages.len() as u64,
+            chat.generation
+                .max_completion_tokens
+                .or(chat.generation.max_tokens),
+        ),
+        ClientRequest::Completion(c) => (0, c.generation.max_tokens),
+    };
+    let bound = prompt_bytes(request) as u64 + TEMPLATE_TOKENS + messages * MESSAGE_TOKENS;
+    let asked = asked.and_then(|n| u64::try_from(n).ok()).unwrap_or(0);
+    bound.saturating_add(asked) >= limit
+}
+
 /// A rough size of the request's prompt text, to decide where to tokenize it.
 fn prompt_bytes(request: &ClientRequest) -> usize {
     match request {
@@ -129,4 +158,32 @@ pub async fn tokenize(
         .ok()
         .flatten()
         .map(Arc::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Endpoint;
+
+    fn chat(content: &str, max_tokens: Option<u64>) -> ClientRequest {
+        let mut body = serde_json::json!({"messages": [{"role": "user", "content": content}]});
+        if let Some(n) = max_tokens {
+            body["max_tokens"] = n.into();
+        }
+        ClientRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn only_a_request_that_may_not_fit_is_counted_for_the_length_check() {
+        // Far inside the context: the bound alone passes the check.
+        assert!(!may_overflow(&chat("Hello", Some(16)), Some(8192)));
+        // No context length known yet: the check does not run.
+        assert!(!may_overflow(&chat("Hello", Some(100_000)), None));
+        // A small context, a long answer or a long prompt: count.
+        assert!(may_overflow(&chat("Hello", Some(16)), Some(64)));
+        assert!(may_overflow(&chat("Hello", Some(8000)), Some(8192)));
+        assert!(may_overflow(&chat(&"word ".repeat(2000), None), Some(8192)));
+    }
 }

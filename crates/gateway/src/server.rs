@@ -220,7 +220,11 @@ async fn generate(
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
         if let Some(tokenizer) = &state.tokenizer {
-            ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, &request).await;
+            if state.routing_reads_tokens
+                || crate::prompt_tokens::may_overflow(&request, state.model_lens.smallest())
+            {
+                ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, &request).await;
+            }
         }
         handoff::generate(&state, &ctx, request, conversation_id).await
     }

@@ -38,6 +38,10 @@ pub struct AppState {
     pub kv_events: Arc<crate::kv_events::KvEventsHub>,
     /// The served model's tokenizer, with `--tokenizer`.
     pub tokenizer: Option<Arc<crate::prompt_tokens::PromptTokenizer>>,
+    /// Whether routing reads every prompt's token ids (a policy that matches prompts,
+    /// or `--disagg-threshold`); else prompts are counted only where the context-length
+    /// check could need it.
+    pub routing_reads_tokens: bool,
 }
 
 impl AppState {
@@ -71,7 +75,10 @@ impl AppState {
             Some(path) => Some(Arc::new(crate::prompt_tokens::PromptTokenizer::load(path)?)),
             None => None,
         };
+        let routing_reads_tokens =
+            config.disagg_threshold.is_some() || policies.iter().any(|p| p.reads_prompt());
         Ok(Self {
+            routing_reads_tokens,
             client: WorkerClient::new(&config)?,
             conversations: Arc::new(ConversationCache::new(
                 config.max_conversations,

@@ -505,6 +505,10 @@ impl Policy for CacheAware {
             .sum()
     }
 
+    fn reads_prompt(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> PolicyStats {
         PolicyStats {
             cache_hits: self.hits.load(Ordering::Relaxed),

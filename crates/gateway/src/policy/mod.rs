@@ -233,6 +233,12 @@ pub trait Policy: fmt::Debug + Send + Sync {
         0
     }
 
+    /// Whether choices read the prompt (its token ids where the gateway has them), so
+    /// `--tokenizer` should tokenize every request for them.
+    fn reads_prompt(&self) -> bool {
+        false
+    }
+
     /// Counters of the policy's decisions (zero for policies that keep none).
     fn stats(&self) -> PolicyStats {
         PolicyStats::default()

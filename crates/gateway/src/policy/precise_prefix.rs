@@ -169,6 +169,10 @@ impl Policy for PrecisePrefix {
         self.fallback.tree_size()
     }
 
+    fn reads_prompt(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> PolicyStats {
         self.fallback.stats()
     }

@@ -101,6 +101,10 @@ impl Policy for Session {
         self.fallback.tree_size()
     }
 
+    fn reads_prompt(&self) -> bool {
+        self.fallback.reads_prompt()
+    }
+
     fn stats(&self) -> PolicyStats {
         self.fallback.stats()
     }
