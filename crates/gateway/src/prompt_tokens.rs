@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pdserve_model::{ChatTemplate, ChatTurn, Tokenizer};
-use pdserve_protocol::{MessageContent, Prompt};
+use pdserve_protocol::{ChatMessage, MessageContent, Prompt};
 
 use crate::request::ClientRequest;
 use crate::GatewayError;
@@ -74,18 +74,7 @@ impl PromptTokenizer {
     pub fn tokens(&self, request: &ClientRequest) -> Option<Vec<u32>> {
         match request {
             ClientRequest::Chat(chat) => {
-                let turns: Vec<ChatTurn> = chat
-                    .messages
-                    .iter()
-                    .map(|m| ChatTurn {
-                        role: m.role.clone(),
-                        content: m
-                            .content
-                            .as_ref()
-                            .map(MessageContent::text)
-                            .unwrap_or_default(),
-                    })
-                    .collect();
+                let turns = chat_turns(&chat.messages);
                 let text = self.template.render(&turns, true).ok()?;
                 self.tokenizer.encode(&text, false).ok()
             }
@@ -96,6 +85,21 @@ impl PromptTokenizer {
             },
         }
     }
+}
+
+/// The messages as the template sees them (their text), as the worker renders them.
+pub fn chat_turns(messages: &[ChatMessage]) -> Vec<ChatTurn> {
+    messages
+        .iter()
+        .map(|m| ChatTurn {
+            role: m.role.clone(),
+            content: m
+                .content
+                .as_ref()
+                .map(MessageContent::text)
+                .unwrap_or_default(),
+        })
+        .collect()
 }
 
 /// Tokens a chat template may add around the messages (its markers and a default system

@@ -157,18 +157,7 @@ fn tokens_of(
                     ApiError::bad_request("messages must not be empty").with_param("messages")
                 );
             }
-            turns = r
-                .messages
-                .iter()
-                .map(|m| ChatTurn {
-                    role: m.role.clone(),
-                    content: m
-                        .content
-                        .as_ref()
-                        .map(MessageContent::text)
-                        .unwrap_or_default(),
-                })
-                .collect();
+            turns = crate::prompt_tokens::chat_turns(&r.messages);
             (
                 PromptInput::Chat {
                     turns: &turns,
