@@ -75,6 +75,14 @@ impl<'r> Handoff<'r> {
         }
     }
 
+    /// Whether this worker computes the prompt itself (and so can score it).
+    pub fn computes_prompt(self) -> bool {
+        matches!(
+            self,
+            Self::Local | Self::PrefillForPeer(_) | Self::BootstrapPrefill(_)
+        )
+    }
+
     /// Submits choice `index` of a request served this way (not for
     /// [`Handoff::Orchestrated`], whose orchestrator submits its own).
     async fn submit_one(
@@ -132,12 +140,7 @@ impl<'r> Handoff<'r> {
         }
         let (first, rest) = match self {
             // A prefill for a peer: one sequence, one published handle.
-            Self::PrefillForPeer(_) => {
-                return Ok(Submitted {
-                    generations: vec![one(0, self).await?],
-                    choices,
-                })
-            }
+            Self::PrefillForPeer(_) => return Ok(Submitted::shared(one(0, self).await?, choices)),
             Self::BootstrapDecode(_) => (None, self),
             Self::ImportFromPeer(params) => {
                 // Imported once, into choice 0. No conversation KV is kept for a next

@@ -31,10 +31,14 @@ impl StepModel for Gated {
         self.inner.num_blocks()
     }
 
-    fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+    fn forward(
+        &mut self,
+        batch: &[SequenceStep<'_>],
+        all_rows: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let _ = self.entered.send(());
         let _ = self.release.recv();
-        self.inner.forward(batch)
+        self.inner.forward(batch, all_rows)
     }
 
     fn read_block(&self, _id: BlockId) -> Vec<u8> {

@@ -13,7 +13,7 @@ pub struct GenerationRequest {
     pub prompt: Vec<u32>,
     /// How to choose tokens.
     pub sampling: SamplingParams,
-    /// Most tokens to generate (at least 1).
+    /// Most tokens to generate; 0 scores the prompt only (with `prompt_logprobs`).
     pub max_new_tokens: usize,
     /// Tokens that end the sequence (EOS), empty with `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
@@ -21,6 +21,10 @@ pub struct GenerationRequest {
     pub min_new_tokens: usize,
     /// `Some(n)`: report each token's log-probability and its `n` top alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(n)`: report each prompt token's log-probability (after the first) and its
+    /// `n` top alternatives. The whole prompt is then computed here: no prefix-cache hit
+    /// is used (as vLLM), and KV cannot be imported.
+    pub prompt_logprobs: Option<usize>,
     /// Keep the sequence's blocks pinned when it finishes, for a peer to read (KV export).
     pub pin_on_finish: bool,
     /// KV computed elsewhere for the leading prompt tokens, loaded instead of computed.
@@ -38,6 +42,7 @@ impl GenerationRequest {
             stop_token_ids: Vec::new(),
             min_new_tokens: 0,
             logprobs: None,
+            prompt_logprobs: None,
             pin_on_finish: false,
             kv_import: None,
         }
@@ -117,6 +122,9 @@ pub enum SeqEvent {
         /// Prompt tokens whose KV was loaded from a peer.
         kv_imported_tokens: usize,
     },
+    /// The prompt's log-probabilities (requests with `prompt_logprobs`): entry `i` is
+    /// prompt token `i + 1`'s given the tokens before it. Sent once, before any token.
+    PromptLogprobs(Vec<TokenLogprobs>),
     /// A generated token.
     Token {
         /// The token id.

@@ -80,6 +80,8 @@ pub struct TokenLogprobs {
     pub logprob: f32,
     /// The `n` most likely tokens with their log-probabilities, most likely first.
     pub top: Vec<(u32, f32)>,
+    /// The token's place in the vocabulary by likelihood (1 = most likely; vLLM's `rank`).
+    pub rank: u32,
 }
 
 /// Chooses tokens for one sequence, remembering what it generated (for the penalties).
@@ -254,9 +256,12 @@ pub fn logprobs(logits: &[f32], token: u32, top_n: usize) -> TokenLogprobs {
             .map(|i| (i, logprob_of(i as usize)))
             .collect();
     }
+    let own = logits[token as usize];
+    let rank = 1 + logits.iter().filter(|&&l| l > own).count() as u32;
     TokenLogprobs {
         logprob: logprob_of(token as usize),
         top,
+        rank,
     }
 }
 

@@ -21,7 +21,7 @@ use crate::heartbeat::{Heartbeat, SchedulerCondition};
 use crate::kv_events::{CacheNews, EventSink};
 use crate::metrics::Metrics;
 use crate::profile::{token_split, Profiler, StepSpan};
-use crate::request::{GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
+use crate::request::{FinishReason, GenerationRequest, PinnedKv, SeqEvent, SeqEvents};
 use crate::scheduling::Priority;
 pub use crate::scheduling::SchedulingPolicy;
 use crate::sequence::Sequence;
@@ -382,6 +382,11 @@ impl<M: StepModel> Scheduler<M> {
             return Err("the prompt is empty".into());
         }
         if let Some(import) = seq.kv_import() {
+            if seq.scores_prompt() {
+                return Err("prompt logprobs need the whole prompt computed here, \
+                            not imported KV"
+                    .into());
+            }
             if import.num_tokens == 0
                 || import.num_tokens >= seq.prompt_len
                 || import.blocks.len() != import.num_tokens.div_ceil(BLOCK_SIZE)
@@ -566,7 +571,8 @@ impl<M: StepModel> Scheduler<M> {
             let (imported, reused) = seq.kv_import().map_or((0, Default::default()), |i| {
                 (i.num_tokens, i.reused.within(i.num_tokens))
             });
-            let hit = if imported > 0 {
+            // A scored prompt is computed whole: cached blocks have no logits (as vLLM).
+            let hit = if imported > 0 || seq.scores_prompt() {
                 PrefixHit::default()
             } else {
                 self.blocks.match_prefix(&seq.tokens)
@@ -672,6 +678,10 @@ impl<M: StepModel> Scheduler<M> {
             .profiler
             .is_recording()
             .then(|| token_split(scheduled, &self.running));
+        let all_rows: Vec<bool> = scheduled
+            .iter()
+            .map(|&(i, _)| self.running[i].needs_all_rows())
+            .collect();
         let steps: Vec<SequenceStep<'_>> = scheduled
             .iter()
             .map(|&(i, n)| {
@@ -684,23 +694,47 @@ impl<M: StepModel> Scheduler<M> {
             })
             .collect();
         // A panicking forward (a bug in the model code) fails this batch, not the worker.
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.model.forward(&steps)))
-                .unwrap_or_else(|_| Err(ModelError::Other("the forward pass panicked".into())));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.model.forward(&steps, &all_rows)
+        }))
+        .unwrap_or_else(|_| Err(ModelError::Other("the forward pass panicked".into())));
         drop(steps);
         let forward = started.elapsed();
 
         let mut finished = Vec::new();
         match result {
             Ok(logits) if logits.len() == scheduled.len() => {
-                for (&(i, n), logits) in scheduled.iter().zip(&logits) {
+                for ((&(i, n), logits), &all) in scheduled.iter().zip(&logits).zip(&all_rows) {
                     let seq = &mut self.running[i];
+                    let start = seq.num_computed;
+                    let logits = if all {
+                        seq.score_prompt_rows(logits, start, n)
+                    } else {
+                        &logits[..]
+                    };
                     seq.num_computed += n;
                     if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
                         tracing::error!("prefix-cache commit failed: {e}");
                     }
                     if seq.num_uncomputed() > 0 {
                         continue; // more prompt chunks to go
+                    }
+                    seq.send_prompt_logprobs();
+                    if seq.generates_nothing() {
+                        let elapsed = seq.arrived.elapsed().as_secs_f64();
+                        self.metrics.request_seconds.observe(elapsed);
+                        self.metrics.vllm.e2e_request_latency.observe(elapsed);
+                        let reason = FinishReason::Length;
+                        finished.push((
+                            i,
+                            SeqEvent::Finished {
+                                reason,
+                                usage: seq.usage(),
+                                pinned: None,
+                            },
+                        ));
+                        self.metrics.finished(reason.as_str());
+                        continue;
                     }
                     let reason = seq.append_sampled(logits, self.config.max_model_len);
                     self.metrics.generation_tokens.inc();

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::request::{FinishReason, KvImport, TokenUsage};
+use crate::sampling::TokenLogprobs;
 use crate::step_model::fake::{next_token, FakeModel};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -531,4 +532,83 @@ fn a_prefill_short_of_blocks_is_not_stuck_behind_a_waiting_prompt_that_cannot_be
     assert!(scheduler.step(), "the step scheduled nothing");
     assert_eq!(batches.lock().unwrap().len(), 1);
     assert_eq!(scheduler.metrics.preemptions.get(), 1);
+}
+
+/// Reads a scored sequence to the end: its prompt logprobs, generated ids, final event.
+fn collect_scored(rx: &mut SeqEvents) -> (Vec<TokenLogprobs>, Vec<u32>, SeqEvent) {
+    let start = Instant::now();
+    let (mut scores, mut ids) = (None, Vec::new());
+    loop {
+        match rx.try_recv() {
+            Ok(SeqEvent::PromptLogprobs(lps)) => {
+                assert!(
+                    scores.is_none() && ids.is_empty(),
+                    "scores once, before tokens"
+                );
+                scores = Some(lps);
+            }
+            Ok(SeqEvent::Token { id, .. }) => ids.push(id),
+            Ok(SeqEvent::Admitted { .. }) => {}
+            Ok(end) => return (scores.expect("prompt logprobs sent"), ids, end),
+            Err(mpsc::error::TryRecvError::Empty) => {
+                assert!(start.elapsed() < DEADLINE, "sequence did not finish");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("events channel closed early: {e}"),
+        }
+    }
+}
+
+#[test]
+fn prompt_logprobs_score_every_chunk_and_ignore_the_prefix_cache() {
+    // Chunks of 16 tokens: a 50-token prompt is scored across four steps.
+    let config = SchedulerConfig {
+        max_num_batched_tokens: 16,
+        ..config()
+    };
+    let (handle, thread, metrics) = start(FakeModel::new(64), config);
+    // Half the prompt follows the fake's own continuation: those tokens score high.
+    let mut p = prompt(25, 3);
+    p.extend(reference(&p, 25));
+    let scored = |max_new_tokens| GenerationRequest {
+        prompt_logprobs: Some(2),
+        ..request(p.clone(), max_new_tokens)
+    };
+    let mut rx = handle.submit(scored(3)).unwrap();
+    let (lps, ids, _) = collect_scored(&mut rx);
+    assert_eq!(ids, reference(&p, 3));
+    assert_eq!(lps.len(), p.len() - 1);
+    for (i, lp) in lps.iter().enumerate() {
+        let predicted = next_token(&p[..i + 1]) == p[i + 1];
+        assert_eq!(lp.rank == 1, predicted, "position {}", i + 1);
+        assert_eq!(lp.top.len(), 2);
+        assert_eq!(lp.top[0].0, next_token(&p[..i + 1]));
+    }
+    // The prompt's blocks are cached now; a second scoring computes it all again and
+    // `max_tokens` 0 ends without a token.
+    let mut rx = handle.submit(scored(0)).unwrap();
+    let (again, ids, end): (Vec<TokenLogprobs>, _, _) = collect_scored(&mut rx);
+    assert!(ids.is_empty());
+    assert_eq!(again, lps);
+    match end {
+        SeqEvent::Finished { reason, usage, .. } => {
+            assert_eq!(reason, FinishReason::Length);
+            assert_eq!((usage.completion_tokens, usage.cached_tokens), (0, 0));
+        }
+        other => panic!("{other:?}"),
+    }
+    wait_for_blocks_used(&metrics, 0);
+    // Imported KV cannot be scored.
+    let mut importing = scored(1);
+    importing.kv_import = Some(KvImport {
+        num_tokens: 16,
+        blocks: vec![vec![0; 64]],
+        reused: Default::default(),
+    });
+    let mut rx = handle.submit(importing).unwrap();
+    match rx.blocking_recv() {
+        Some(SeqEvent::Failed(msg)) => assert!(msg.contains("prompt logprobs"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    stop(handle, thread);
 }

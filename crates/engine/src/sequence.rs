@@ -10,7 +10,7 @@ use pdserve_kv_transfer::ReusedTokens;
 
 use crate::block_manager::{BlockError, BlockHash, BlockManager};
 use crate::request::{FinishReason, GenerationRequest, KvImport, SeqEvent, TokenUsage};
-use crate::sampling::{logprobs, Sampler};
+use crate::sampling::{logprobs, Sampler, TokenLogprobs};
 
 /// A sequence being scheduled.
 #[derive(Debug)]
@@ -37,6 +37,11 @@ pub(crate) struct Sequence {
     pub arrived: Instant,
     /// When the last token was sampled (inter-token latency).
     last_token_at: Option<Instant>,
+    /// Prompt log-probabilities computed so far (entry `i` scores prompt token `i + 1`);
+    /// kept across a preemption, so a recomputed prompt is not scored twice.
+    prompt_logprobs: Vec<TokenLogprobs>,
+    /// The prompt log-probabilities were sent.
+    prompt_logprobs_sent: bool,
     request: GenerationRequest,
     sampler: Sampler,
     events: mpsc::UnboundedSender<SeqEvent>,
@@ -57,6 +62,8 @@ impl Sequence {
             holds_queue_slot: true,
             arrived: Instant::now(),
             last_token_at: None,
+            prompt_logprobs: Vec::new(),
+            prompt_logprobs_sent: false,
             sampler: Sampler::for_prompt(request.sampling.clone(), &request.prompt),
             request,
             events,
@@ -76,6 +83,63 @@ impl Sequence {
     /// The KV to load, if any, without taking it.
     pub fn kv_import(&self) -> Option<&KvImport> {
         self.request.kv_import.as_ref()
+    }
+
+    /// Whether the prompt is scored (`prompt_logprobs`): the whole prompt is computed,
+    /// without prefix-cache hits.
+    pub fn scores_prompt(&self) -> bool {
+        self.request.prompt_logprobs.is_some()
+    }
+
+    /// Whether the next step over `n` new tokens must return every row's logits: the
+    /// chunk holds prompt positions whose successor is not scored yet.
+    pub fn needs_all_rows(&self) -> bool {
+        self.request.prompt_logprobs.is_some()
+            && !self.prompt_logprobs_sent
+            && self.num_computed < self.prompt_len
+            && self.prompt_logprobs.len() + 1 < self.prompt_len
+    }
+
+    /// Scores the prompt tokens that follow the positions of the step just run (one
+    /// logit row per position from `start`, `rows` of them), and returns the logits of
+    /// the step's last position.
+    pub fn score_prompt_rows<'a>(
+        &mut self,
+        logits: &'a [f32],
+        start: usize,
+        rows: usize,
+    ) -> &'a [f32] {
+        let vocab = logits.len() / rows.max(1);
+        let top = self.request.prompt_logprobs.unwrap_or(0);
+        for r in 0..rows {
+            let pos = start + r;
+            // Row `pos` predicts token `pos + 1`; entry `pos` scores it.
+            if pos + 1 < self.prompt_len && self.prompt_logprobs.len() == pos {
+                let row = &logits[r * vocab..(r + 1) * vocab];
+                let lp = logprobs(row, self.tokens[pos + 1], top);
+                self.prompt_logprobs.push(lp);
+            }
+        }
+        &logits[rows.saturating_sub(1) * vocab..]
+    }
+
+    /// Sends the prompt log-probabilities once the whole prompt is scored (the last
+    /// prompt position predicts the first generated token, not a prompt token).
+    pub fn send_prompt_logprobs(&mut self) {
+        if self.scores_prompt()
+            && !self.prompt_logprobs_sent
+            && self.prompt_logprobs.len() + 1 >= self.prompt_len
+        {
+            self.prompt_logprobs_sent = true;
+            let lps = std::mem::take(&mut self.prompt_logprobs);
+            let _ = self.events.send(SeqEvent::PromptLogprobs(lps));
+        }
+    }
+
+    /// Whether the request only scores its prompt (`max_tokens` 0): it ends once the
+    /// prompt is computed, generating nothing.
+    pub fn generates_nothing(&self) -> bool {
+        self.request.max_new_tokens == 0
     }
 
     /// Tokens generated so far.

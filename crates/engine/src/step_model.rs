@@ -10,8 +10,13 @@ use pdserve_model::{BlockId, KvStore, Model, ModelError, SequenceStep};
 pub trait StepModel: Send + 'static {
     /// Blocks in the KV pool.
     fn num_blocks(&self) -> usize;
-    /// One batched step; returns the logits of each sequence's last new token.
-    fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// One batched step; returns the logits of each sequence's last new token, or of
+    /// every new token (`tokens * vocab`) for a sequence whose `all_rows` entry is set.
+    fn forward(
+        &mut self,
+        batch: &[SequenceStep<'_>],
+        all_rows: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError>;
     /// One block's KV as bytes (for KV transfer).
     fn read_block(&self, id: BlockId) -> Vec<u8>;
     /// Overwrites one block from bytes made by `read_block`.
@@ -47,8 +52,12 @@ impl StepModel for ModelRunner {
         self.kv.num_blocks()
     }
 
-    fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.model.forward(&mut self.kv, batch)
+    fn forward(
+        &mut self,
+        batch: &[SequenceStep<'_>],
+        all_rows: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.model.forward_rows(&mut self.kv, batch, all_rows)
     }
 
     fn read_block(&self, id: BlockId) -> Vec<u8> {
@@ -107,11 +116,15 @@ pub(crate) mod fake {
             self.slots.len()
         }
 
-        fn forward(&mut self, batch: &[SequenceStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        fn forward(
+            &mut self,
+            batch: &[SequenceStep<'_>],
+            all_rows: &[bool],
+        ) -> Result<Vec<Vec<f32>>, ModelError> {
             std::thread::sleep(self.step_delay);
             self.batches.lock().unwrap().push(batch.len());
             let mut out = Vec::new();
-            for seq in batch {
+            for (seq, &all) in batch.iter().zip(all_rows) {
                 let end = seq.start_pos + seq.tokens.len();
                 if seq.block_table.len() * BLOCK_SIZE < end {
                     return Err(ModelError::Other("block table too short".into()));
@@ -129,8 +142,12 @@ pub(crate) mod fake {
                         })
                     })
                     .collect::<Result<Vec<u32>, _>>()?;
-                let mut logits = vec![0.0; VOCAB];
-                logits[next_token(&history) as usize] = 10.0;
+                let rows = if all { seq.tokens.len() } else { 1 };
+                let mut logits = vec![0.0; rows * VOCAB];
+                for r in 0..rows {
+                    let upto = end - rows + r + 1;
+                    logits[r * VOCAB + next_token(&history[..upto]) as usize] = 10.0;
+                }
                 out.push(logits);
             }
             Ok(out)

@@ -481,7 +481,9 @@ async fn bad_inputs_get_openai_shaped_errors() {
             ("/v1/chat/completions", chat("hi", json!({"logprobs": true, "top_logprobs": 50})), 400, "top_logprobs"),
             ("/v1/chat/completions", chat("hi", json!({"stream_options": {"include_usage": true}})), 400, "stream_options"),
             ("/v1/chat/completions", json!({"model": "smollm2", "messages": []}), 400, "messages"),
-            ("/v1/completions", json!({"model": "smollm2", "prompt": ["a", "b"]}), 400, "prompt"),
+            ("/v1/completions", json!({"model": "smollm2", "prompt": []}), 400, "prompt"),
+            ("/v1/completions", completion("hi", json!({"max_tokens": 0})), 400, "max_tokens"),
+            ("/v1/completions", completion("hi", json!({"echo": true, "prompt_logprobs": 21})), 400, "prompt_logprobs"),
             ("/v1/completions", json!({"model": "smollm2", "prompt": [999999]}), 400, "prompt"),
         ];
         for (path, body, status, param) in rows {

@@ -175,7 +175,7 @@ impl Model {
         kv: &mut KvStore,
         batch: &[SequenceStep],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.forward_inner(kv, batch, false)
+        self.forward_inner(kv, batch, &vec![false; batch.len()])
     }
 
     /// Like [`Model::forward`], but returns logits for every new token of every sequence
@@ -186,7 +186,26 @@ impl Model {
         kv: &mut KvStore,
         batch: &[SequenceStep],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.forward_inner(kv, batch, true)
+        self.forward_inner(kv, batch, &vec![true; batch.len()])
+    }
+
+    /// Like [`Model::forward`], but sequence `i` gets the logits of every new token when
+    /// `all_rows[i]` (`tokens * vocab`, row-major) and of its last one otherwise: only a
+    /// sequence scoring its prompt pays for the extra output-layer rows.
+    pub fn forward_rows(
+        &self,
+        kv: &mut KvStore,
+        batch: &[SequenceStep],
+        all_rows: &[bool],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if all_rows.len() != batch.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "{} row choices for {} sequences",
+                all_rows.len(),
+                batch.len()
+            )));
+        }
+        self.forward_inner(kv, batch, all_rows)
     }
 
     fn validate(&self, kv: &KvStore, batch: &[SequenceStep]) -> Result<(), ModelError> {
@@ -238,7 +257,7 @@ impl Model {
         &self,
         kv: &mut KvStore,
         batch: &[SequenceStep],
-        all_logits: bool,
+        all_logits: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         // The whole step runs on a pool worker: each of the ~150 parallel loops of a decode
         // step then starts with a steal by the other (still spinning) worker, instead of
@@ -250,7 +269,7 @@ impl Model {
         &self,
         kv: &mut KvStore,
         batch: &[SequenceStep],
-        all_logits: bool,
+        all_logits: &[bool],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         if batch.is_empty() {
             return Ok(Vec::new());
@@ -314,9 +333,9 @@ impl Model {
         // Only the rows whose logits are wanted go through the output layer.
         let mut wanted = Vec::new();
         let mut first = 0;
-        for s in batch {
+        for (s, &all) in batch.iter().zip(all_logits) {
             let len = s.tokens.len();
-            if all_logits {
+            if all {
                 wanted.extend(first..first + len);
             } else {
                 wanted.push(first + len - 1);
@@ -330,13 +349,13 @@ impl Model {
         let normed = rms_norm(&last, &self.output_norm, hidden, self.hp.rms_eps);
         let logits = self.output.forward(normed, wanted.len())?;
         let vocab = c.vocab_size;
-        if !all_logits {
+        if !all_logits.contains(&true) {
             return Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect());
         }
         let mut out = Vec::with_capacity(batch.len());
         let mut at = 0;
-        for s in batch {
-            let len = s.tokens.len() * vocab;
+        for (s, &all) in batch.iter().zip(all_logits) {
+            let len = if all { s.tokens.len() } else { 1 } * vocab;
             out.push(logits[at..at + len].to_vec());
             at += len;
         }

@@ -276,6 +276,29 @@ impl Usage {
         self.pdserve = (breakdown != PdserveUsage::default()).then_some(breakdown);
         self
     }
+
+    /// Adds `other`'s counts (the usage of a batch's answers summed, as vLLM reports one
+    /// request of several prompts).
+    pub fn add(&mut self, other: &Usage) {
+        let cached = |u: &Usage| {
+            u.prompt_tokens_details
+                .as_ref()
+                .map_or(0, |d| d.cached_tokens)
+        };
+        let sources = |u: &Usage| {
+            u.pdserve
+                .as_ref()
+                .map_or((0, 0), |p| (p.earlier_turn_tokens, p.kv_imported_tokens))
+        };
+        let (earlier, imported) = sources(self);
+        let (other_earlier, other_imported) = sources(other);
+        *self = Usage::new(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+            cached(self) + cached(other),
+        )
+        .with_sources(earlier + other_earlier, imported + other_imported);
+    }
 }
 
 /// One alternative token and its log-probability.

@@ -16,7 +16,7 @@ use pdserve_protocol::{
 };
 
 use super::body::parse_json;
-use super::prepared::{serve, session_key, Prepared, Reply};
+use super::prepared::{serve, session_key, Prepared, PromptRun, Reply};
 use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
@@ -86,7 +86,7 @@ async fn prepare(
     )?;
     let format = ChatFormat::new(app.serving.limits.served_model_name.clone());
     Ok(Prepared {
-        request,
+        prompts: vec![PromptRun::plain(request)],
         session: session_key(headers, &req.extra),
         bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
         choices,

@@ -18,9 +18,21 @@ use super::response_format::{Generation, Piece, ResponseFormat};
 pub use crate::serving::output::ChoiceOutput;
 pub use crate::serving::submission::{choice_request, Submitted};
 
-/// The usage of a whole answer from its choices' (in index order): the prompt counted
-/// once, as choice 0 saw it (its cached and imported tokens), completion tokens summed.
-pub fn merged_usage(usages: &[Usage]) -> Usage {
+/// The usage of a whole answer from its generations' (in index order), `prompts` prompts
+/// of equally many generations each: per prompt as [`prompt_usage`], summed.
+pub fn merged_usage(usages: &[Usage], prompts: usize) -> Usage {
+    let per = usages.len() / prompts.max(1);
+    let mut groups = usages.chunks(per.max(1)).map(prompt_usage);
+    let mut total = groups.next().unwrap_or_else(|| Usage::new(0, 0, 0));
+    for usage in groups {
+        total.add(&usage);
+    }
+    total
+}
+
+/// The usage of one prompt's choices: the prompt counted once, as choice 0 saw it (its
+/// cached and imported tokens), completion tokens summed.
+pub fn prompt_usage(usages: &[Usage]) -> Usage {
     let Some(first) = usages.first() else {
         return Usage::new(0, 0, 0);
     };
@@ -71,6 +83,13 @@ fn choice_events<F: ResponseFormat>(
             let mut generation = state?;
             loop {
                 let event = match generation.next().await? {
+                    Piece::Prompt(prompt) => {
+                        let chunks = each(&|i| format.prompt_chunk(i, &prompt).unwrap_or_default());
+                        if chunks.is_empty() {
+                            continue;
+                        }
+                        ChoiceEvent::Chunk(chunks)
+                    }
                     Piece::Token { text, logprob } => {
                         if text.is_empty() && logprob.is_none() {
                             continue;
@@ -128,6 +147,7 @@ pub fn stream_response<F: ResponseFormat>(
 ) -> Response {
     let format = Arc::new(format);
     let n = submitted.choices;
+    let prompts = submitted.prompts;
     let per = n / submitted.generations.len().max(1);
     let starts: Vec<Bytes> = (0..n as u32)
         .filter_map(|i| format.start_chunk(i))
@@ -163,7 +183,8 @@ pub fn stream_response<F: ResponseFormat>(
                     let mut out = BytesMut::from(&chunk[..]);
                     if include_usage {
                         let usages: Vec<Usage> = merged.usages.drain(..).flatten().collect();
-                        out.extend_from_slice(&format.usage_chunk(merged_usage(&usages)));
+                        let usage = merged_usage(&usages, prompts);
+                        out.extend_from_slice(&format.usage_chunk(usage));
                     }
                     out.extend_from_slice(sse::DONE);
                     Some((out.freeze(), None))
@@ -189,8 +210,10 @@ async fn collect_choice(
 ) -> Result<(ChoiceOutput, Usage, Option<KvTransferParams>), ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    let mut prompt = None;
     while let Some(piece) = generation.next().await {
         match piece {
+            Piece::Prompt(p) => prompt = Some(p),
             Piece::Token { text: t, logprob } => {
                 text.push_str(&t);
                 logprobs.extend(logprob);
@@ -202,6 +225,7 @@ async fn collect_choice(
                 kv_transfer_params,
             } => {
                 let output = ChoiceOutput {
+                    prompt,
                     text,
                     logprobs: want_logprobs.then_some(logprobs),
                     finish_reason,
@@ -223,6 +247,7 @@ pub async fn collect_response<F: ResponseFormat>(
     want_logprobs: bool,
 ) -> Response {
     let per = submitted.choices / submitted.generations.len().max(1);
+    let prompts = submitted.prompts;
     let runs = submitted
         .generations
         .into_iter()
@@ -240,7 +265,7 @@ pub async fn collect_response<F: ResponseFormat>(
         // Only one choice publishes KV (choice 0, or a prefill's one output).
         kv_transfer_params = kv_transfer_params.or(params);
     }
-    format.response(outputs, merged_usage(&usages), kv_transfer_params)
+    format.response(outputs, merged_usage(&usages, prompts), kv_transfer_params)
 }
 
 #[cfg(test)]
@@ -265,11 +290,14 @@ mod tests {
 
     #[test]
     fn usage_counts_the_prompt_once_and_sums_completions() {
-        let usage = merged_usage(&[
-            Usage::new(10, 4, 0).with_sources(0, 9),
-            Usage::new(10, 6, 8),
-            Usage::new(10, 1, 8),
-        ]);
+        let usage = merged_usage(
+            &[
+                Usage::new(10, 4, 0).with_sources(0, 9),
+                Usage::new(10, 6, 8),
+                Usage::new(10, 1, 8),
+            ],
+            1,
+        );
         assert_eq!(
             (
                 usage.prompt_tokens,
@@ -280,5 +308,28 @@ mod tests {
         );
         assert_eq!(usage.prompt_tokens_details.unwrap().cached_tokens, 0);
         assert_eq!(usage.pdserve.unwrap().kv_imported_tokens, 9);
+    }
+
+    #[test]
+    fn a_batch_sums_its_prompts_usages() {
+        let usage = merged_usage(
+            &[
+                Usage::new(10, 4, 0),
+                Usage::new(10, 6, 8),
+                Usage::new(7, 1, 5).with_sources(2, 0),
+                Usage::new(7, 2, 5),
+            ],
+            2,
+        );
+        assert_eq!(
+            (
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.total_tokens
+            ),
+            (17, 13, 30)
+        );
+        assert_eq!(usage.prompt_tokens_details.unwrap().cached_tokens, 5);
+        assert_eq!(usage.pdserve.unwrap().earlier_turn_tokens, 2);
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
 use http::HeaderMap;
-use pdserve_protocol::KvTransferParams;
+use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::{Map, Value};
 
 use super::chat::ChatFormat;
@@ -18,11 +18,31 @@ use super::AppState;
 use crate::handoff::Handoff;
 use crate::orchestrator::OrchestratedRequest;
 use crate::request::GenerationRequest;
+use crate::serving::{EchoPlan, PromptScores};
 
-/// A validated request with its prompt as token ids.
-pub struct Prepared {
-    /// What the scheduler runs: prompt token ids, sampling, limits.
+/// One prompt of a request: what the scheduler runs, and what the answer reports of the
+/// prompt itself (completions `echo`, prompt logprobs).
+pub struct PromptRun {
+    /// Prompt token ids, sampling, limits.
     pub request: GenerationRequest,
+    /// How the prompt is echoed or scored; `None` for neither.
+    pub echo: Option<EchoPlan>,
+}
+
+impl PromptRun {
+    /// A prompt run as it is, reporting nothing of the prompt.
+    pub fn plain(request: GenerationRequest) -> Self {
+        Self {
+            request,
+            echo: None,
+        }
+    }
+}
+
+/// A validated request with its prompt(s) as token ids.
+pub struct Prepared {
+    /// Its prompts (one, or a completions batch), answered in order.
+    pub prompts: Vec<PromptRun>,
     /// Stop strings, applied to the output text.
     pub stop: Vec<String>,
     /// The client's own `kv_transfer_params` (a proxy running the handoff itself).
@@ -128,7 +148,7 @@ pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
         Err(e) => return e.into_response(),
     };
     let Prepared {
-        request,
+        prompts,
         stop,
         model,
         choices,
@@ -136,30 +156,59 @@ pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
         reply,
         ..
     } = prepared;
-    let submitted = match handoff {
-        Handoff::Orchestrated(orchestrator) => {
-            let orchestrated = OrchestratedRequest {
-                request,
-                stop,
-                model,
-                choices,
-                session,
-                prime: reply.is_stream(),
-            };
-            orchestrator
-                .serve(&app.serving, orchestrated)
-                .await
-                .map_err(IntoResponse::into_response)
-        }
-        local => local
-            .submit(&app.serving, &app.bootstrap, request, stop, choices)
-            .await
-            .map_err(IntoResponse::into_response),
-    };
-    match submitted {
-        Ok(submitted) => reply.respond_choices(submitted).await,
-        Err(response) => response,
+    if prompts.len() > 1 && !matches!(handoff, Handoff::Local | Handoff::Orchestrated(_)) {
+        return ApiError::bad_request(
+            "a batch of prompts cannot carry kv_transfer_params or bootstrap fields \
+             (send one request per prompt)",
+        )
+        .with_param("prompt")
+        .into_response();
     }
+    // Every prompt is submitted before the answer starts; an error drops the ones
+    // already submitted, which cancels them and frees their KV.
+    let mut all = Submitted::empty();
+    for PromptRun { mut request, echo } in prompts {
+        let submitted = match handoff {
+            Handoff::Orchestrated(orchestrator) => {
+                let orchestrated = OrchestratedRequest {
+                    request,
+                    stop: stop.clone(),
+                    model: model.clone(),
+                    choices,
+                    session: session.clone(),
+                    prime: reply.is_stream(),
+                    echo,
+                };
+                orchestrator
+                    .serve(&app.serving, orchestrated)
+                    .await
+                    .map_err(IntoResponse::into_response)
+            }
+            local => {
+                // A worker loading the prompt's KV lists the prompt unscored (SGLang's
+                // decode side does so too): whoever computed it has the scores.
+                let echo = echo.map(|mut plan| {
+                    if !local.computes_prompt() {
+                        request.prompt_logprobs = None;
+                        if plan.scores == PromptScores::Computed {
+                            plan.scores = PromptScores::Unscored;
+                        }
+                    }
+                    plan
+                });
+                local
+                    .submit(&app.serving, &app.bootstrap, request, stop.clone(), choices)
+                    .await
+                    .map(|s| s.echoing(echo.as_ref()))
+                    .map_err(IntoResponse::into_response)
+            }
+        };
+        match submitted {
+            Ok(submitted) => all.append(submitted),
+            Err(response) => return response,
+        }
+    }
+    reply.respond_choices(all).await
 }
 
 #[cfg(test)]

@@ -5,13 +5,19 @@ use axum::response::Response;
 use bytes::Bytes;
 use pdserve_protocol::{KvTransferParams, Usage};
 
-pub use crate::serving::output::{ChoiceOutput, Companion, Generation, Piece, ResolvedLogprob};
+pub use crate::serving::output::{
+    ChoiceOutput, Companion, Generation, Piece, PromptEcho, ResolvedLogprob,
+};
 
 /// How one API (chat or completions) shapes its chunks and responses; `index` is the
 /// choice's (0 unless the request asked for `n` > 1).
 pub trait ResponseFormat: Send + Sync + 'static {
     /// A chunk sent before any token (chat's `role: assistant`), if the API has one.
     fn start_chunk(&self, index: u32) -> Option<Bytes>;
+    /// The chunk reporting the prompt part (completions `echo`), if the API has one.
+    fn prompt_chunk(&self, _index: u32, _prompt: &PromptEcho) -> Option<Bytes> {
+        None
+    }
     /// A chunk with one piece of text and its logprob.
     fn text_chunk(&self, index: u32, text: String, logprob: Option<ResolvedLogprob>) -> Bytes;
     /// The chunk carrying `finish_reason` (and the request's `kv_transfer_params`).

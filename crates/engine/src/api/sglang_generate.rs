@@ -434,6 +434,8 @@ impl Output {
                     progress.logprobs.extend(logprob);
                 }
                 Some(Piece::Tail(text)) => progress.text.push_str(&text),
+                // `/generate` never asks for the prompt part.
+                Some(Piece::Prompt(_)) => {}
                 Some(Piece::End {
                     finish_reason,
                     usage,
@@ -531,6 +533,7 @@ fn stream(outputs: Vec<Output>, batch: bool, started: Instant) -> Response {
                         p.text.push_str(&text);
                         tag(output.body(&p, None, started))
                     }
+                    Piece::Prompt(_) => continue,
                     Piece::End {
                         finish_reason,
                         usage,

@@ -214,6 +214,7 @@ pub fn generation_request(
         stop_token_ids,
         min_new_tokens,
         logprobs,
+        prompt_logprobs: None,
         pin_on_finish: false,
         kv_import: None,
     })

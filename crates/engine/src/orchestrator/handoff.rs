@@ -25,12 +25,14 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use tokio::task::{JoinError, JoinHandle};
 
 use super::leg::prefill_body;
-use super::{OrchestrateError, OrchestratedRequest, Orchestrator, PrefillError, PrefillWorker};
+use super::{
+    OrchestrateError, OrchestratedRequest, Orchestrator, PrefillAnswer, PrefillError, PrefillWorker,
+};
 use crate::kv::import::{import_prompt_kv, use_pulled_prompt_kv};
 use crate::kv::pull::{pull_blocks, KvPeer, RemoteBlocks};
 use crate::kv::HandoffError;
 use crate::request::GenerationRequest;
-use crate::serving::{choice_request, Companion, ServingContext, Submitted};
+use crate::serving::{choice_request, Companion, PromptScores, ServingContext, Submitted};
 
 /// Prefill leg, then the KV read, then the decode.
 pub async fn sequential(
@@ -45,10 +47,20 @@ pub async fn sequential(
         model,
         prime,
         choices,
+        echo,
         ..
     } = orchestrated;
-    let body = prefill_body(model.as_deref(), &request.prompt, None);
-    let params = orchestrator.prefill(worker, &body).await?;
+    let scored = request.prompt_logprobs.take();
+    let body = prefill_body(model.as_deref(), &request.prompt, None, scored);
+    let answer = orchestrator.prefill(worker, &body).await?;
+    let echo = echo.map(|mut plan| {
+        plan.scores = match answer.prompt_logprobs {
+            Some(scores) => PromptScores::Given(scores),
+            None => PromptScores::Unscored,
+        };
+        plan
+    });
+    let params = answer.kv_transfer_params;
     match params.as_ref().filter(|p| RemoteBlocks::named_by(p)) {
         Some(params) => import_prompt_kv(&ctx.kv, params, &mut request).await?,
         None => tracing::warn!(
@@ -57,7 +69,8 @@ pub async fn sequential(
              computing the prompt here"
         ),
     }
-    Ok(decode(ctx, request, stop, prime, None, choices).await?)
+    let submitted = decode(ctx, request, stop, prime, None, choices).await?;
+    Ok(submitted.echoing(echo.as_ref()))
 }
 
 /// The KV read starts with the prefill leg and waits for its blocks.
@@ -74,10 +87,17 @@ pub async fn concurrent(
         model,
         prime,
         choices,
+        echo,
         ..
     } = orchestrated;
+    // Never scored here (the orchestrator sends scored prompts the sequential way).
+    request.prompt_logprobs = None;
+    let echo = echo.map(|mut plan| {
+        plan.scores = PromptScores::Unscored;
+        plan
+    });
     let id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
-    let body = prefill_body(model.as_deref(), &request.prompt, Some(&id));
+    let body = prefill_body(model.as_deref(), &request.prompt, Some(&id), None);
     let mut prefill = {
         let (orchestrator, worker) = (orchestrator.clone(), worker.clone());
         AbortOnDrop(tokio::spawn(async move {
@@ -130,7 +150,8 @@ pub async fn concurrent(
                 .map_err(ApiError::from)
         }) as Companion
     });
-    Ok(decode(ctx, request, stop, prime, companion, choices).await?)
+    let submitted = decode(ctx, request, stop, prime, companion, choices).await?;
+    Ok(submitted.echoing(echo.as_ref()))
 }
 
 /// Reading the KV by the prefill's answer when the early read failed.
@@ -181,10 +202,10 @@ impl Fallback<'_> {
 }
 
 fn prefill_result(
-    joined: Result<Result<Option<KvTransferParams>, PrefillError>, JoinError>,
+    joined: Result<Result<PrefillAnswer, PrefillError>, JoinError>,
 ) -> Result<Option<KvTransferParams>, OrchestrateError> {
     match joined {
-        Ok(result) => Ok(result?),
+        Ok(result) => Ok(result?.kv_transfer_params),
         Err(e) => Err(ApiError::internal(format!("the prefill leg's task failed: {e}")).into()),
     }
 }

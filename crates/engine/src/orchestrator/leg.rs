@@ -12,6 +12,7 @@ use pdserve_protocol::{
 use serde_json::Value;
 
 use crate::kv::PUBLISH_REQUEST_ID;
+use crate::sampling::TokenLogprobs;
 
 /// Longest part of an upstream error body quoted in an error message.
 const QUOTE_LIMIT: usize = 512;
@@ -20,7 +21,14 @@ const QUOTE_LIMIT: usize = 512;
 /// publishes the KV under (concurrent handoff); `model` is the client's `model` field.
 /// Sampling fields are left out: the prefill's one token is thrown away (this worker
 /// computes the last prompt position itself and samples from its own logits).
-pub fn prefill_body(model: Option<&str>, prompt: &[u32], publish_as: Option<&str>) -> Value {
+/// With `prompt_logprobs` the prefill worker also scores the prompt (vLLM's field), as
+/// only it computes the prompt.
+pub fn prefill_body(
+    model: Option<&str>,
+    prompt: &[u32],
+    publish_as: Option<&str>,
+    prompt_logprobs: Option<usize>,
+) -> Value {
     let mut params = KvTransferParams::prefill_request();
     if let Some(id) = publish_as {
         params
@@ -37,8 +45,63 @@ pub fn prefill_body(model: Option<&str>, prompt: &[u32], publish_as: Option<&str
         extra: Default::default(),
         verbatim_numbers: Vec::new(),
     };
+    if let Some(n) = prompt_logprobs {
+        request
+            .extra
+            .insert("prompt_logprobs".into(), Value::from(n));
+    }
     shape_prefill_leg(&mut request.transport, &mut request.generation, params);
     serde_json::to_value(&request).expect("a completion request serializes")
+}
+
+/// What a prefill leg's 200 answer tells this worker.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefillAnswer {
+    /// Where its KV is (`None`: a worker that keeps no KV).
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Its `choices[0].prompt_logprobs`, when the leg asked for them: entry `i` scores
+    /// prompt token `i` (`None` for the first).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+}
+
+/// Reads vLLM's `prompt_logprobs` list against the prompt it scores: each entry's own
+/// token gives the log-probability and rank, the others (most likely first) the
+/// alternatives, capped at `top`.
+pub fn parse_prompt_logprobs(
+    value: &Value,
+    prompt: &[u32],
+    top: usize,
+) -> Option<Vec<Option<TokenLogprobs>>> {
+    let list = value.as_array()?;
+    let entries = list
+        .iter()
+        .zip(prompt)
+        .map(|(entry, &token)| {
+            let map = entry.as_object()?;
+            let mut scored: Vec<(u32, f32, u32)> = map
+                .iter()
+                .filter_map(|(id, v)| {
+                    let logprob = v.get("logprob")?.as_f64()? as f32;
+                    let rank = v.get("rank").and_then(Value::as_u64).unwrap_or(0) as u32;
+                    Some((id.parse().ok()?, logprob, rank))
+                })
+                .collect();
+            let own = *scored.iter().find(|(id, ..)| *id == token)?;
+            scored.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let top = scored
+                .iter()
+                .filter(|(id, _, rank)| *id != token || *rank as usize <= top)
+                .take(top)
+                .map(|&(id, l, _)| (id, l))
+                .collect();
+            Some(TokenLogprobs {
+                logprob: own.1,
+                top,
+                rank: own.2,
+            })
+        })
+        .collect();
+    Some(entries)
 }
 
 /// A failed prefill leg.
@@ -157,13 +220,8 @@ impl PrefillClient {
         })
     }
 
-    /// POSTs `body` to `url`'s `/v1/completions` and returns the `kv_transfer_params`
-    /// of its 200 answer (`None` when it has none: a worker that keeps no KV).
-    pub async fn send(
-        &self,
-        url: &str,
-        body: &Value,
-    ) -> Result<Option<KvTransferParams>, PrefillError> {
+    /// POSTs `body` to `url`'s `/v1/completions` and returns what its 200 answer says.
+    pub async fn send(&self, url: &str, body: &Value) -> Result<PrefillAnswer, PrefillError> {
         let exchange = async {
             let mut request = self.http.post(format!("{url}/v1/completions")).json(body);
             if let Some(key) = &self.api_key {
@@ -175,7 +233,7 @@ impl PrefillClient {
                 url: url.to_string(),
                 reason: error_chain(&e),
             })?;
-            answer(url, status, bytes)
+            answer(url, status, bytes, body)
         };
         tokio::time::timeout(self.timeout, exchange)
             .await
@@ -211,12 +269,13 @@ fn transport_error(url: &str, e: &reqwest::Error) -> PrefillError {
     }
 }
 
-/// Classifies a complete answer.
+/// Classifies a complete answer to `sent`.
 fn answer(
     url: &str,
     status: StatusCode,
     body: Bytes,
-) -> Result<Option<KvTransferParams>, PrefillError> {
+    sent: &Value,
+) -> Result<PrefillAnswer, PrefillError> {
     let url = url.to_string();
     match LegFault::of_status(status) {
         None => {}
@@ -238,12 +297,34 @@ fn answer(
     let Some(object) = answer.as_object_mut() else {
         return Err(bad("a body that is not a JSON object".into()));
     };
-    match object.remove("kv_transfer_params") {
-        None | Some(Value::Null) => Ok(None),
-        Some(params) => serde_json::from_value(params)
-            .map(Some)
-            .map_err(|e| bad(format!("malformed kv_transfer_params: {e}"))),
-    }
+    let kv_transfer_params = match object.remove("kv_transfer_params") {
+        None | Some(Value::Null) => None,
+        Some(params) => Some(
+            serde_json::from_value(params)
+                .map_err(|e| bad(format!("malformed kv_transfer_params: {e}")))?,
+        ),
+    };
+    let prompt_logprobs = match sent.get("prompt_logprobs").and_then(Value::as_u64) {
+        None => None,
+        Some(top) => {
+            let prompt: Vec<u32> = sent
+                .get("prompt")
+                .and_then(|p| serde_json::from_value(p.clone()).ok())
+                .unwrap_or_default();
+            let listed = object
+                .get("choices")
+                .and_then(|c| c.get(0))
+                .and_then(|c| c.get("prompt_logprobs"))
+                .ok_or_else(|| bad("no choices[0].prompt_logprobs for a scored prompt".into()))?;
+            let parsed = parse_prompt_logprobs(listed, &prompt, top as usize)
+                .ok_or_else(|| bad("a prompt_logprobs that is not a list".into()))?;
+            Some(parsed)
+        }
+    };
+    Ok(PrefillAnswer {
+        kv_transfer_params,
+        prompt_logprobs,
+    })
 }
 
 /// The start of `body` as text, for error messages.
@@ -263,7 +344,7 @@ mod tests {
 
     #[test]
     fn the_prefill_leg_is_a_one_token_token_id_completion() {
-        let body = prefill_body(Some("m"), &[1, 2, 3], Some("pdkv-x"));
+        let body = prefill_body(Some("m"), &[1, 2, 3], Some("pdkv-x"), None);
         assert_eq!(
             body,
             json!({
@@ -276,7 +357,7 @@ mod tests {
                 }
             })
         );
-        let body = prefill_body(None, &[7], None);
+        let body = prefill_body(None, &[7], None, None);
         assert!(body.get("model").is_none());
         assert!(body["kv_transfer_params"].get(PUBLISH_REQUEST_ID).is_none());
     }
@@ -284,17 +365,20 @@ mod tests {
     #[test]
     fn answers_are_classified() {
         let url = "http://p:1";
+        let sent = prefill_body(None, &[7], None, None);
+        let answer = |url, status, body| answer(url, status, body, &sent);
         let ok = answer(
             url,
             StatusCode::OK,
             Bytes::from(r#"{"kv_transfer_params": {"do_remote_prefill": true, "remote_port": 9}}"#),
         )
         .unwrap()
+        .kv_transfer_params
         .unwrap();
         assert!(ok.do_remote_prefill && ok.remote_port == Some(9));
         assert_eq!(
             answer(url, StatusCode::OK, Bytes::from("{}")).unwrap(),
-            None
+            PrefillAnswer::default()
         );
         let body = Bytes::from(r#"{"error": {"message": "too long"}}"#);
         match answer(url, StatusCode::BAD_REQUEST, body.clone()).unwrap_err() {
@@ -318,5 +402,27 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.outcome(), "bad_answer");
         assert_eq!(quote("x".repeat(600).as_bytes()).chars().count(), 513);
+    }
+
+    #[test]
+    fn a_scored_prefill_answer_gives_the_prompt_logprobs() {
+        let sent = prefill_body(None, &[5, 6, 7], None, Some(1));
+        assert_eq!(sent["prompt_logprobs"], 1);
+        let body = json!({"choices": [{"prompt_logprobs": [
+            null,
+            {"6": {"logprob": -2.0, "rank": 3}, "9": {"logprob": -0.5, "rank": 1}},
+            {"7": {"logprob": -0.1, "rank": 1}}
+        ]}]});
+        let got = answer("u", StatusCode::OK, Bytes::from(body.to_string()), &sent)
+            .unwrap()
+            .prompt_logprobs
+            .unwrap();
+        assert_eq!(got[0], None);
+        let second = got[1].as_ref().unwrap();
+        assert_eq!((second.logprob, second.rank), (-2.0, 3));
+        assert_eq!(second.top, vec![(9, -0.5)]);
+        assert_eq!(got[2].as_ref().unwrap().top, vec![(7, -0.1)]);
+        let e = answer("u", StatusCode::OK, Bytes::from("{}"), &sent).unwrap_err();
+        assert_eq!(e.outcome(), "bad_answer");
     }
 }

@@ -16,14 +16,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdserve_protocol::{ApiError, KvTransferParams};
+use pdserve_protocol::ApiError;
 use serde_json::Value;
 use tokio::task::JoinHandle;
 
 use crate::kv::pull::KvPeer;
 use crate::metrics::Metrics;
 use crate::request::GenerationRequest;
-use crate::serving::{ServingContext, Submitted};
+use crate::serving::{EchoPlan, ServingContext, Submitted};
 
 pub mod config;
 pub mod handoff;
@@ -33,7 +33,7 @@ pub mod pool;
 pub mod prewarm;
 
 pub use config::{prefill_url, HandoffMode, OrchestratorConfig};
-pub use leg::PrefillError;
+pub use leg::{PrefillAnswer, PrefillError};
 pub use metrics::OrchestratorMetrics;
 pub use pool::{PrefillPool, PrefillWorker};
 
@@ -89,6 +89,9 @@ pub struct OrchestratedRequest {
     /// Wait for choice 0's first piece before returning, so that an error before any
     /// output can still be answered on its own (a stream decides JSON vs SSE on it).
     pub prime: bool,
+    /// What the answer reports of the prompt; prompt scores are computed by the
+    /// prefill worker.
+    pub echo: Option<EchoPlan>,
 }
 
 impl Orchestrator {
@@ -144,8 +147,11 @@ impl Orchestrator {
         request: OrchestratedRequest,
     ) -> Result<Submitted, OrchestrateError> {
         let worker = self.pool.choose(request.session.as_deref());
+        // Prompt scores come with the prefill's answer, which the sequential handoff
+        // waits for anyway.
+        let scored = request.request.prompt_logprobs.is_some();
         match (self.config.handoff, worker.kv_peer()) {
-            (HandoffMode::Concurrent, Some(peer)) if worker.supports_awaited_reads() => {
+            (HandoffMode::Concurrent, Some(peer)) if worker.supports_awaited_reads() && !scored => {
                 handoff::concurrent(self, ctx, &worker, peer, request).await
             }
             // Until a prefill worker has answered once, where its KV service is is
@@ -155,14 +161,14 @@ impl Orchestrator {
         }
     }
 
-    /// Sends one prefill leg to `worker` and returns the `kv_transfer_params` it
-    /// answered with. Counts the outcome, learns where the worker's KV service is, and
+    /// Sends one prefill leg to `worker` and returns what it answered (its
+    /// `kv_transfer_params`, the prompt's scores if asked). Counts the outcome, learns where the worker's KV service is, and
     /// marks the worker cold when it cannot be reached (its supervisor re-warms it).
     pub async fn prefill(
         &self,
         worker: &PrefillWorker,
         body: &Value,
-    ) -> Result<Option<KvTransferParams>, PrefillError> {
+    ) -> Result<PrefillAnswer, PrefillError> {
         let started = Instant::now();
         let result = self.client.send(&worker.url, body).await;
         let outcome = match &result {
@@ -173,8 +179,9 @@ impl Orchestrator {
             .orchestrator
             .observe_prefill(&worker.url, outcome, started.elapsed());
         match &result {
-            Ok(params) => {
-                if let Some(peer) = params.as_ref().and_then(KvPeer::from_params) {
+            Ok(answer) => {
+                let params = answer.kv_transfer_params.as_ref();
+                if let Some(peer) = params.and_then(KvPeer::from_params) {
                     worker.set_kv_peer(peer);
                 }
             }

@@ -124,12 +124,13 @@ async fn warm_once(
     worker: &PrefillWorker,
     prompt: &[u32],
 ) -> Result<(), String> {
-    let body = prefill_body(None, prompt, None);
+    let body = prefill_body(None, prompt, None, None);
     let params = orchestrator
         .client
         .send(&worker.url, &body)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())?
+        .kv_transfer_params;
     let mut request = GenerationRequest::new(prompt.to_vec(), 1);
     match &params {
         Some(params) if RemoteBlocks::named_by(params) => {

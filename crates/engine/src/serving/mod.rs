@@ -5,9 +5,13 @@
 mod context;
 mod limits;
 pub mod output;
+mod prompt_echo;
 pub mod submission;
 
 pub use context::ServingContext;
 pub use limits::ModelLimits;
-pub use output::{ChoiceOutput, Companion, Generation, Piece, ResolvedLogprob};
+pub use output::{
+    ChoiceOutput, Companion, EchoPlan, Generation, Piece, PromptEcho, PromptScores, ResolvedLogprob,
+};
+pub use prompt_echo::{PromptScore, PromptToken};
 pub use submission::{choice_request, Submitted};

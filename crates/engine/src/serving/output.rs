@@ -14,6 +14,8 @@ use crate::output_text::{OutputText, TokenText};
 use crate::request::{FinishReason, PinnedKv, SeqEvent, SeqEvents};
 use crate::sampling::TokenLogprobs;
 
+pub use super::prompt_echo::{EchoPlan, PromptEcho, PromptScores};
+
 /// A token's log-probability information, with token text resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ResolvedLogprob {
@@ -34,6 +36,9 @@ pub struct ResolvedLogprob {
 /// One thing to tell the client.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
+    /// The prompt part (echoed text, prompt tokens and their log-probabilities), before
+    /// any token; only for a generation made [`Generation::echoing`].
+    Prompt(PromptEcho),
     /// Output text for one generated token (possibly empty), with its logprob if asked.
     Token {
         /// Text to append.
@@ -82,6 +87,10 @@ pub struct Generation {
     companion: Option<Companion>,
     /// A piece taken by [`Generation::prime`], returned first.
     primed: Option<Piece>,
+    /// What to report of the prompt, until it is reported.
+    echo: Option<EchoPlan>,
+    /// Bytes in front of the output text (the echoed prompt), for `text_offset`.
+    offset_base: usize,
 }
 
 /// What woke a generation waiting for its next event.
@@ -113,7 +122,28 @@ impl Generation {
             hide_kv_params: false,
             companion: None,
             primed: None,
+            echo: None,
+            offset_base: 0,
         }
+    }
+
+    /// Reports the prompt as `plan` says (a [`Piece::Prompt`] first): with
+    /// [`PromptScores::Computed`] once the scheduler scored it, otherwise at once.
+    pub fn echoing(mut self, plan: EchoPlan) -> Self {
+        self.offset_base = plan.text.as_ref().map_or(0, String::len);
+        self.echo = Some(plan);
+        self
+    }
+
+    /// The prompt piece, when the plan needs nothing from the scheduler.
+    fn ready_echo(&mut self) -> Option<Piece> {
+        if matches!(self.echo.as_ref()?.scores, PromptScores::Computed) {
+            return None;
+        }
+        let plan = self.echo.take()?;
+        Some(Piece::Prompt(
+            plan.resolve(self.ctx.model.tokenizer(), None),
+        ))
     }
 
     /// Publishes the finished sequence's pinned blocks as `publish` says (the request was
@@ -226,6 +256,9 @@ impl Generation {
         if self.done {
             return None;
         }
+        if let Some(piece) = self.ready_echo() {
+            return Some(piece);
+        }
         loop {
             let event = match self.next_event().await {
                 Wake::Event(event) => event,
@@ -257,9 +290,15 @@ impl Generation {
                     self.earlier_turn_tokens = earlier_turn_tokens;
                     self.kv_imported_tokens = kv_imported_tokens;
                 }
+                SeqEvent::PromptLogprobs(lps) => {
+                    if let Some(plan) = self.echo.take() {
+                        let tok = self.ctx.model.tokenizer();
+                        return Some(Piece::Prompt(plan.resolve(tok, Some(lps))));
+                    }
+                }
                 SeqEvent::Token { id, logprobs } => {
                     self.completion_tokens += 1;
-                    let offset = self.text.sent_len();
+                    let offset = self.offset_base + self.text.sent_len();
                     let tokenizer = self.ctx.model.tokenizer();
                     let step = self.text.push(tokenizer, id);
                     let logprob = logprobs.map(|lp| resolve(tokenizer, id, &lp, offset));
@@ -343,6 +382,8 @@ fn resolve(tok: &impl TokenText, id: u32, lp: &TokenLogprobs, offset: usize) -> 
 /// One finished choice of a non-streamed answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChoiceOutput {
+    /// The prompt part, when the request echoes or scores its prompt.
+    pub prompt: Option<PromptEcho>,
     /// The output text.
     pub text: String,
     /// Per-token logprobs, when the request asked for them.

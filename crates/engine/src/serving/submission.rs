@@ -1,6 +1,6 @@
 //! A request's choices once submitted, and the request each choice runs.
 
-use super::Generation;
+use super::{EchoPlan, Generation};
 use crate::request::GenerationRequest;
 
 /// The request for choice `index`. With a `seed`, choice `i` samples with `seed + i`
@@ -19,8 +19,11 @@ pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRe
 pub struct Submitted {
     /// The generations, in choice order.
     pub generations: Vec<Generation>,
-    /// How many choices the answer lists (`n`).
+    /// How many choices the answer lists (`n`, times the prompts of a batch).
     pub choices: usize,
+    /// How many prompts the choices answer (a batch of prompts: `choices / prompts`
+    /// choices each, in prompt order).
+    pub prompts: usize,
 }
 
 impl Submitted {
@@ -30,6 +33,44 @@ impl Submitted {
         Self {
             generations,
             choices,
+            prompts: 1,
         }
+    }
+
+    /// `n` choices answered by one generation (a prefill for a remote decode).
+    pub fn shared(generation: Generation, choices: usize) -> Self {
+        Self {
+            generations: vec![generation],
+            choices,
+            prompts: 1,
+        }
+    }
+
+    /// Nothing submitted yet (a batch's answers are appended to it).
+    pub fn empty() -> Self {
+        Self {
+            generations: Vec::new(),
+            choices: 0,
+            prompts: 0,
+        }
+    }
+
+    /// Appends the choices of the batch's next prompt.
+    pub fn append(&mut self, next: Submitted) {
+        self.generations.extend(next.generations);
+        self.choices += next.choices;
+        self.prompts += next.prompts;
+    }
+
+    /// Reports every generation's prompt as `plan` says.
+    pub fn echoing(mut self, plan: Option<&EchoPlan>) -> Self {
+        if let Some(plan) = plan {
+            self.generations = self
+                .generations
+                .into_iter()
+                .map(|g| g.echoing(plan.clone()))
+                .collect();
+        }
+        self
     }
 }
