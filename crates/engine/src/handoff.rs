@@ -12,7 +12,7 @@ use crate::kv::import::import_prompt_kv;
 use crate::kv::HandoffError;
 use crate::orchestrator::Orchestrator;
 use crate::request::GenerationRequest;
-use crate::serving::{choice_request, Generation, ServingContext, Submitted};
+use crate::serving::{choice_request, EchoPlan, Generation, ServingContext, Submitted};
 
 /// How this worker serves one request's KV.
 #[derive(Clone, Copy)]
@@ -131,9 +131,17 @@ impl<'r> Handoff<'r> {
         request: GenerationRequest,
         stop: Vec<String>,
         choices: usize,
+        echo: Option<&EchoPlan>,
     ) -> Result<Submitted, ApiError> {
+        // Echoing from the start: a primed generation's first piece is then its prompt.
+        let echoing = |generation: Generation| match echo {
+            Some(plan) => generation.echoing(plan.clone()),
+            None => generation,
+        };
         let one = |i: usize, handoff: Self| {
-            handoff.submit_one(ctx, protocol, i, choice_request(&request, i), stop.clone())
+            let submitted =
+                handoff.submit_one(ctx, protocol, i, choice_request(&request, i), stop.clone());
+            async move { submitted.await.map(echoing) }
         };
         if choices == 1 {
             return Ok(Submitted::each(vec![one(0, self).await?]));
@@ -147,7 +155,10 @@ impl<'r> Handoff<'r> {
                 // turn (which choice would it continue?).
                 let mut request = choice_request(&request, 0);
                 import_prompt_kv(&ctx.kv, params, &mut request).await?;
-                (Some(ctx.generate(request, stop.clone())?), Self::Local)
+                (
+                    Some(echoing(ctx.generate(request, stop.clone())?)),
+                    Self::Local,
+                )
             }
             Self::Local | Self::Orchestrated(_) | Self::BootstrapPrefill(_) => {
                 (Some(one(0, self).await?), self)

@@ -99,6 +99,19 @@ impl ClientRequest {
         Ok((request, conversation_id))
     }
 
+    /// A top-level number the client gave, as it wrote it: one held verbatim (see
+    /// [`OWNED_NUMBERS`]) or none.
+    pub fn verbatim_number(&self, name: &str) -> Option<&str> {
+        let verbatim = match self {
+            Self::Chat(r) => &r.verbatim_numbers,
+            Self::Completion(r) => &r.verbatim_numbers,
+        };
+        verbatim
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, text)| text.as_str())
+    }
+
     /// Sampling and length fields.
     pub fn generation_mut(&mut self) -> &mut GenerationParams {
         match self {

@@ -197,9 +197,15 @@ pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
                     plan
                 });
                 local
-                    .submit(&app.serving, &app.bootstrap, request, stop.clone(), choices)
+                    .submit(
+                        &app.serving,
+                        &app.bootstrap,
+                        request,
+                        stop.clone(),
+                        choices,
+                        echo.as_ref(),
+                    )
                     .await
-                    .map(|s| s.echoing(echo.as_ref()))
                     .map_err(IntoResponse::into_response)
             }
         };

@@ -240,6 +240,7 @@ pub async fn handle(
                     item.request,
                     item.stop,
                     samples,
+                    None,
                 )
                 .await?;
             let one = submitted.generations.len() == 1;

@@ -32,7 +32,9 @@ use crate::kv::import::{import_prompt_kv, use_pulled_prompt_kv};
 use crate::kv::pull::{pull_blocks, KvPeer, RemoteBlocks};
 use crate::kv::HandoffError;
 use crate::request::GenerationRequest;
-use crate::serving::{choice_request, Companion, PromptScores, ServingContext, Submitted};
+use crate::serving::{
+    choice_request, Companion, EchoPlan, Generation, PromptScores, ServingContext, Submitted,
+};
 
 /// Prefill leg, then the KV read, then the decode.
 pub async fn sequential(
@@ -69,8 +71,7 @@ pub async fn sequential(
              computing the prompt here"
         ),
     }
-    let submitted = decode(ctx, request, stop, prime, None, choices).await?;
-    Ok(submitted.echoing(echo.as_ref()))
+    Ok(decode(ctx, request, stop, prime, None, choices, echo).await?)
 }
 
 /// The KV read starts with the prefill leg and waits for its blocks.
@@ -150,8 +151,7 @@ pub async fn concurrent(
                 .map_err(ApiError::from)
         }) as Companion
     });
-    let submitted = decode(ctx, request, stop, prime, companion, choices).await?;
-    Ok(submitted.echoing(echo.as_ref()))
+    Ok(decode(ctx, request, stop, prime, companion, choices, echo).await?)
 }
 
 /// Reading the KV by the prefill's answer when the early read failed.
@@ -231,11 +231,17 @@ async fn decode(
     prime: bool,
     companion: Option<Companion>,
     choices: usize,
+    echo: Option<EchoPlan>,
 ) -> Result<Submitted, ApiError> {
     let import = request.kv_import.take();
     let mut first = choice_request(&request, 0);
     first.kv_import = import;
-    let mut generation = ctx.generate(first, stop.clone())?;
+    // Echoing before priming: the prompt piece is the answer's first.
+    let echoing = |generation: Generation| match &echo {
+        Some(plan) => generation.echoing(plan.clone()),
+        None => generation,
+    };
+    let mut generation = echoing(ctx.generate(first, stop.clone())?);
     if let Some(companion) = companion {
         generation = generation.with_companion(companion);
     }
@@ -245,7 +251,10 @@ async fn decode(
         }
     }
     let rest = (1..choices)
-        .map(|i| ctx.generate(choice_request(&request, i), stop.clone()))
+        .map(|i| {
+            ctx.generate(choice_request(&request, i), stop.clone())
+                .map(echoing)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let generations = std::iter::once(generation).chain(rest).collect();
     Ok(Submitted::each(generations))

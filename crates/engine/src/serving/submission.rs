@@ -1,6 +1,6 @@
 //! A request's choices once submitted, and the request each choice runs.
 
-use super::{EchoPlan, Generation};
+use super::Generation;
 use crate::request::GenerationRequest;
 
 /// The request for choice `index`. With a `seed`, choice `i` samples with `seed + i`
@@ -60,17 +60,5 @@ impl Submitted {
         self.generations.extend(next.generations);
         self.choices += next.choices;
         self.prompts += next.prompts;
-    }
-
-    /// Reports every generation's prompt as `plan` says.
-    pub fn echoing(mut self, plan: Option<&EchoPlan>) -> Self {
-        if let Some(plan) = plan {
-            self.generations = self
-                .generations
-                .into_iter()
-                .map(|g| g.echoing(plan.clone()))
-                .collect();
-        }
-        self
     }
 }

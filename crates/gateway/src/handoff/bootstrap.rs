@@ -16,7 +16,7 @@
 //! - the client goes away: dropping the body drops D's relay and aborts P's task;
 //! - a non-stream answer is returned once both have answered;
 //! - input logprobs (`return_logprob`, or `logprobs` with `echo`) wait for P and are
-//!   merged into D's answer ([`super::bootstrap_merge`]).
+//!   merged into D's answer ([`crate::legs::prompt_logprobs`]).
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -33,7 +33,7 @@ use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::bootstrap_merge::{wants_input_logprobs, PrefillLogprobs};
+use super::sglang_route::wants_input_logprobs;
 pub use super::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
 use crate::endpoint::Endpoint;
@@ -42,6 +42,7 @@ use crate::legs::answer::{
     expose_worker, json_response, relay, start_answer, stream_response, AnswerStart, BodyShape,
 };
 use crate::legs::prefill::send_prefill;
+use crate::legs::prompt_logprobs::PrefillLogprobs;
 use crate::legs::relay::split_kv_params;
 use crate::legs::retry::{with_retries, Leg};
 use crate::metrics::Metrics;

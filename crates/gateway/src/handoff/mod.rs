@@ -3,8 +3,8 @@
 //! through the encoder stage ([`crate::encoder`]) first.
 
 pub mod aggregated;
+pub mod batch;
 pub mod bootstrap;
-pub mod bootstrap_merge;
 pub mod conditional;
 pub mod epd;
 pub mod sequential;
@@ -42,19 +42,15 @@ pub async fn generate(
     let roster = state.registry.snapshot();
     match roster.routing_mode() {
         Mode::Disaggregated => {
-            let route = ctx.route_for(&request, conversation_id.as_deref());
-            if conditional::skips_prefill(state, &roster, &route) {
-                state.metrics.record_disaggregation("prefill_skipped");
-                // The decode worker's final KV handle still serves the conversation's next
-                // turn, as after a handoff.
-                return aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode)
-                    .await;
+            if let Some(prompts) = batch::split(&request) {
+                // Each prompt is routed on its own (the gateway's tokens were the first's).
+                let ctx = &RequestContext {
+                    prompt_tokens: None,
+                    ..ctx.clone()
+                };
+                return batch::serve(prompts, |one| disaggregated(state, ctx, one, None)).await;
             }
-            state.metrics.record_disaggregation("disaggregated");
-            if state.config.protocol == crate::args::Protocol::Sglang {
-                return bootstrap::serve(state, ctx, request, conversation_id).await;
-            }
-            sequential::serve(state, ctx, request, conversation_id).await
+            disaggregated(state, ctx, request, conversation_id).await
         }
         Mode::Aggregated => {
             state.metrics.record_disaggregation("aggregated");
@@ -73,4 +69,27 @@ pub async fn generate(
         ))
         .into()),
     }
+}
+
+/// Serves one request through P/D, with the protocol configured (or on the decode
+/// worker alone when the prefill can be skipped).
+async fn disaggregated(
+    state: &Arc<AppState>,
+    ctx: &RequestContext,
+    request: ClientRequest,
+    conversation_id: Option<String>,
+) -> Result<Response, Failure> {
+    let roster = state.registry.snapshot();
+    let route = ctx.route_for(&request, conversation_id.as_deref());
+    if conditional::skips_prefill(state, &roster, &route) {
+        state.metrics.record_disaggregation("prefill_skipped");
+        // The decode worker's final KV handle still serves the conversation's next
+        // turn, as after a handoff.
+        return aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode).await;
+    }
+    state.metrics.record_disaggregation("disaggregated");
+    if state.config.protocol == crate::args::Protocol::Sglang {
+        return bootstrap::serve(state, ctx, request, conversation_id).await;
+    }
+    sequential::serve(state, ctx, request, conversation_id).await
 }

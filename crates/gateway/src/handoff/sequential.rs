@@ -19,6 +19,7 @@ use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
 use crate::legs::answer::{expose_worker, forward, FinalLeg};
 use crate::legs::prefill::{prefill, prefill_body, PrefillAnswer, ReleaseOnDrop};
+use crate::legs::prompt_logprobs::{request_wants_prompt_logprobs, PrefillLogprobs};
 use crate::request::ClientRequest;
 use crate::state::AppState;
 
@@ -57,7 +58,11 @@ pub async fn serve(
     let PrefillAnswer {
         kv: handle,
         cached_tokens,
+        body: prefill_answer,
     } = answer;
+    // The decode worker lists the prompt it imported unscored: P's scores fill it.
+    let merge = request_wants_prompt_logprobs(&request)
+        .then(|| PrefillLogprobs::from_answer(&prefill_answer));
     // Until decode has answered, P's blocks are released if decode fails or the client
     // leaves (else they stay pinned until the worker's abort timeout).
     let release = ReleaseOnDrop::new(state, &prefill_worker, handle.clone(), &ctx.headers);
@@ -81,8 +86,8 @@ pub async fn serve(
     let mut response = forward(state, ctx, &route, leg).await?;
     // Decode answered: it has read the blocks.
     release.disarm();
-    if let Some(cached) = cached_tokens {
-        response = with_prefill_cached_tokens(response, stream, cached).await;
+    if cached_tokens.is_some() || merge.is_some() {
+        response = with_prefill_facts(response, stream, cached_tokens, merge).await;
     }
     if state.config.expose_routing {
         expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
@@ -101,25 +106,45 @@ fn context_limit(state: &Arc<AppState>) -> Option<u64> {
         .min()
 }
 
-/// The client's usage reports the prefill leg's `cached_tokens` (prefix-cache hits where
-/// the prompt was computed), as vllm-router does: the decode side's count is not about
-/// this prompt's computation. Non-stream: the body; stream: the usage event.
-async fn with_prefill_cached_tokens(response: Response, stream: bool, cached: u64) -> Response {
+/// What the prefill leg knows goes into D's answer: the client's usage reports the
+/// prefill leg's `cached_tokens` (prefix-cache hits where the prompt was computed), as
+/// vllm-router does (the decode side's count is not about this prompt's computation),
+/// and P's prompt logprobs fill D's. Non-stream: the body; stream: its events.
+async fn with_prefill_facts(
+    response: Response,
+    stream: bool,
+    cached: Option<u64>,
+    merge: Option<PrefillLogprobs>,
+) -> Response {
+    if !response.status().is_success() {
+        return response;
+    }
     let (parts, body) = response.into_parts();
     if stream {
         let events = body.into_data_stream().map(move |chunk| {
-            chunk.map(|c| crate::legs::relay::stream_with_cached_tokens(c, cached))
+            chunk.map(|mut c| {
+                if let Some(cached) = cached {
+                    c = crate::legs::relay::stream_with_cached_tokens(c, cached);
+                }
+                match &merge {
+                    Some(merge) => merge.merge_events(c),
+                    None => c,
+                }
+            })
         });
         return Response::from_parts(parts, axum::body::Body::from_stream(events));
     }
     // The non-stream body is already in memory (read whole by the final leg).
-    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+    let mut bytes = match axum::body::to_bytes(body, usize::MAX).await {
         Ok(bytes) => bytes,
         Err(_) => return Response::from_parts(parts, axum::body::Body::empty()),
     };
-    let bytes = match crate::legs::relay::with_cached_tokens(&bytes, cached) {
-        Some(rewritten) => Bytes::from(rewritten),
-        None => bytes,
-    };
+    if let Some(rewritten) = cached.and_then(|c| crate::legs::relay::with_cached_tokens(&bytes, c))
+    {
+        bytes = Bytes::from(rewritten);
+    }
+    if let Some(merge) = &merge {
+        bytes = merge.merge_body(bytes);
+    }
     Response::from_parts(parts, axum::body::Body::from(bytes))
 }

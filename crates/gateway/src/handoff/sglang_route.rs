@@ -2,6 +2,9 @@
 //! fields each carries.
 
 use pdserve_protocol::BootstrapShape;
+use serde_json::Value;
+
+use crate::legs::prompt_logprobs::wants_prompt_logprobs;
 
 /// The routes served with SGLang's bootstrap handoff.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,3 +30,55 @@ impl SglangRoute {
 
 /// The path (and metrics label) of SGLang's native route, on the gateway and the workers.
 pub const GENERATE_ROUTE: &str = "/generate";
+
+/// Whether a request on `route` asks for input (prompt) logprobs, so P's answer must be
+/// awaited and merged: `return_logprob` on `/generate`, the prompt's logprobs on
+/// completions ([`wants_prompt_logprobs`]).
+pub fn wants_input_logprobs(route: SglangRoute, body: &serde_json::Map<String, Value>) -> bool {
+    match route {
+        SglangRoute::Generate => match body.get("return_logprob") {
+            Some(Value::Bool(b)) => *b,
+            Some(Value::Array(items)) => items.iter().any(|v| v.as_bool() == Some(true)),
+            _ => false,
+        },
+        SglangRoute::Completions => wants_prompt_logprobs(body),
+        SglangRoute::Chat => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn only_input_logprob_requests_wait_for_prefill() {
+        let object = |v: Value| v.as_object().unwrap().clone();
+        let yes = [
+            (SglangRoute::Generate, json!({"return_logprob": true})),
+            (
+                SglangRoute::Generate,
+                json!({"return_logprob": [false, true]}),
+            ),
+            (
+                SglangRoute::Completions,
+                json!({"echo": true, "logprobs": 0}),
+            ),
+        ];
+        for (route, body) in yes {
+            assert!(wants_input_logprobs(route, &object(body.clone())), "{body}");
+        }
+        let no = [
+            (SglangRoute::Generate, json!({})),
+            (SglangRoute::Completions, json!({"logprobs": 2})),
+            (SglangRoute::Completions, json!({"echo": true})),
+            (SglangRoute::Chat, json!({"logprobs": true})),
+        ];
+        for (route, body) in no {
+            assert!(
+                !wants_input_logprobs(route, &object(body.clone())),
+                "{body}"
+            );
+        }
+    }
+}

@@ -5,6 +5,7 @@
 
 pub mod answer;
 pub mod prefill;
+pub mod prompt_logprobs;
 pub mod relay;
 pub mod retry;
 

@@ -197,6 +197,8 @@ pub struct PrefillAnswer {
     pub kv: Option<KvTransferParams>,
     /// `usage.prompt_tokens_details.cached_tokens`: P's prefix-cache hits.
     pub cached_tokens: Option<u64>,
+    /// The whole answer (its prompt logprobs are merged into D's when asked for).
+    pub body: Bytes,
 }
 
 async fn prefill_once(
@@ -210,7 +212,10 @@ async fn prefill_once(
         .client
         .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
     send_prefill(state, worker, Ok(request), None, |body| {
-        parse_prefill_answer(body)
+        parse_prefill_answer(body).map(|answer| PrefillAnswer {
+            body: body.clone(),
+            ..answer
+        })
     })
     .await
 }
@@ -261,7 +266,11 @@ fn parse_prefill_answer(body: &[u8]) -> Result<PrefillAnswer, String> {
                 .map_err(|e| format!("answered malformed kv_transfer_params: {e}"))?,
         ),
     };
-    Ok(PrefillAnswer { kv, cached_tokens })
+    Ok(PrefillAnswer {
+        kv,
+        cached_tokens,
+        body: Bytes::new(),
+    })
 }
 
 #[cfg(test)]
@@ -287,7 +296,8 @@ mod tests {
             bare,
             PrefillAnswer {
                 kv: None,
-                cached_tokens: None
+                cached_tokens: None,
+                body: Bytes::new(),
             }
         );
         for bad in [&b"[1,2]"[..], b"not json", b"{\"kv_transfer_params\":[1]}"] {

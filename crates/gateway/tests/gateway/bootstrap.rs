@@ -61,11 +61,6 @@ async fn both_legs_get_one_body_with_sglang_bootstrap_fields() {
                 json!({"messages": [{"role": "user", "content": "hi"}], "n": 3}),
                 Some(3),
             ),
-            (
-                "/v1/completions",
-                json!({"prompt": ["a", "b"], "max_tokens": 2}),
-                Some(2),
-            ),
             ("/v1/completions", json!({"prompt": "a", "n": 2}), None),
             (
                 "/generate",
@@ -119,6 +114,30 @@ async fn both_legs_get_one_body_with_sglang_bootstrap_fields() {
                     assert_eq!((rooms.len(), distinct.len()), (n, n), "{rooms:?}");
                 }
             }
+        }
+
+        // A completions batch goes as one request per prompt, each with its own room,
+        // answered as one body with the choices in prompt order.
+        let (_link, p, d, gateway) = stack(Prefill::Normal, Decode::Normal).await;
+        let body = json!({"prompt": ["a", "b"], "max_tokens": 2});
+        let response = post(&gateway, "/v1/completions", &body).await;
+        assert_eq!(response.status(), 200);
+        let answer: Value = response.json().await.unwrap();
+        let indexes: Vec<&Value> = answer["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| &c["index"])
+            .collect();
+        assert_eq!(indexes, [&json!(0), &json!(1)], "{answer}");
+        for leg in [p.requests(), d.requests()] {
+            let mut prompts: Vec<Value> = leg.iter().map(|(_, b)| b["prompt"].clone()).collect();
+            prompts.sort_by_key(|p| p.to_string());
+            assert_eq!(prompts, [json!("a"), json!("b")], "{leg:?}");
+            assert!(
+                leg.iter().all(|(_, b)| b["bootstrap_room"].is_u64()),
+                "{leg:?}"
+            );
         }
     })
     .await;

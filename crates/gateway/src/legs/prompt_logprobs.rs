@@ -1,34 +1,39 @@
-//! Input logprobs in SGLang's bootstrap handoff: only the prefill worker computed the
-//! prompt, so its input logprobs are merged into the decode worker's answer.
+//! Prompt (input) logprobs in every P/D mode: only the prefill worker computed the
+//! prompt, so its scores are merged into the decode worker's answer, which lists the
+//! prompt it imported without them.
 //!
 //! - SGLang's native format (`/generate` with `return_logprob`): P's
 //!   `meta_info.input_token_logprobs` go in front of D's, as SGLang's router does (per
 //!   item of a batch, in body and stream events alike).
-//! - OpenAI completions (`logprobs` with `echo`): a decode worker echoes the prompt
-//!   tokens without their logprobs (it never ran them); each `null` in D's
-//!   `choices[i].logprobs.token_logprobs` (and `top_logprobs`) is filled from P's entry
-//!   at the same position when both name the same token.
+//! - OpenAI completions (`logprobs` with `echo`, vLLM's `prompt_logprobs`): a decode
+//!   worker echoes the prompt tokens without their logprobs (it never ran them); each
+//!   `null` in D's `choices[i].logprobs.token_logprobs` (and `top_logprobs`) is filled
+//!   from P's entry at the same position when both name the same token, and each `null`
+//!   of D's `choices[i].prompt_logprobs` from P's.
 
 use bytes::Bytes;
 use serde_json::Value;
 
-use super::sglang_route::SglangRoute;
-use crate::legs::relay::rewrite_events;
+use super::relay::rewrite_events;
 
-/// Whether the request asks for input (prompt) logprobs, so P's answer must be awaited
-/// and merged: `return_logprob` on `/generate`, `logprobs` with `echo` on completions.
-pub fn wants_input_logprobs(route: SglangRoute, body: &serde_json::Map<String, Value>) -> bool {
-    let truthy = |key: &str| match body.get(key) {
-        Some(Value::Bool(b)) => *b,
-        Some(Value::Array(items)) => items.iter().any(|v| v.as_bool() == Some(true)),
-        _ => false,
-    };
-    match route {
-        SglangRoute::Generate => truthy("return_logprob"),
-        SglangRoute::Completions => {
-            truthy("echo") && body.get("logprobs").is_some_and(|v| !v.is_null())
+/// Whether a completions body asks for the prompt's logprobs (`echo` with `logprobs`,
+/// or vLLM's `prompt_logprobs`), so P's answer must be merged into D's.
+pub fn wants_prompt_logprobs(body: &serde_json::Map<String, Value>) -> bool {
+    let echo = body.get("echo").and_then(Value::as_bool) == Some(true);
+    let set = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+    (echo && set("logprobs")) || set("prompt_logprobs")
+}
+
+/// [`wants_prompt_logprobs`] for a parsed request: only completions score prompts.
+pub fn request_wants_prompt_logprobs(request: &crate::request::ClientRequest) -> bool {
+    // Both counts are numbers the gateway forwards as written (held verbatim).
+    let given = |name: &str| request.verbatim_number(name).is_some();
+    match request {
+        crate::request::ClientRequest::Completion(c) => {
+            (c.echo == Some(true) && (c.logprobs.is_some() || given("logprobs")))
+                || given("prompt_logprobs")
         }
-        SglangRoute::Chat => false,
+        _ => false,
     }
 }
 
@@ -111,10 +116,18 @@ impl PrefillLogprobs {
                 .answer
                 .get("choices")
                 .and_then(Value::as_array)
-                .and_then(|cs| cs.iter().find(|c| c.get("index") == Some(&index)))
-                .and_then(|c| c.get("logprobs"));
-            if let (Some(p), Some(d)) = (prefill, choice.get_mut("logprobs")) {
+                .and_then(|cs| cs.iter().find(|c| c.get("index") == Some(&index)));
+            let Some(prefill) = prefill else { continue };
+            if let (Some(p), Some(d)) = (prefill.get("logprobs"), choice.get_mut("logprobs")) {
                 fill_openai(p, d);
+            }
+            let listed = prefill.get("prompt_logprobs").and_then(Value::as_array);
+            if let (Some(p), Some(Value::Array(d))) = (listed, choice.get_mut("prompt_logprobs")) {
+                for (d, p) in d.iter_mut().zip(p) {
+                    if d.is_null() {
+                        *d = p.clone();
+                    }
+                }
             }
         }
     }
@@ -251,33 +264,29 @@ mod tests {
     }
 
     #[test]
-    fn only_input_logprob_requests_wait_for_prefill() {
+    fn vllm_prompt_logprobs_are_filled_from_prefill() {
+        let p = PrefillLogprobs::from_answer(
+            json!({"choices": [{"index": 0, "prompt_logprobs": [null, {"5": {"logprob": -1.0}}]}]})
+                .to_string()
+                .as_bytes(),
+        );
+        let d = json!({"choices": [{"index": 0, "prompt_logprobs": [null, null]}]});
+        let merged: Value =
+            serde_json::from_slice(&p.merge_body(Bytes::from(d.to_string()))).unwrap();
+        assert_eq!(
+            merged["choices"][0]["prompt_logprobs"],
+            json!([null, {"5": {"logprob": -1.0}}])
+        );
         let object = |v: Value| v.as_object().unwrap().clone();
-        let yes = [
-            (SglangRoute::Generate, json!({"return_logprob": true})),
-            (
-                SglangRoute::Generate,
-                json!({"return_logprob": [false, true]}),
-            ),
-            (
-                SglangRoute::Completions,
-                json!({"echo": true, "logprobs": 0}),
-            ),
-        ];
-        for (route, body) in yes {
-            assert!(wants_input_logprobs(route, &object(body.clone())), "{body}");
-        }
-        let no = [
-            (SglangRoute::Generate, json!({})),
-            (SglangRoute::Completions, json!({"logprobs": 2})),
-            (SglangRoute::Completions, json!({"echo": true})),
-            (SglangRoute::Chat, json!({"logprobs": true})),
-        ];
-        for (route, body) in no {
-            assert!(
-                !wants_input_logprobs(route, &object(body.clone())),
-                "{body}"
-            );
-        }
+        assert!(wants_prompt_logprobs(&object(
+            json!({"echo": true, "logprobs": 0})
+        )));
+        assert!(wants_prompt_logprobs(&object(
+            json!({"prompt_logprobs": 1})
+        )));
+        assert!(!wants_prompt_logprobs(&object(json!({"logprobs": 2}))));
+        assert!(!wants_prompt_logprobs(&object(
+            json!({"echo": true, "prompt_logprobs": null})
+        )));
     }
 }
