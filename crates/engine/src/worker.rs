@@ -322,6 +322,7 @@ impl Worker {
             health: health.clone(),
             orchestrator: orchestrator.clone(),
             bootstrap,
+            responses: Default::default(),
         });
         if let Some(orchestrator) = &orchestrator {
             kv_tasks.extend(orchestrator.spawn_prewarm(&state.serving));

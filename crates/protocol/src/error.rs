@@ -77,6 +77,11 @@ impl ApiError {
         .with_param("model")
     }
 
+    /// 404: the named object (a stored response, ...) does not exist.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
     /// 413: the body exceeds the configured limit.
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(

@@ -8,6 +8,7 @@ pub mod kv;
 pub mod kv_events;
 pub mod leg;
 pub mod openai;
+pub mod responses;
 pub mod role;
 pub mod session;
 pub mod sse;

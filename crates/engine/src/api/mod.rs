@@ -11,6 +11,8 @@ pub mod http_layers;
 mod kv_release;
 pub mod prepared;
 pub mod response_format;
+mod response_store;
+mod responses;
 pub mod sampling_fields;
 pub mod server;
 pub mod server_info;

@@ -13,6 +13,7 @@ use super::chat::ChatFormat;
 use super::choices::{collect_response, stream_response, Submitted};
 use super::completions::CompletionFormat;
 use super::response_format::Generation;
+use super::responses::ResponsesFormat;
 use super::validate::OutputOptions;
 use super::AppState;
 use crate::handoff::Handoff;
@@ -72,6 +73,7 @@ pub struct Reply {
 enum Format {
     Chat(ChatFormat),
     Completion(CompletionFormat),
+    Responses(Box<ResponsesFormat>),
 }
 
 impl Reply {
@@ -85,6 +87,14 @@ impl Reply {
         logprobs: bool,
     ) -> Self {
         Self::new(Format::Completion(format), options, logprobs)
+    }
+
+    /// A Responses answer: its stream always ends with the completed response (usage
+    /// included).
+    pub(super) fn responses(format: ResponsesFormat, options: &OutputOptions) -> Self {
+        let mut reply = Self::new(Format::Responses(Box::new(format)), options, false);
+        reply.include_usage = true;
+        reply
     }
 
     fn new(format: Format, options: &OutputOptions, logprobs: bool) -> Self {
@@ -115,6 +125,8 @@ impl Reply {
             (Format::Chat(f), false) => collect_response(generations, f, logprobs).await,
             (Format::Completion(f), true) => stream_response(generations, f, usage),
             (Format::Completion(f), false) => collect_response(generations, f, logprobs).await,
+            (Format::Responses(f), true) => stream_response(generations, *f, true),
+            (Format::Responses(f), false) => collect_response(generations, *f, false).await,
         }
     }
 }

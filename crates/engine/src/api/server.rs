@@ -26,6 +26,11 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
+        .route("/v1/responses", post(super::responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(super::responses::retrieve).delete(super::responses::delete),
+        )
         .route("/v1/models", get(models))
         // vLLM's tokenizer routes.
         .route("/tokenize", post(super::tokenize::tokenize))

@@ -17,4 +17,6 @@ pub struct AppState {
     pub orchestrator: Option<Arc<Orchestrator>>,
     /// SGLang's protocol: role, bootstrap rooms, what `/server_info` reports.
     pub bootstrap: Bootstrap,
+    /// Stored Responses-API responses (`GET /v1/responses/{id}`, `previous_response_id`).
+    pub responses: Arc<super::response_store::ResponseStore>,
 }
