@@ -133,6 +133,22 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_MAX_CONVERSATIONS", default_value = "100000")]
     pub max_conversations: NonZeroUsize,
 
+    /// Most chat/completion requests served at once; the others wait in a queue, by
+    /// priority (vLLM's `priority` field, or the `x-pdserve-priority` header; lower
+    /// first) and then arrival. 0: no limit.
+    #[arg(long, env = "PDSERVE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]
+    pub max_concurrent_requests: usize,
+
+    /// Most requests waiting for a place (with --max-concurrent-requests); past it a
+    /// request is answered 429 with Retry-After.
+    #[arg(long, env = "PDSERVE_QUEUE_SIZE", default_value_t = 256)]
+    pub queue_size: usize,
+
+    /// Longest wait for a place in seconds; past it a request is answered 408 with
+    /// Retry-After.
+    #[arg(long, env = "PDSERVE_QUEUE_TIMEOUT_SECS", default_value = "30", value_parser = parse_secs)]
+    pub queue_timeout_secs: Duration,
+
     /// Seconds an idle pooled upstream connection is kept. Must stay below the workers'
     /// keep-alive (vLLM closes idle connections after 5 s) or requests race the close.
     #[arg(long, env = "PDSERVE_UPSTREAM_IDLE_TIMEOUT_SECS", default_value = "2.5", value_parser = parse_secs)]
@@ -428,6 +444,12 @@ pub struct GatewayConfig {
     pub conversation_ttl: Duration,
     /// Capacity of the conversation cache.
     pub max_conversations: NonZeroUsize,
+    /// Requests served at once (0: no limit).
+    pub max_concurrent_requests: usize,
+    /// Requests waiting for a place at most.
+    pub queue_size: usize,
+    /// Longest wait for a place.
+    pub queue_timeout: Duration,
     /// Lifetime of an idle pooled upstream connection.
     pub upstream_idle_timeout: Duration,
     /// Limit for opening an upstream connection.
@@ -498,6 +520,9 @@ impl GatewayConfig {
             stream_idle_timeout: Duration::from_secs(120),
             conversation_ttl: Duration::from_secs(450),
             max_conversations: NonZeroUsize::new(100_000).expect("non-zero"),
+            max_concurrent_requests: 0,
+            queue_size: 256,
+            queue_timeout: Duration::from_secs(30),
             upstream_idle_timeout: Duration::from_millis(2500),
             connect_timeout: Duration::from_secs(5),
             policy: "round_robin".into(),
@@ -673,6 +698,9 @@ impl GatewayArgs {
             stream_idle_timeout: self.stream_idle_timeout_secs,
             conversation_ttl: self.conversation_ttl_secs,
             max_conversations: self.max_conversations,
+            max_concurrent_requests: self.max_concurrent_requests,
+            queue_size: self.queue_size,
+            queue_timeout: self.queue_timeout_secs,
             upstream_idle_timeout: self.upstream_idle_timeout_secs,
             connect_timeout: self.connect_timeout_secs,
             policy: self.policy.clone(),

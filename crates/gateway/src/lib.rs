@@ -10,6 +10,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod admission;
 pub mod args;
 pub mod auth;
 pub mod conversation;

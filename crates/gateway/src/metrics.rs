@@ -125,6 +125,8 @@ pub struct Metrics {
     pub kv_events: std::sync::Arc<crate::kv_events::KvEventMetrics>,
     /// The load scraper's failures.
     pub load: std::sync::Arc<crate::load::LoadMetrics>,
+    /// Overload control: queue depth, wait, rejections.
+    pub admission: std::sync::Arc<crate::admission::AdmissionMetrics>,
 }
 
 impl Default for Metrics {
@@ -301,10 +303,13 @@ impl Default for Metrics {
         let kv_events =
             std::sync::Arc::new(crate::kv_events::KvEventMetrics::register(&mut registry));
         let load = std::sync::Arc::new(crate::load::LoadMetrics::register(&mut registry));
+        let admission =
+            std::sync::Arc::new(crate::admission::AdmissionMetrics::register(&mut registry));
         Self {
             registry,
             kv_events,
             load,
+            admission,
             epd_stage_seconds,
             encoder_sub_requests,
             encoder_reencodes,

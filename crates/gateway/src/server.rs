@@ -219,6 +219,11 @@ async fn generate(
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
+        let permit =
+            match crate::admission::admit(&state.admission, &request, &ctx.client_headers).await {
+                Ok(permit) => permit,
+                Err(refused) => return Ok(refused),
+            };
         if let Some(tokenizer) = &state.tokenizer {
             if state.routing_reads_tokens
                 || crate::prompt_tokens::may_overflow(&request, state.model_lens.smallest())
@@ -226,7 +231,8 @@ async fn generate(
                 ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, &request).await;
             }
         }
-        handoff::generate(&state, &ctx, request, conversation_id).await
+        let response = handoff::generate(&state, &ctx, request, conversation_id).await?;
+        Ok(crate::admission::hold_until_sent(response, permit))
     }
     .await;
     answer(&state, &ctx, result)

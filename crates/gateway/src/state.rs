@@ -42,6 +42,8 @@ pub struct AppState {
     /// or `--disagg-threshold`); else prompts are counted only where the context-length
     /// check could need it.
     pub routing_reads_tokens: bool,
+    /// Overload control (`--max-concurrent-requests`).
+    pub admission: Arc<crate::admission::Admission>,
 }
 
 impl AppState {
@@ -77,7 +79,14 @@ impl AppState {
         };
         let routing_reads_tokens =
             config.disagg_threshold.is_some() || policies.iter().any(|p| p.reads_prompt());
+        let admission = crate::admission::Admission::new(
+            config.max_concurrent_requests,
+            config.queue_size,
+            config.queue_timeout,
+            metrics.admission.clone(),
+        );
         Ok(Self {
+            admission,
             routing_reads_tokens,
             client: WorkerClient::new(&config)?,
             conversations: Arc::new(ConversationCache::new(

@@ -18,6 +18,7 @@ mod kv_routing;
 mod load;
 mod loops;
 mod multiturn;
+mod overload;
 mod routing;
 mod sglang_double;
 
