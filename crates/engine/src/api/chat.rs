@@ -58,20 +58,7 @@ async fn prepare(
         None => 0,
     };
     let turns = chat_turns(&req.messages)?;
-    let model = app.serving.model.clone();
-    let prompt = tokio::task::spawn_blocking(move || {
-        let text = model
-            .chat_template()
-            .render(&turns, true)
-            .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}")))?;
-        model
-            .tokenizer()
-            .encode(&text, false)
-            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the messages: {e}")))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
-    app.serving.metrics.prompts_tokenized.inc();
+    let prompt = chat_prompt(app, turns).await?;
     let max_tokens = req
         .generation
         .max_completion_tokens
@@ -95,6 +82,29 @@ async fn prepare(
         reply: Reply::chat(format, &options, want_logprobs),
         stop: options.stop,
     })
+}
+
+/// `turns` rendered with the chat template (generation prompt added) and tokenized, off
+/// the async runtime; counted as a tokenized prompt.
+pub(super) async fn chat_prompt(
+    app: &Arc<AppState>,
+    turns: Vec<ChatTurn>,
+) -> Result<Vec<u32>, ApiError> {
+    let model = app.serving.model.clone();
+    let prompt = tokio::task::spawn_blocking(move || {
+        let text = model
+            .chat_template()
+            .render(&turns, true)
+            .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}")))?;
+        model
+            .tokenizer()
+            .encode(&text, false)
+            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    app.serving.metrics.prompts_tokenized.inc();
+    Ok(prompt)
 }
 
 /// The messages as the template sees them; only text content is accepted.

@@ -186,20 +186,7 @@ async fn prepare(
         });
     }
     turns.extend(conversation.iter().cloned());
-    let model = app.serving.model.clone();
-    let prompt = tokio::task::spawn_blocking(move || {
-        let text = model
-            .chat_template()
-            .render(&turns, true)
-            .map_err(|e| ApiError::bad_request(format!("cannot apply the chat template: {e}")))?;
-        model
-            .tokenizer()
-            .encode(&text, false)
-            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the input: {e}")))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
-    app.serving.metrics.prompts_tokenized.inc();
+    let prompt = super::chat::chat_prompt(app, turns).await?;
     let request = generation_request(
         prompt,
         &req.generation,
