@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use futures::stream::{BoxStream, SelectAll};
 use futures::StreamExt;
-use pdserve_protocol::{sse, ApiError, KvTransferParams, Usage};
+use pdserve_protocol::{ApiError, KvTransferParams, Usage};
 
 use super::body::sse_response;
 use super::response_format::{Generation, Piece, ResponseFormat};
@@ -186,15 +186,13 @@ pub fn stream_response<F: ResponseFormat>(
                         let usage = merged_usage(&usages, prompts);
                         out.extend_from_slice(&format.usage_chunk(usage));
                     }
-                    out.extend_from_slice(sse::DONE);
+                    out.extend_from_slice(format.end_chunk());
                     Some((out.freeze(), None))
                 }
                 ChoiceEvent::Failed(e) => {
                     tracing::warn!("stream ended by an engine error: {e}");
-                    let mut out = BytesMut::from(&sse::data_event(&e.to_json())[..]);
-                    out.extend_from_slice(sse::DONE);
                     // Returning no state drops the other choices, which cancels them.
-                    Some((out.freeze(), None))
+                    Some((format.error_chunk(&e), None))
                 }
             }
         }

@@ -29,6 +29,16 @@ pub trait ResponseFormat: Send + Sync + 'static {
     ) -> Bytes;
     /// The `stream_options.include_usage` chunk (no choices).
     fn usage_chunk(&self, usage: Usage) -> Bytes;
+    /// What ends a successful stream (`data: [DONE]`; nothing in the Responses API).
+    fn end_chunk(&self) -> &'static [u8] {
+        pdserve_protocol::sse::DONE
+    }
+    /// The events that end a stream with `error`.
+    fn error_chunk(&self, error: &pdserve_protocol::ApiError) -> Bytes {
+        let mut out = pdserve_protocol::sse::data_event(&error.to_json()).to_vec();
+        out.extend_from_slice(pdserve_protocol::sse::DONE);
+        Bytes::from(out)
+    }
     /// The non-streaming response, with `choices` in index order.
     fn response(
         &self,

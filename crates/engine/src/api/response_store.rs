@@ -20,6 +20,9 @@ pub struct StoredResponse {
     /// The conversation up to and including this response's output (instructions
     /// left out: they do not carry over to the next turn).
     pub turns: Vec<ChatTurn>,
+    /// The chain's first response id: the session key of every turn (an orchestrator
+    /// sends a session's prefills to the same prefill worker).
+    pub root: String,
 }
 
 /// The worker's stored responses.
@@ -73,6 +76,7 @@ mod tests {
         let stored = |n: i64| StoredResponse {
             body: Value::from(n),
             turns: Vec::new(),
+            root: String::new(),
         };
         store.put("a".into(), stored(1));
         store.put("b".into(), stored(2));

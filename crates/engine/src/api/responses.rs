@@ -167,14 +167,14 @@ async fn prepare(
     check_model(req.model.as_deref(), &app.serving.limits)?;
     check_responses_unsupported(&req)?;
     let options = output_options(&req.transport, &req.generation)?;
-    let mut conversation = match &req.previous_response_id {
-        None => Vec::new(),
+    let (mut conversation, root) = match &req.previous_response_id {
+        None => (Vec::new(), None),
         Some(id) => {
             let stored = app.responses.get(id).ok_or_else(|| {
                 ApiError::not_found(format!("Previous response with id '{id}' not found."))
                     .with_param("previous_response_id")
             })?;
-            stored.turns
+            (stored.turns, Some(stored.root))
         }
     };
     conversation.extend(input_turns(&req.input)?);
@@ -203,10 +203,17 @@ async fn prepare(
         .store
         .unwrap_or(true)
         .then(|| (app.responses.clone(), conversation));
-    let format = ResponsesFormat::new(app.serving.limits.served_model_name.clone(), &req, store);
+    let format = ResponsesFormat::new(
+        app.serving.limits.served_model_name.clone(),
+        &req,
+        store,
+        root,
+    );
+    // A chain is one session: its first response's id names it.
+    let session = session_key(headers, &req.extra).or_else(|| Some(format.root.clone()));
     Ok(Prepared {
         prompts: vec![PromptRun::plain(request)],
-        session: session_key(headers, &req.extra),
+        session,
         bootstrap: crate::bootstrap::fields(&req.transport, 1)?,
         choices: 1,
         kv_transfer_params: req.transport.kv_transfer_params,
@@ -228,6 +235,8 @@ struct Progress {
 /// How Responses answers are shaped, and where they are stored.
 pub(super) struct ResponsesFormat {
     id: String,
+    /// The chain's first response id (this one's, on a first turn).
+    root: String,
     message_id: String,
     created_at: u64,
     model: String,
@@ -243,8 +252,10 @@ impl ResponsesFormat {
         model: String,
         req: &ResponsesRequest,
         store: Option<(Arc<ResponseStore>, Vec<ChatTurn>)>,
+        root: Option<String>,
     ) -> Self {
         let hex = || uuid::Uuid::new_v4().simple().to_string();
+        let id = format!("resp_{}", hex());
         let settings = json!({
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -259,7 +270,8 @@ impl ResponsesFormat {
             "text": {"format": {"type": "text"}},
         });
         Self {
-            id: format!("resp_{}", hex()),
+            root: root.unwrap_or_else(|| id.clone()),
+            id,
             message_id: format!("msg_{}", hex()),
             created_at: unix_now(),
             model,
@@ -273,17 +285,22 @@ impl ResponsesFormat {
         self.progress.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The output message item.
-    fn message(&self, text: &str, done: bool) -> Value {
-        let content = if done {
+    /// The output message item: in progress (`finish_reason` none yet), or done.
+    fn message(&self, text: &str, finish_reason: Option<&str>) -> Value {
+        let content = if finish_reason.is_some() {
             json!([{"type": "output_text", "text": text, "annotations": []}])
         } else {
             json!([])
         };
+        let status = match finish_reason {
+            None => "in_progress",
+            Some("length") => "incomplete",
+            Some(_) => "completed",
+        };
         json!({
             "type": "message",
             "id": self.message_id,
-            "status": if done { "completed" } else { "in_progress" },
+            "status": status,
             "role": "assistant",
             "content": content,
         })
@@ -316,7 +333,7 @@ impl ResponsesFormat {
             if incomplete {
                 object["incomplete_details"] = json!({"reason": "max_output_tokens"});
             }
-            object["output"] = json!([self.message(text, true)]);
+            object["output"] = json!([self.message(text, Some(finish_reason))]);
             object["usage"] = responses_usage(usage);
         }
         if let (Some(map), Some(settings)) = (object.as_object_mut(), self.settings.as_object()) {
@@ -342,7 +359,8 @@ impl ResponsesFormat {
         if let Some(map) = body.as_object_mut() {
             map.remove("kv_transfer_params");
         }
-        store.put(self.id.clone(), StoredResponse { body, turns });
+        let root = self.root.clone();
+        store.put(self.id.clone(), StoredResponse { body, turns, root });
     }
 
     /// One streaming event: `event:` its type, `data:` the object with `type` and
@@ -377,7 +395,7 @@ impl ResponseFormat for ResponsesFormat {
         let object = self.object(None, None);
         out.extend(self.event(&mut p, "response.created", json!({"response": object})));
         out.extend(self.event(&mut p, "response.in_progress", json!({"response": object})));
-        let item = self.message("", false);
+        let item = self.message("", None);
         out.extend(self.event(
             &mut p,
             "response.output_item.added",
@@ -425,7 +443,7 @@ impl ResponseFormat for ResponsesFormat {
         out.extend(self.event(
             &mut p,
             "response.output_item.done",
-            json!({"output_index": 0, "item": self.message(&text, true)}),
+            json!({"output_index": 0, "item": self.message(&text, Some(finish_reason))}),
         ));
         Bytes::from(out)
     }
@@ -442,6 +460,22 @@ impl ResponseFormat for ResponsesFormat {
             "response.completed"
         };
         Bytes::from(self.event(&mut p, kind, json!({"response": object})))
+    }
+
+    fn end_chunk(&self) -> &'static [u8] {
+        // The Responses stream ends with its response.completed event.
+        b""
+    }
+
+    fn error_chunk(&self, error: &ApiError) -> Bytes {
+        let mut p = self.progress();
+        let detail = &error.body.error;
+        let data = json!({
+            "code": detail.code.clone().unwrap_or_else(|| json!(detail.kind)),
+            "message": detail.message,
+            "param": detail.param,
+        });
+        Bytes::from(self.event(&mut p, "error", data))
     }
 
     fn response(
