@@ -91,6 +91,7 @@ fn main() {
             conversation_id: None,
             tokens: None,
             notes: None,
+            prefer: None,
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

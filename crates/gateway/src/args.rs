@@ -133,6 +133,13 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_MAX_CONVERSATIONS", default_value = "100000")]
     pub max_conversations: NonZeroUsize,
 
+    /// Most stored Responses (`/v1/responses`) the gateway remembers: which worker holds
+    /// each, and its conversation, which a later turn's prefill worker is sent in full.
+    /// The least recently used is forgotten first; a forgotten one is found again by
+    /// asking the workers, and its next turn is served by its worker alone.
+    #[arg(long, env = "PDSERVE_MAX_STORED_RESPONSES", default_value = "16384")]
+    pub max_stored_responses: NonZeroUsize,
+
     /// Most chat/completion requests served at once; the others wait in a queue, by
     /// priority (vLLM's `priority` field, or the `x-pdserve-priority` header; lower
     /// first) and then arrival. 0: no limit.
@@ -444,6 +451,8 @@ pub struct GatewayConfig {
     pub conversation_ttl: Duration,
     /// Capacity of the conversation cache.
     pub max_conversations: NonZeroUsize,
+    /// Capacity of the Responses chain store.
+    pub max_stored_responses: NonZeroUsize,
     /// Requests served at once (0: no limit).
     pub max_concurrent_requests: usize,
     /// Requests waiting for a place at most.
@@ -520,6 +529,7 @@ impl GatewayConfig {
             stream_idle_timeout: Duration::from_secs(120),
             conversation_ttl: Duration::from_secs(450),
             max_conversations: NonZeroUsize::new(100_000).expect("non-zero"),
+            max_stored_responses: NonZeroUsize::new(16_384).expect("non-zero"),
             max_concurrent_requests: 0,
             queue_size: 256,
             queue_timeout: Duration::from_secs(30),
@@ -698,6 +708,7 @@ impl GatewayArgs {
             stream_idle_timeout: self.stream_idle_timeout_secs,
             conversation_ttl: self.conversation_ttl_secs,
             max_conversations: self.max_conversations,
+            max_stored_responses: self.max_stored_responses,
             max_concurrent_requests: self.max_concurrent_requests,
             queue_size: self.queue_size,
             queue_timeout: self.queue_timeout_secs,

@@ -7,6 +7,8 @@ pub enum Endpoint {
     Chat,
     /// `/v1/completions`.
     Completions,
+    /// `/v1/responses` (OpenAI's Responses API).
+    Responses,
 }
 
 impl Endpoint {
@@ -15,6 +17,7 @@ impl Endpoint {
         match self {
             Self::Chat => "/v1/chat/completions",
             Self::Completions => "/v1/completions",
+            Self::Responses => "/v1/responses",
         }
     }
 }

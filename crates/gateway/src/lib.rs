@@ -34,6 +34,7 @@ pub mod prompt_tokens;
 pub mod readiness;
 pub mod registry;
 pub mod request;
+pub mod responses;
 pub mod server;
 pub mod state;
 pub mod tokenize;

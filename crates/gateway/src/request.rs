@@ -77,6 +77,12 @@ impl ClientRequest {
             Endpoint::Completions => {
                 serde_json::from_value(Value::Object(fields)).map(Self::Completion)
             }
+            // Its own body type (crate::responses); never parsed as one of these.
+            Endpoint::Responses => {
+                return Err(ApiError::bad_request(
+                    "a Responses body is not a chat or completion request",
+                ))
+            }
         }
         .map_err(json_error)?;
         *request.verbatim_numbers_mut() = verbatim;
@@ -198,7 +204,7 @@ pub fn append_verbatim(bytes: &mut Vec<u8>, verbatim: &[(String, String)]) {
 }
 
 /// A 400 that says whether the JSON was malformed or had a wrong field.
-fn json_error(e: serde_json::Error) -> ApiError {
+pub(crate) fn json_error(e: serde_json::Error) -> ApiError {
     use serde_json::error::Category;
     match e.classify() {
         Category::Syntax | Category::Eof | Category::Io => {

@@ -37,6 +37,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route(GENERATE_ROUTE, post(sglang_generate))
+        .route("/v1/responses", post(crate::responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::retrieve).delete(crate::responses::delete),
+        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(crate::tokenize::tokenize))
         .route("/detokenize", post(crate::tokenize::detokenize))
@@ -219,23 +224,34 @@ async fn generate(
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
-        let permit =
-            match crate::admission::admit(&state.admission, &request, &ctx.client_headers).await {
-                Ok(permit) => permit,
-                Err(refused) => return Ok(refused),
-            };
-        if let Some(tokenizer) = &state.tokenizer {
-            if state.routing_reads_tokens
-                || crate::prompt_tokens::may_overflow(&request, state.model_lens.smallest())
-            {
-                ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, &request).await;
-            }
-        }
+        let permit = match admit_and_count(&state, &mut ctx, &request).await {
+            Ok(permit) => permit,
+            Err(refused) => return Ok(refused),
+        };
         let response = handoff::generate(&state, &ctx, request, conversation_id).await?;
         Ok(crate::admission::hold_until_sent(response, permit))
     }
     .await;
     answer(&state, &ctx, result)
+}
+
+/// What every generation route does before routing: admission (past
+/// `--max-concurrent-requests` the request waits, or is refused with the returned
+/// answer), then the prompt's token ids where routing or the length check reads them.
+pub(crate) async fn admit_and_count(
+    state: &AppState,
+    ctx: &mut RequestContext,
+    request: &ClientRequest,
+) -> Result<crate::admission::Permit, Response> {
+    let permit = crate::admission::admit(&state.admission, request, &ctx.client_headers).await?;
+    if let Some(tokenizer) = &state.tokenizer {
+        if state.routing_reads_tokens
+            || crate::prompt_tokens::may_overflow(request, state.model_lens.smallest())
+        {
+            ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, request).await;
+        }
+    }
+    Ok(permit)
 }
 
 /// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D
@@ -276,7 +292,7 @@ async fn sglang_generate(
         state.metrics.record_disaggregation("disaggregated");
         let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
         let shape = SglangRoute::Generate;
-        handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route).await
+        handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route, None).await
     }
     .await;
     answer(&state, &ctx, result)
@@ -284,7 +300,11 @@ async fn sglang_generate(
 
 /// The client's answer to a generation request, with its failure logged and both
 /// counted: every generation route ends here.
-fn answer(state: &AppState, ctx: &RequestContext, result: Result<Response, Failure>) -> Response {
+pub(crate) fn answer(
+    state: &AppState,
+    ctx: &RequestContext,
+    result: Result<Response, Failure>,
+) -> Response {
     let response = match result {
         Ok(response) => response,
         Err(failure) => {

@@ -28,6 +28,8 @@ pub struct AppState {
     pub client: WorkerClient,
     /// Decode KV handles kept for conversations' next turns.
     pub conversations: Arc<ConversationCache>,
+    /// The stored Responses this gateway relayed: their workers and conversations.
+    pub responses: Arc<crate::responses::ResponseChains>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The workers' context lengths, for the length check before prefill.
@@ -92,6 +94,9 @@ impl AppState {
             conversations: Arc::new(ConversationCache::new(
                 config.max_conversations,
                 config.conversation_ttl,
+            )),
+            responses: Arc::new(crate::responses::ResponseChains::new(
+                config.max_stored_responses,
             )),
             registry,
             policies,
@@ -181,6 +186,11 @@ fn choose(
     candidates: &[Arc<Worker>],
     route: &RouteRequest<'_>,
 ) -> Option<Arc<Worker>> {
+    if let Some(prefer) = route.prefer {
+        if let Some(worker) = candidates.iter().find(|w| w.base == prefer) {
+            return Some(worker.clone());
+        }
+    }
     let Some(notes) = route.notes else {
         return policy.select(role, candidates, route);
     };

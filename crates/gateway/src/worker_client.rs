@@ -155,6 +155,11 @@ impl WorkerClient {
         self.with_headers(self.client.get(url.clone()), headers)
     }
 
+    /// A DELETE to `url` with the forwarded headers.
+    pub fn delete(&self, url: &Url, headers: &ForwardHeaders) -> RequestBuilder {
+        self.with_headers(self.client.delete(url.clone()), headers)
+    }
+
     fn with_headers(&self, builder: RequestBuilder, headers: &ForwardHeaders) -> RequestBuilder {
         let mut builder = builder.header(X_REQUEST_ID, headers.request_id.clone());
         if let Some(hops) = &headers.hops {

@@ -23,10 +23,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use axum::response::Response;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::{FutureExt, Stream, StreamExt};
-use pdserve_protocol::sse::{data_event, DONE};
 use pdserve_protocol::{ApiError, WorkerRole};
 use reqwest::Url;
 use serde_json::{Map, Value};
@@ -43,7 +42,9 @@ use crate::legs::answer::{
 };
 use crate::legs::prefill::send_prefill;
 use crate::legs::prompt_logprobs::PrefillLogprobs;
-use crate::legs::relay::split_kv_params;
+use crate::legs::relay::{
+    edit_response_body, split_kv_params, AnswerSink, ResponseObjects, StreamDialect,
+};
 use crate::legs::retry::{with_retries, Leg};
 use crate::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
@@ -62,6 +63,7 @@ pub async fn serve(
     let route = match ctx.endpoint {
         Endpoint::Chat => SglangRoute::Chat,
         Endpoint::Completions => SglangRoute::Completions,
+        Endpoint::Responses => SglangRoute::Responses,
     };
     let body = match serde_json::from_slice::<Value>(&request.to_body()) {
         Ok(Value::Object(map)) => map,
@@ -73,7 +75,7 @@ pub async fn serve(
         ClientRequest::Completion(r) => r.verbatim_numbers.clone(),
     };
     let routing = ctx.route_for(&request, conversation_id.as_deref());
-    serve_body(state, ctx, route, body, verbatim, &routing).await
+    serve_body(state, ctx, route, body, verbatim, &routing, None).await
 }
 
 /// What every attempt of one request sends.
@@ -84,6 +86,8 @@ struct Plan {
     verbatim: Vec<(String, String)>,
     stream: bool,
     input_logprobs: bool,
+    /// A Responses answer's edits.
+    responses: Option<Arc<dyn ResponseObjects>>,
 }
 
 /// Runs attempts on fresh P/D pairs while nothing reached the client and the failure is
@@ -95,10 +99,12 @@ pub(crate) async fn serve_body(
     body: Map<String, Value>,
     verbatim: Vec<(String, String)>,
     routing: &RouteRequest<'_>,
+    responses: Option<Arc<dyn ResponseObjects>>,
 ) -> Result<Response, Failure> {
     let plan = Plan {
         route,
         verbatim,
+        responses,
         stream: body.get("stream").and_then(Value::as_bool) == Some(true),
         input_logprobs: wants_input_logprobs(route, &body),
         body,
@@ -159,6 +165,10 @@ async fn attempt(
     // have to be reassembled); the rooms are the same.
     let prefill_body = if plan.input_logprobs && plan.stream {
         body.insert("stream".into(), Value::Bool(false));
+        encode(&body)
+    } else if plan.route == SglangRoute::Responses {
+        // P's answer is one token no client will ask for again.
+        body.insert("store".into(), Value::Bool(false));
         encode(&body)
     } else {
         decode_body.clone()
@@ -232,7 +242,10 @@ async fn attempt(
             if let Some(e) = p_leg.failure().await {
                 return Err(e);
             }
-            let (body, _) = split_kv_params(body);
+            let body = match &plan.responses {
+                Some(objects) => edit_response_body(body, objects.as_ref(), &decode.base),
+                None => split_kv_params(body).0,
+            };
             let body = match merge {
                 Some(merge) => merge.merge_body(body),
                 None => body,
@@ -244,8 +257,10 @@ async fn attempt(
             json_response(body)
         }
         AnswerStart::Stream(head) => {
-            let (content_type, relay) = relay(state, ctx, &decode, d_in_flight, head, None);
+            let sink = plan.responses.clone().map(AnswerSink::Responses);
+            let (content_type, relay) = relay(state, ctx, &decode, d_in_flight, head, sink);
             let attached = Attached {
+                dialect: plan.route.dialect(),
                 relay: Some(relay.into_stream().boxed()),
                 prefill: p_leg.is_pending().then_some(p_leg),
                 merge,
@@ -300,6 +315,7 @@ fn leg_request(
     let url = match route {
         SglangRoute::Chat => worker.url(Endpoint::Chat),
         SglangRoute::Completions => worker.url(Endpoint::Completions),
+        SglangRoute::Responses => worker.url(Endpoint::Responses),
         SglangRoute::Generate => {
             generate_url = Url::parse(&format!("{}{GENERATE_ROUTE}", worker.base))
                 .map_err(|e| format!("has no /generate URL: {e}"))?;
@@ -447,6 +463,8 @@ struct Attached {
     held: Option<Bytes>,
     /// Whether everything sent so far ends at an event boundary.
     at_boundary: bool,
+    /// How the stream ends and fails.
+    dialect: StreamDialect,
     metrics: Arc<Metrics>,
 }
 
@@ -505,7 +523,7 @@ impl Attached {
                 None => chunk,
             };
             if self.prefill.is_some() {
-                if let Some(at) = done_line(&chunk) {
+                if let Some(at) = self.dialect.end_at(&chunk) {
                     if memchr::memmem::find(&chunk[..at], b"data: {\"error\"").is_some() {
                         // D failed: its error ends the stream, and P is no longer needed.
                         self.prefill = None;
@@ -541,19 +559,8 @@ impl Attached {
             ApiError::bad_gateway(message)
         };
         self.metrics.inc_stream_errors();
-        let mut out = BytesMut::new();
-        if !self.at_boundary {
-            out.extend_from_slice(b"\n");
-        }
-        out.extend_from_slice(&data_event(&error.to_json()));
-        out.extend_from_slice(DONE);
-        out.freeze()
+        self.dialect.error_tail(&error, self.at_boundary)
     }
-}
-
-/// Where a `data: [DONE]` line starts in `chunk`.
-fn done_line(chunk: &[u8]) -> Option<usize> {
-    memchr::memmem::find_iter(chunk, b"data: [DONE]").find(|&at| at == 0 || chunk[at - 1] == b'\n')
 }
 
 fn ends_event(chunk: &[u8]) -> bool {
@@ -577,8 +584,21 @@ mod tests {
 
     #[test]
     fn done_is_found_only_at_a_line_start() {
+        let done_line = |chunk: &[u8]| StreamDialect::Chat.end_at(chunk);
         assert_eq!(done_line(b"data: {}\n\ndata: [DONE]\n\n"), Some(10));
         assert_eq!(done_line(b"data: [DONE]\n\n"), Some(0));
         assert_eq!(done_line(b"data: {\"t\":\"data: [DONE]\"}\n\n"), None);
+        let responses = |chunk: &[u8]| StreamDialect::Responses.end_at(chunk);
+        let delta = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"response.completed\"}\n\n";
+        assert_eq!(responses(delta), None);
+        let mut both = delta.to_vec();
+        both.extend_from_slice(
+            b"event: response.completed\ndata: {\"type\":\"response.completed\"}\n\n",
+        );
+        assert_eq!(responses(&both), Some(delta.len()));
+        assert_eq!(
+            responses(b"data: {\"type\":\"response.incomplete\",\"response\":{}}\n\n"),
+            Some(0)
+        );
     }
 }

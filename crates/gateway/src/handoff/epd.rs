@@ -146,6 +146,7 @@ pub async fn serve(
                         conversation_id: None,
                         dp_rank: rank,
                         reencode_on_500: true,
+                        responses: None,
                     };
                     let started = Instant::now();
                     match forward_once(state, ctx, &leg, &consumer).await {
@@ -213,6 +214,7 @@ pub async fn serve(
             conversation_id: conversation_id.clone(),
             dp_rank: None,
             reencode_on_500: true,
+            responses: None,
         };
         let started = Instant::now();
         match forward_once(state, ctx, &leg, &decode).await {

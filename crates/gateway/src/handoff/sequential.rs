@@ -80,6 +80,7 @@ pub async fn serve(
         conversation_id: conversation_id.clone(),
         dp_rank: None,
         reencode_on_500: false,
+        responses: None,
     };
     let stream = leg.stream;
     let route = ctx.route_for(&request, conversation_id.as_deref());
@@ -97,7 +98,7 @@ pub async fn serve(
 
 /// The smallest context length known among the live decode and prefill workers (their
 /// `/v1/models` is fetched on first sight; until then no check).
-fn context_limit(state: &Arc<AppState>) -> Option<u64> {
+pub(crate) fn context_limit(state: &Arc<AppState>) -> Option<u64> {
     let roster = state.registry.snapshot();
     [WorkerRole::Decode, WorkerRole::Prefill]
         .into_iter()

@@ -15,15 +15,26 @@ pub enum SglangRoute {
     Completions,
     /// SGLang's native `/generate`.
     Generate,
+    /// `/v1/responses`.
+    Responses,
 }
 
 impl SglangRoute {
     /// How the route's body carries the bootstrap fields.
     pub fn shape(self) -> BootstrapShape {
         match self {
-            Self::Chat => BootstrapShape::Chat,
+            // One room at the top level, as a chat request with `n` 1 has it.
+            Self::Chat | Self::Responses => BootstrapShape::Chat,
             Self::Completions => BootstrapShape::Completion,
             Self::Generate => BootstrapShape::Generate,
+        }
+    }
+
+    /// How the route's streams end and fail.
+    pub fn dialect(self) -> crate::legs::relay::StreamDialect {
+        match self {
+            Self::Responses => crate::legs::relay::StreamDialect::Responses,
+            _ => crate::legs::relay::StreamDialect::Chat,
         }
     }
 }
@@ -42,7 +53,7 @@ pub fn wants_input_logprobs(route: SglangRoute, body: &serde_json::Map<String, V
             _ => false,
         },
         SglangRoute::Completions => wants_prompt_logprobs(body),
-        SglangRoute::Chat => false,
+        SglangRoute::Chat | SglangRoute::Responses => false,
     }
 }
 

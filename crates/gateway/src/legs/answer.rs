@@ -18,7 +18,9 @@ use super::{
     X_PDSERVE_PREFILL_CACHE, X_PDSERVE_WORKER, X_PDSERVE_WORKER_CACHE,
 };
 use crate::error::Failure;
-use crate::legs::relay::{split_kv_params, ByteStream, ConversationSink, Relay};
+use crate::legs::relay::{
+    edit_response_body, split_kv_params, AnswerSink, ByteStream, Relay, ResponseObjects,
+};
 use crate::legs::retry::{with_retries, Leg};
 use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
@@ -36,6 +38,8 @@ pub struct FinalLeg {
     pub stream: bool,
     /// The conversation whose next turn gets this leg's final KV params.
     pub conversation_id: Option<String>,
+    /// A Responses answer's edits (and where its finished response is kept).
+    pub responses: Option<Arc<dyn ResponseObjects>>,
     /// The data-parallel rank to name instead of the worker's own rotation (the replica
     /// the encoders published this request's embeddings to).
     pub dp_rank: Option<u32>,
@@ -161,10 +165,16 @@ async fn send_leg(
         AnswerStart::Body(body) => {
             // The decode side's KV handle names internal hosts and blocks: kept for the
             // conversation's next turn when there is one, never shown to the client.
-            let (body, kv) = split_kv_params(body);
-            if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
-                state.conversations.put(conversation, kv);
-            }
+            let body = match &leg.responses {
+                Some(objects) => edit_response_body(body, objects.as_ref(), &worker.base),
+                None => {
+                    let (body, kv) = split_kv_params(body);
+                    if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {
+                        state.conversations.put(conversation, kv);
+                    }
+                    body
+                }
+            };
             if let Some(mut in_flight) = in_flight.take() {
                 in_flight.set_outcome(RequestOutcome::Success);
             }
@@ -174,14 +184,20 @@ async fn send_leg(
             Ok(json_response(body))
         }
         AnswerStart::Stream(head) => {
-            let conversation = leg.conversation_id.clone().map(|id| ConversationSink {
-                cache: state.conversations.clone(),
-                id,
-            });
+            let sink = match &leg.responses {
+                Some(objects) => Some(AnswerSink::Responses(objects.clone())),
+                None => leg
+                    .conversation_id
+                    .clone()
+                    .map(|id| AnswerSink::Conversation {
+                        cache: state.conversations.clone(),
+                        id,
+                    }),
+            };
             let in_flight = in_flight
                 .take()
                 .unwrap_or_else(|| state.start_request(worker.clone()));
-            let (content_type, relay) = relay(state, ctx, &worker, in_flight, head, conversation);
+            let (content_type, relay) = relay(state, ctx, &worker, in_flight, head, sink);
             Ok(stream_response(content_type, relay.into_stream()))
         }
     }
@@ -254,7 +270,7 @@ pub(crate) fn relay(
     worker: &Worker,
     in_flight: InFlight,
     head: StreamHead,
-    conversation: Option<ConversationSink>,
+    sink: Option<AnswerSink>,
 ) -> (HeaderValue, Relay) {
     let StreamHead {
         content_type,
@@ -267,7 +283,7 @@ pub(crate) fn relay(
         upstream,
         decoded_elsewhere,
         idle_timeout: state.config.stream_idle_timeout,
-        conversation,
+        sink,
         metrics: state.metrics.clone(),
         route: ctx.route,
         started: ctx.started,

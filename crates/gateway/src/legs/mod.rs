@@ -78,6 +78,7 @@ impl RequestContext {
             conversation_id,
             tokens: self.prompt_tokens.as_deref(),
             notes: self.routing_notes.as_deref(),
+            prefer: None,
         }
     }
 }

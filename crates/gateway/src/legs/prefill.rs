@@ -230,10 +230,11 @@ struct PrefillFields<'a> {
     usage: Option<&'a RawValue>,
 }
 
-/// `usage.prompt_tokens_details.cached_tokens`, read leniently: any other shape is no count.
+/// `usage.prompt_tokens_details.cached_tokens` (`input_tokens_details` in a Responses
+/// answer), read leniently: any other shape is no count.
 #[derive(serde::Deserialize)]
 struct Usage<'a> {
-    #[serde(default, borrow)]
+    #[serde(default, borrow, alias = "input_tokens_details")]
     prompt_tokens_details: Option<&'a RawValue>,
 }
 

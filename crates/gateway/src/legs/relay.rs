@@ -1,5 +1,8 @@
 //! Relays a worker's SSE stream to the client chunk by chunk, while watching it for the
-//! end marker and the decode side's final `kv_transfer_params`.
+//! end marker and the decode side's final `kv_transfer_params`. Chat and completion
+//! streams end with `data: [DONE]`; a Responses stream ends with its `response.completed`
+//! (or `incomplete`, `failed`) event, whose response objects the gateway edits on the way
+//! ([`ResponseObjects`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,6 +20,139 @@ use crate::error::error_chain;
 use crate::metrics::Metrics;
 use crate::policy::InFlight;
 use crate::policy::RequestOutcome;
+
+/// How a stream ends and says it failed: the chat and completions dialect (`[DONE]`,
+/// `data: {"error": ...}`) or the Responses API's (typed events).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StreamDialect {
+    /// `/v1/chat/completions`, `/v1/completions`, SGLang's `/generate`.
+    #[default]
+    Chat,
+    /// `/v1/responses`.
+    Responses,
+}
+
+/// The Responses events that end a stream.
+const TERMINAL_RESPONSE_EVENTS: [&str; 3] = [
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+];
+
+impl StreamDialect {
+    /// Where the event that ends the stream starts in `chunk`: the `data: [DONE]` line, or
+    /// the first line (`event:` or `data:`) of a terminal Responses event.
+    pub fn end_at(self, chunk: &[u8]) -> Option<usize> {
+        let mut start = 0;
+        for line in chunk.split(|&b| b == b'\n') {
+            let at = start;
+            start += line.len() + 1;
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let ends = match self {
+                Self::Chat => data_of(line) == Some(b"[DONE]"),
+                Self::Responses => {
+                    let named = line
+                        .strip_prefix(b"event:")
+                        .map(|name| name.trim_ascii())
+                        .is_some_and(|name| {
+                            TERMINAL_RESPONSE_EVENTS
+                                .iter()
+                                .any(|t| t.as_bytes() == name)
+                        });
+                    named || data_of(line).is_some_and(is_terminal_response_event)
+                }
+            };
+            if ends {
+                return Some(at);
+            }
+        }
+        None
+    }
+
+    /// The events that end a stream with `error`, after whatever was sent (`at_boundary`:
+    /// that ended at an event boundary).
+    pub fn error_tail(self, error: &ApiError, at_boundary: bool) -> Bytes {
+        let mut out = BytesMut::new();
+        if !at_boundary {
+            out.extend_from_slice(b"\n");
+        }
+        match self {
+            Self::Chat => {
+                out.extend_from_slice(&data_event(&error.to_json()));
+                out.extend_from_slice(DONE);
+            }
+            Self::Responses => {
+                // OpenAI's `error` stream event; nothing follows it.
+                let event = serde_json::json!({
+                    "type": "error",
+                    "code": error.body.error.code.clone().unwrap_or_else(|| error.body.error.kind.clone().into()),
+                    "message": error.body.error.message,
+                    "param": error.body.error.param,
+                    "sequence_number": 0,
+                });
+                out.extend_from_slice(b"event: error\n");
+                out.extend_from_slice(&data_event(&event));
+            }
+        }
+        out.freeze()
+    }
+}
+
+/// Whether an event's JSON is a terminal Responses event (by its `type`).
+fn is_terminal_response_event(data: &[u8]) -> bool {
+    TERMINAL_RESPONSE_EVENTS.iter().any(|t| {
+        contains(data, format!("\"type\":\"{t}\"").as_bytes())
+            || contains(data, format!("\"type\": \"{t}\"").as_bytes())
+    })
+}
+
+/// What a Responses answer's response objects go through before the client sees them:
+/// the gateway's facts written in, and the finished one kept for the next turn.
+pub trait ResponseObjects: Send + Sync {
+    /// Edits a `response` object (a non-stream body, or the one a stream event carries)
+    /// that `worker` (its base URL) answered; `kv` is the handle taken out of it,
+    /// `finished` whether the response is done.
+    fn edit(
+        &self,
+        response: &mut Value,
+        kv: Option<KvTransferParams>,
+        finished: bool,
+        worker: &str,
+    );
+}
+
+/// Where what an answer says about the conversation's next turn goes.
+#[derive(Clone)]
+pub enum AnswerSink {
+    /// A request that named a `conversation_id`: D's final KV handle is kept for it.
+    Conversation {
+        /// The cache.
+        cache: Arc<ConversationCache>,
+        /// The conversation.
+        id: String,
+    },
+    /// A Responses answer: its response objects are edited, the finished one kept.
+    Responses(Arc<dyn ResponseObjects>),
+}
+
+/// A non-stream Responses body with `objects` applied to it (its `kv_transfer_params`
+/// taken out first); a body that is not a JSON object passes unchanged.
+pub fn edit_response_body(body: Bytes, objects: &dyn ResponseObjects, worker: &str) -> Bytes {
+    let Ok(Value::Object(mut map)) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let kv = take_kv(&mut map);
+    let mut value = Value::Object(map);
+    objects.edit(&mut value, kv, true, worker);
+    serde_json::to_vec(&value).map_or(body, Bytes::from)
+}
+
+/// Removes `kv_transfer_params` from `map`; the handle, if it was one.
+fn take_kv(map: &mut serde_json::Map<String, Value>) -> Option<KvTransferParams> {
+    map.remove("kv_transfer_params")
+        .filter(|kv| !kv.is_null())
+        .and_then(|kv| serde_json::from_value(kv).ok())
+}
 
 /// A partial line longer than this means the upstream is not sending SSE.
 const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
@@ -36,6 +172,18 @@ pub struct SseScanner {
     pub kv: Option<KvTransferParams>,
     /// Whether everything forwarded so far ends at an event boundary (blank line).
     at_event_boundary: bool,
+    /// The stream's dialect.
+    dialect: StreamDialect,
+    /// Where a Responses stream's response objects are edited.
+    objects: Option<Arc<dyn ResponseObjects>>,
+    /// The base URL of the worker whose stream this is.
+    worker: String,
+}
+
+impl std::fmt::Debug for dyn ResponseObjects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResponseObjects")
+    }
 }
 
 impl SseScanner {
@@ -44,6 +192,18 @@ impl SseScanner {
         Self {
             capture_kv,
             at_event_boundary: true,
+            ..Self::default()
+        }
+    }
+
+    /// A scanner of `worker`'s Responses stream, whose response objects go through
+    /// `objects`.
+    pub fn responses(objects: Option<Arc<dyn ResponseObjects>>, worker: String) -> Self {
+        Self {
+            at_event_boundary: true,
+            dialect: StreamDialect::Responses,
+            objects,
+            worker,
             ..Self::default()
         }
     }
@@ -77,6 +237,9 @@ impl SseScanner {
             return Ok(None);
         };
         self.at_event_boundary = lines.ends_with(b"\n\n") || lines.ends_with(b"\r\n\r\n");
+        if self.dialect == StreamDialect::Responses {
+            return Ok(Some(self.edit_responses(lines)));
+        }
         // Only events that name KV params are rewritten; everything else passes as is.
         if contains(&lines, KV_FIELD) {
             return Ok(Some(self.strip_kv(&lines)));
@@ -117,15 +280,41 @@ impl SseScanner {
         serde_json::to_vec(&value).ok()
     }
 
-    /// An error event and the end marker, separated from anything forwarded before.
-    pub fn error_tail(&self, error: &ApiError) -> Bytes {
-        let mut out = BytesMut::new();
-        if !self.at_event_boundary {
-            out.extend_from_slice(b"\n");
+    /// A Responses stream's lines: the events that carry a response object (created,
+    /// in progress, the terminal one) lose its `kv_transfer_params` and go through the
+    /// edits; the terminal one ends the stream.
+    fn edit_responses(&mut self, lines: Bytes) -> Bytes {
+        if !contains(&lines, b"\"response\":") && !contains(&lines, KV_FIELD) {
+            return lines;
         }
-        out.extend_from_slice(&data_event(&error.to_json()));
-        out.extend_from_slice(DONE);
-        out.freeze()
+        let objects = self.objects.clone();
+        let worker = std::mem::take(&mut self.worker);
+        let mut ended = false;
+        let edited = rewrite_events(&lines, 64, |data| {
+            let mut value: Value = serde_json::from_slice(data).ok()?;
+            let finished = value
+                .get("type")
+                .and_then(Value::as_str)
+                .is_some_and(|t| TERMINAL_RESPONSE_EVENTS.contains(&t));
+            ended |= finished;
+            let response = value.get_mut("response")?.as_object_mut()?;
+            let kv = take_kv(response);
+            if let Some(objects) = &objects {
+                objects.edit(value.get_mut("response")?, kv, finished, &worker);
+            }
+            serde_json::to_vec(&value).ok()
+        });
+        self.worker = worker;
+        if ended || self.dialect.end_at(&lines).is_some() {
+            self.saw_done = true;
+        }
+        edited
+    }
+
+    /// An error event (and, for chat, the end marker), separated from anything forwarded
+    /// before.
+    pub fn error_tail(&self, error: &ApiError) -> Bytes {
+        self.dialect.error_tail(error, self.at_event_boundary)
     }
 }
 
@@ -222,15 +411,6 @@ pub fn stream_with_cached_tokens(chunk: Bytes, cached: u64) -> Bytes {
     rewrite_events(&chunk, 32, |data| with_cached_tokens(data, cached))
 }
 
-/// Where a relayed stream stores the decode side's KV handle.
-#[derive(Debug)]
-pub struct ConversationSink {
-    /// The cache.
-    pub cache: Arc<ConversationCache>,
-    /// The conversation.
-    pub id: String,
-}
-
 /// A transport error of an upstream stream (reqwest's or the direct client's).
 pub type StreamError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -249,8 +429,8 @@ pub struct Relay {
     pub decoded_elsewhere: bool,
     /// Longest silence between chunks.
     pub idle_timeout: Duration,
-    /// Where the final KV params go, if the request named a conversation.
-    pub conversation: Option<ConversationSink>,
+    /// Where the final KV params (or a Responses answer's objects) go.
+    pub sink: Option<AnswerSink>,
     /// Metrics to record the outcome in.
     pub metrics: Arc<Metrics>,
     /// Route label for the end-to-end histogram.
@@ -280,7 +460,13 @@ impl Relay {
     /// Dropping it (the client went away) drops the upstream response, which closes the
     /// connection to the worker and so cancels its request.
     pub fn into_stream(mut self) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-        let scanner = SseScanner::new(self.conversation.is_some());
+        let scanner = match &self.sink {
+            Some(AnswerSink::Responses(objects)) => {
+                SseScanner::responses(Some(objects.clone()), self.worker.clone())
+            }
+            Some(AnswerSink::Conversation { .. }) => SseScanner::new(true),
+            None => SseScanner::new(false),
+        };
         let first = Some(std::mem::take(&mut self.first));
         let state = RelayState {
             relay: self,
@@ -430,8 +616,10 @@ impl RelayState {
     }
 
     fn store_kv(&mut self) {
-        if let (Some(kv), Some(sink)) = (self.scanner.kv.take(), &self.relay.conversation) {
-            sink.cache.put(&sink.id, kv);
+        if let (Some(kv), Some(AnswerSink::Conversation { cache, id })) =
+            (self.scanner.kv.take(), &self.relay.sink)
+        {
+            cache.put(id, kv);
         }
     }
 
@@ -442,8 +630,12 @@ impl RelayState {
             self.record_end();
             return None;
         }
+        let end = match self.scanner.dialect {
+            StreamDialect::Chat => "[DONE]",
+            StreamDialect::Responses => "its response.completed event",
+        };
         let msg = format!(
-            "decode worker {} ended the stream without [DONE]",
+            "decode worker {} ended the stream without {end}",
             self.relay.worker
         );
         Some(self.fail(ApiError::bad_gateway(msg)))
@@ -518,7 +710,7 @@ mod tests {
             upstream: futures::stream::iter(chunks).boxed(),
             decoded_elsewhere: false,
             idle_timeout: Duration::from_secs(5),
-            conversation: None,
+            sink: None,
             metrics,
             route: "/v1/completions",
             started: Instant::now(),

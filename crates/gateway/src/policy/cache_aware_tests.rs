@@ -38,6 +38,7 @@ fn cached(
         conversation_id: None,
         tokens: None,
         notes: None,
+        prefer: None,
     };
     policy.cached_prefix(role, ws, &route)
 }

@@ -57,6 +57,9 @@ pub struct RouteRequest<'a> {
     pub tokens: Option<&'a [u32]>,
     /// Where the chosen workers' cache matches are written down (`--expose-routing`).
     pub notes: Option<&'a RoutingNotes>,
+    /// A worker (its base URL) chosen over the policy's choice whenever it is a
+    /// candidate: the one that stores the conversation a Responses request continues.
+    pub prefer: Option<&'a str>,
 }
 
 /// Where a cache match came from.
@@ -149,6 +152,7 @@ impl<'a> RouteRequest<'a> {
             conversation_id: None,
             tokens: None,
             notes: None,
+            prefer: None,
         }
     }
 

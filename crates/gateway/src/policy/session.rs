@@ -141,6 +141,7 @@ mod tests {
             conversation_id,
             tokens: None,
             notes: None,
+            prefer: None,
         }
     }
 

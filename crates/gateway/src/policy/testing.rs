@@ -71,6 +71,7 @@ pub fn pick(
         conversation_id: None,
         tokens: None,
         notes: None,
+        prefer: None,
     };
     policy
         .select(role, candidates, &route)

@@ -78,6 +78,7 @@ pub struct Worker {
     pub base: String,
     chat_url: Url,
     completions_url: Url,
+    responses_url: Url,
     models_url: Url,
     health_url: Url,
     metrics_url: Url,
@@ -133,6 +134,7 @@ impl Worker {
         Self {
             chat_url: join(Endpoint::Chat.path()),
             completions_url: join(Endpoint::Completions.path()),
+            responses_url: join(Endpoint::Responses.path()),
             models_url: join("/v1/models"),
             health_url: join("/health"),
             metrics_url: join("/metrics"),
@@ -157,6 +159,7 @@ impl Worker {
         match endpoint {
             Endpoint::Chat => &self.chat_url,
             Endpoint::Completions => &self.completions_url,
+            Endpoint::Responses => &self.responses_url,
         }
     }
 
