@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{ArgGroup, Args, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, FromArgMatches, Subcommand, ValueEnum};
 
 /// `pdserve bench` subcommands and flags.
 #[derive(Debug, Clone, Args)]
@@ -212,10 +212,9 @@ pub struct MultiTurnArgs {
     /// Tokens of each answer.
     #[arg(long, env = "PDSERVE_BENCH_OUTPUT_LEN", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     pub output_len: u64,
-    /// Send a top-level `conversation_id` field (non-standard; the pdserve gateway and
-    /// vLLM's multi-turn proxy use it to reuse the previous turn's KV cache).
-    #[arg(long, env = "PDSERVE_BENCH_SEND_CONVERSATION_ID")]
-    pub send_conversation_id: bool,
+    /// The API conversations speak, and whether chat sends `conversation_id`.
+    #[command(flatten)]
+    pub protocol: ConversationApi,
     /// Seed for the prompts.
     #[arg(long, env = "PDSERVE_BENCH_SEED", default_value_t = 0)]
     pub seed: u64,
@@ -225,6 +224,120 @@ pub struct MultiTurnArgs {
     /// Result file, plot and label.
     #[command(flatten)]
     pub output: OutputArgs,
+}
+
+/// The API a multi-turn conversation speaks.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `POST /v1/chat/completions`, resending the whole conversation every turn.
+    #[default]
+    Chat,
+    /// `POST /v1/responses`, sending only the new message with the previous turn's
+    /// response id as `previous_response_id` (the server holds the conversation).
+    Responses,
+}
+
+impl Api {
+    /// The name used on the command line and in result files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::Responses => "responses",
+        }
+    }
+}
+
+/// `--api` and `--send-conversation-id`. A hand-written clap wrapper because clap's
+/// conflicts cannot depend on a value: `--api chat --send-conversation-id` is fine,
+/// only `--api responses` conflicts with it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConversationApi {
+    /// `--api`.
+    pub api: Api,
+    /// `--send-conversation-id` (chat only).
+    pub send_conversation_id: bool,
+}
+
+/// The flags behind [`ConversationApi`], before the conflict check.
+#[derive(Debug, Clone, Args)]
+struct ConversationApiFlags {
+    /// API to converse over: `chat` resends the conversation so far every turn;
+    /// `responses` uses OpenAI's Responses API (`POST /v1/responses`, streamed, stored),
+    /// sending only the new user message and `previous_response_id`, so the server holds
+    /// the conversation (conflicts with `--send-conversation-id`).
+    #[arg(long, env = "PDSERVE_BENCH_API", value_enum, default_value_t = Api::Chat)]
+    api: Api,
+    /// Send a top-level `conversation_id` field (non-standard; the pdserve gateway and
+    /// vLLM's multi-turn proxy use it to reuse the previous turn's KV cache).
+    #[arg(long, env = "PDSERVE_BENCH_SEND_CONVERSATION_ID")]
+    send_conversation_id: bool,
+}
+
+impl ConversationApi {
+    fn flags(self) -> ConversationApiFlags {
+        ConversationApiFlags {
+            api: self.api,
+            send_conversation_id: self.send_conversation_id,
+        }
+    }
+
+    fn checked(flags: ConversationApiFlags) -> Result<Self, clap::Error> {
+        if flags.api == Api::Responses && flags.send_conversation_id {
+            return Err(clap::Error::raw(
+                clap::error::ErrorKind::ArgumentConflict,
+                "the argument '--api responses' cannot be used with '--send-conversation-id' \
+                 (the Responses API chains turns with previous_response_id)",
+            ));
+        }
+        Ok(Self {
+            api: flags.api,
+            send_conversation_id: flags.send_conversation_id,
+        })
+    }
+}
+
+impl FromArgMatches for ConversationApi {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Self::checked(ConversationApiFlags::from_arg_matches(matches)?)
+    }
+
+    fn from_arg_matches_mut(matches: &mut clap::ArgMatches) -> Result<Self, clap::Error> {
+        Self::checked(ConversationApiFlags::from_arg_matches_mut(matches)?)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        let mut flags = self.flags();
+        flags.update_from_arg_matches(matches)?;
+        *self = Self::checked(flags)?;
+        Ok(())
+    }
+
+    fn update_from_arg_matches_mut(
+        &mut self,
+        matches: &mut clap::ArgMatches,
+    ) -> Result<(), clap::Error> {
+        let mut flags = self.flags();
+        flags.update_from_arg_matches_mut(matches)?;
+        *self = Self::checked(flags)?;
+        Ok(())
+    }
+}
+
+impl Args for ConversationApi {
+    fn group_id() -> Option<clap::Id> {
+        ConversationApiFlags::group_id()
+    }
+
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        ConversationApiFlags::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        ConversationApiFlags::augment_args_for_update(cmd)
+    }
 }
 
 /// `pdserve bench compare`.

@@ -266,23 +266,34 @@ impl ApiClient {
         endpoint: Endpoint,
         body: &Value,
     ) -> Result<StreamRecord, RequestError> {
+        self.bounded(self.stream_inner(endpoint, body)).await
+    }
+
+    /// Runs one request under `--request-timeout-s`.
+    pub(crate) async fn bounded<T>(
+        &self,
+        request: impl std::future::Future<Output = Result<T, RequestError>>,
+    ) -> Result<T, RequestError> {
         let timeout = self.request_timeout;
-        match tokio::time::timeout(timeout, self.stream_inner(endpoint, body)).await {
+        match tokio::time::timeout(timeout, request).await {
             Ok(result) => result,
             Err(_) => Err(RequestError::Timeout(timeout.as_secs_f64())),
         }
     }
 
-    async fn stream_inner(
+    /// Posts `body` to `path` (under the base URL), accepting `accept`; the answer if
+    /// its status is a success, and when the request was sent.
+    async fn post(
         &self,
-        endpoint: Endpoint,
+        path: &str,
         body: &Value,
-    ) -> Result<StreamRecord, RequestError> {
-        let url = format!("{}{}", self.base, endpoint.path());
+        accept: &'static str,
+    ) -> Result<(reqwest::Response, Instant), RequestError> {
+        let url = format!("{}{}", self.base, path);
         let mut req = self
             .http
             .post(&url)
-            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .header(reqwest::header::ACCEPT, accept)
             .json(body);
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
@@ -296,21 +307,33 @@ impl ApiClient {
             }
         })?;
         let status = resp.status();
-        let content_type = content_type(&resp);
-        if !status.is_success() {
-            let body = resp.text().await.unwrap_or_default();
-            // An error page (e.g. a web server's 404) means this is no OpenAI API at all.
-            if content_type.contains("html") && serde_json::from_str::<ErrorBody>(&body).is_err() {
-                return Err(RequestError::NotOpenAi(format!(
-                    "HTTP {status} with {content_type}: {}",
-                    snippet(&body)
-                )));
-            }
-            return Err(RequestError::Status {
-                status: status.as_u16(),
-                message: error_message(&body),
-            });
+        if status.is_success() {
+            return Ok((resp, start));
         }
+        let content_type = content_type(&resp);
+        let body = resp.text().await.unwrap_or_default();
+        // An error page (e.g. a web server's 404) means this is no OpenAI API at all.
+        if content_type.contains("html") && serde_json::from_str::<ErrorBody>(&body).is_err() {
+            return Err(RequestError::NotOpenAi(format!(
+                "HTTP {status} with {content_type}: {}",
+                snippet(&body)
+            )));
+        }
+        Err(RequestError::Status {
+            status: status.as_u16(),
+            message: error_message(&body),
+        })
+    }
+
+    /// Posts a streaming request to `path`: the answer once its status and content type
+    /// say it is an event stream, and when the request was sent.
+    pub(crate) async fn open_stream(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> Result<(reqwest::Response, Instant), RequestError> {
+        let (resp, start) = self.post(path, body, "text/event-stream").await?;
+        let content_type = content_type(&resp);
         if !content_type.starts_with("text/event-stream") {
             let body = resp.text().await.unwrap_or_default();
             return Err(RequestError::NotOpenAi(format!(
@@ -318,7 +341,31 @@ impl ApiClient {
                 snippet(&body)
             )));
         }
+        Ok((resp, start))
+    }
 
+    /// Posts a non-streaming request to `path` and reads its JSON answer.
+    pub(crate) async fn post_json(&self, path: &str, body: &Value) -> Result<Value, RequestError> {
+        let (resp, _) = self.post(path, body, "application/json").await?;
+        let content_type = content_type(&resp);
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| RequestError::Stream(error_chain(&e)))?;
+        serde_json::from_str(&text).map_err(|_| {
+            RequestError::NotOpenAi(format!(
+                "expected JSON, got {content_type}: {}",
+                snippet(&text)
+            ))
+        })
+    }
+
+    async fn stream_inner(
+        &self,
+        endpoint: Endpoint,
+        body: &Value,
+    ) -> Result<StreamRecord, RequestError> {
+        let (resp, start) = self.open_stream(endpoint.path(), body).await?;
         let mut record = StreamRecord {
             ttft: Duration::ZERO,
             e2e: Duration::ZERO,
@@ -415,7 +462,7 @@ fn error_message(body: &str) -> String {
 }
 
 /// The message of an in-stream `error` value (an object with `message`, or a string).
-fn event_error_message(error: &Value) -> String {
+pub(crate) fn event_error_message(error: &Value) -> String {
     error
         .get("message")
         .and_then(Value::as_str)
@@ -425,7 +472,7 @@ fn event_error_message(error: &Value) -> String {
 }
 
 /// The first line of `text`, at most 120 characters, for error messages.
-fn snippet(text: &str) -> String {
+pub(crate) fn snippet(text: &str) -> String {
     let line = text.trim().lines().next().unwrap_or("");
     let mut s: String = line.chars().take(120).collect();
     if s.len() < line.len() {

@@ -11,6 +11,7 @@ pub mod multi_turn;
 pub mod plot;
 mod progress;
 pub mod report;
+pub mod responses_client;
 pub mod schedule;
 pub mod serve;
 

@@ -3,6 +3,10 @@
 //! message, so a server that keeps the previous turn's KV cache has most of the prompt
 //! cached; the report gives per-turn TTFT and the cached share the server reports in
 //! `usage.prompt_tokens_details.cached_tokens`.
+//!
+//! With `--api responses` each turn sends only its new user message, with the previous
+//! turn's response id as `previous_response_id`, to `POST /v1/responses`: the server
+//! holds the conversation, and reports its cached share in `usage.input_tokens_details`.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -14,12 +18,15 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::args::{Endpoint, MultiTurnArgs};
-use crate::client::{chat_message, request_body, ApiClient, RequestInput};
+use crate::args::{Api, Endpoint, MultiTurnArgs};
+use crate::client::{chat_message, request_body, ApiClient, RequestError, RequestInput};
 use crate::dataset::{load_tokenizer, PromptGenerator};
 use crate::metrics::{cached_share, failures, summarize, Distribution, RequestRecord, Slo};
 use crate::report::{BenchResult, RunConfig, RunKind, TurnSummary, SCHEMA_VERSION};
-use crate::serve::{probe, probe_prompt, resolve_model};
+use crate::responses_client::{
+    responses_body, responses_probe_body, ResponsesTurn, RESPONSES_PATH,
+};
+use crate::serve::{probe, probe_prompt, resolve_model, PROBE_MAX_TOKENS};
 use crate::{progress, BenchError};
 
 /// What every conversation task shares.
@@ -27,6 +34,7 @@ struct Shared {
     /// One per `--url`; conversation c talks to `clients[c % len]`.
     clients: Vec<ApiClient>,
     model: String,
+    api: Api,
     output_len: u64,
     ignore_eos: bool,
     turns: u64,
@@ -53,6 +61,7 @@ pub async fn run_multi_turn(
     let client = clients[0].clone();
     let model = resolve_model(&client, args.server.model.as_deref()).await?;
     let ignore_eos = !args.server.no_ignore_eos;
+    let api = args.protocol.api;
     let started_at_unix_s = unix_now();
     let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
     let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer);
@@ -74,19 +83,26 @@ pub async fn run_multi_turn(
         scripts.push(Script {
             index: k,
             conversation_id: args
+                .protocol
                 .send_conversation_id
                 .then(|| format!("pdserve-bench-{started_at_unix_s}-{}-{k}", args.seed)),
             user_messages,
         });
     }
-    let probe_input = RequestInput::Prompt(probe_prompt(args.seed));
-    probe(&client, Endpoint::Chat, &model, probe_input, ignore_eos).await?;
+    match api {
+        Api::Chat => {
+            let probe_input = RequestInput::Prompt(probe_prompt(args.seed));
+            probe(&client, Endpoint::Chat, &model, probe_input, ignore_eos).await?;
+        }
+        Api::Responses => probe_responses(&client, &model, args.seed, ignore_eos).await?,
+    }
 
     let planned = args.conversations * args.turns;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         clients: clients.clone(),
         model: model.clone(),
+        api,
         output_len: args.output_len,
         ignore_eos,
         turns: args.turns,
@@ -170,7 +186,8 @@ pub async fn run_multi_turn(
             conversations: Some(args.conversations),
             turns: Some(args.turns),
             turn_input_len: Some(args.turn_input_len),
-            send_conversation_id: Some(args.send_conversation_id),
+            send_conversation_id: Some(args.protocol.send_conversation_id),
+            api: Some(api),
             system_prompt_len: Some(args.system_prompt_len),
         },
         summary: summarize(&records, planned, duration, &slo),
@@ -180,36 +197,97 @@ pub async fn run_multi_turn(
     })
 }
 
+/// Checks with one small non-streaming `/v1/responses` request that the server speaks
+/// the Responses API (a chat probe would pass a server that serves only chat).
+async fn probe_responses(
+    client: &ApiClient,
+    model: &str,
+    seed: u64,
+    ignore_eos: bool,
+) -> Result<(), BenchError> {
+    let body = responses_probe_body(model, &probe_prompt(seed), PROBE_MAX_TOKENS, ignore_eos);
+    let url = format!("{}{RESPONSES_PATH}", client.base_url());
+    match client.responses_once(&body).await {
+        Ok(()) => Ok(()),
+        Err(RequestError::Connect(reason)) => Err(BenchError::Unreachable {
+            url: client.base_url().to_string(),
+            reason,
+        }),
+        Err(RequestError::NotOpenAi(reason)) => Err(BenchError::NotOpenAi { url, reason }),
+        Err(e) => Err(BenchError::ProbeFailed {
+            url,
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Where a conversation stands between turns.
+enum History {
+    /// Chat: every message so far, resent each turn.
+    Chat(Vec<ChatMessage>),
+    /// Responses: the id of the last response (the server holds the rest).
+    Responses(Option<String>),
+}
+
 /// Plays one conversation turn by turn; a failed turn ends it (the next prompt would
 /// need its answer).
 async fn converse(shared: Arc<Shared>, script: Script) {
     let Ok(_slot) = shared.slots.clone().acquire_owned().await else {
         return;
     };
-    let mut messages: Vec<ChatMessage> = Vec::new();
     let mut history_tokens = 0u64;
-    if let Some((text, tokens)) = &shared.system {
-        messages.push(chat_message("system", text.clone()));
+    if let Some((_, tokens)) = &shared.system {
         history_tokens += tokens;
     }
+    let mut history = match shared.api {
+        Api::Chat => History::Chat(
+            shared
+                .system
+                .iter()
+                .map(|(text, _)| chat_message("system", text.clone()))
+                .collect(),
+        ),
+        Api::Responses => History::Responses(None),
+    };
     let mut extra = Map::new();
     if let Some(id) = &script.conversation_id {
         extra.insert("conversation_id".into(), Value::String(id.clone()));
     }
+    let client = &shared.clients[script.index as usize % shared.clients.len()];
     for (turn, (text, tokens)) in script.user_messages.into_iter().enumerate() {
-        messages.push(chat_message("user", text));
         history_tokens += tokens;
-        let body = request_body(
-            Endpoint::Chat,
-            &shared.model,
-            RequestInput::Messages(messages.clone()),
-            shared.output_len,
-            shared.ignore_eos,
-            extra.clone(),
-        );
-        let sent = shared.start.elapsed();
-        let client = &shared.clients[script.index as usize % shared.clients.len()];
-        let outcome = client.stream(Endpoint::Chat, &body).await;
+        let sent;
+        // Responses: the answer's id goes to `previous`, for the next turn to continue.
+        let outcome = match &mut history {
+            History::Chat(messages) => {
+                messages.push(chat_message("user", text));
+                let body = request_body(
+                    Endpoint::Chat,
+                    &shared.model,
+                    RequestInput::Messages(messages.clone()),
+                    shared.output_len,
+                    shared.ignore_eos,
+                    extra.clone(),
+                );
+                sent = shared.start.elapsed();
+                client.stream(Endpoint::Chat, &body).await
+            }
+            History::Responses(previous) => {
+                let body = responses_body(&ResponsesTurn {
+                    model: &shared.model,
+                    user: &text,
+                    instructions: shared.system.as_ref().map(|(s, _)| s.as_str()),
+                    previous_response_id: previous.as_deref(),
+                    max_output_tokens: shared.output_len,
+                    ignore_eos: shared.ignore_eos,
+                });
+                sent = shared.start.elapsed();
+                client.responses_stream(&body).await.map(|r| {
+                    *previous = Some(r.id);
+                    r.stream
+                })
+            }
+        };
         let index = script.index * shared.turns + turn as u64;
         let mut record =
             RequestRecord::new(index, sent, history_tokens, shared.output_len, &outcome);
@@ -219,9 +297,12 @@ async fn converse(shared: Arc<Shared>, script: Script) {
         if shared.records.send(record).is_err() {
             return;
         }
-        match outcome {
-            Ok(answer) => messages.push(chat_message("assistant", answer.text)),
-            Err(_) => return,
+        match (outcome, &mut history) {
+            (Ok(answer), History::Chat(messages)) => {
+                messages.push(chat_message("assistant", answer.text))
+            }
+            (Ok(_), History::Responses(_)) => {}
+            (Err(_), _) => return,
         }
     }
 }

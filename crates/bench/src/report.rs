@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::args::Endpoint;
+use crate::args::{Api, Endpoint};
 use crate::metrics::{Distribution, FailureCount, RequestRecord, Summary};
 use crate::BenchError;
 
@@ -80,6 +80,10 @@ pub struct RunConfig {
     pub turn_input_len: Option<u64>,
     /// Multi-turn: whether `conversation_id` was sent.
     pub send_conversation_id: Option<bool>,
+    /// Multi-turn: the API the conversations spoke (absent for serve and in files
+    /// written before `--api`, which always spoke chat).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<Api>,
     /// Multi-turn: tokens of the system prompt every conversation shares (absent in
     /// files written before the option existed).
     #[serde(default)]
@@ -184,6 +188,12 @@ impl BenchResult {
             RunKind::Serve => " Serving Benchmark Result ",
             RunKind::MultiTurn => " Multi-turn Benchmark Result ",
         };
+        let conversation_api = (self.kind == RunKind::MultiTurn).then(|| {
+            match (c.api.unwrap_or_default(), c.send_conversation_id) {
+                (Api::Chat, Some(true)) => "chat + conversation_id".to_string(),
+                (api, _) => api.name().to_string(),
+            }
+        });
         // Values are right-aligned in a column wide enough for the longest text value.
         let slo = [("TTFT", c.slo_ttft_ms), ("TPOT", c.slo_tpot_ms)]
             .iter()
@@ -195,6 +205,7 @@ impl BenchResult {
             self.label.chars().count(),
             c.model.chars().count(),
             slo.chars().count(),
+            conversation_api.as_deref().map_or(0, |a| a.chars().count()),
         ]
         .into_iter()
         .max()
@@ -216,6 +227,9 @@ impl BenchResult {
             _ => "-".into(),
         };
         row(&mut out, "Load:", load);
+        if let Some(api) = conversation_api {
+            row(&mut out, "API:", api);
+        }
         row(&mut out, "Successful requests:", s.completed.to_string());
         row(&mut out, "Failed requests:", s.failed.to_string());
         if s.not_finished > 0 {

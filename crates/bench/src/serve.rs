@@ -246,6 +246,7 @@ fn assemble(
             turns: None,
             turn_input_len: None,
             send_conversation_id: None,
+            api: None,
             system_prompt_len: None,
         },
         summary: summarize(&records, planned, duration, &slo),

@@ -18,6 +18,7 @@ use tokio::time::timeout;
 /// means changing the schema: bump `SCHEMA_VERSION` and the README.
 const GOLDEN_KEYS: &[&str] = &[
     "config",
+    "config.api",
     "config.concurrency",
     "config.conversations",
     "config.dataset",

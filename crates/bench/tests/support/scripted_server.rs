@@ -8,9 +8,18 @@
 //! then a `usage` chunk (`choices: []`) and `data: [DONE]`. `usage.prompt_tokens` is
 //! the prompt's word count; `cached_tokens` is the word count of every chat message but
 //! the last (what a perfect prefix cache would hold).
+//!
+//! `POST /v1/responses` speaks OpenAI's Responses API: ids `resp_1`, `resp_2`, ... in
+//! arrival order; stored responses hold their conversation's word count, so a turn
+//! naming `previous_response_id` reports `input_tokens` = instructions + the stored
+//! conversation + the new input, all but the new input cached (an unknown id is a 404).
+//! Streams send the Responses events (`event:` and `data:` with `type`), ending with
+//! `response.incomplete` when `ignore_eos` is set (the length limit was hit), else
+//! `response.completed`; a scripted error event is an `error` event.
 
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -65,6 +74,22 @@ struct AppState {
     script: Script,
     scripted: AtomicUsize,
     requests: Mutex<Vec<Value>>,
+    /// Responses issued so far (the last id's number).
+    responses: AtomicUsize,
+    /// Stored responses: id → words of the conversation up to and including it.
+    stored: Mutex<HashMap<String, u64>>,
+}
+
+impl AppState {
+    fn new(script: Script) -> Arc<Self> {
+        Arc::new(Self {
+            script,
+            scripted: AtomicUsize::new(0),
+            requests: Mutex::new(Vec::new()),
+            responses: AtomicUsize::new(0),
+            stored: Mutex::new(HashMap::new()),
+        })
+    }
 }
 
 /// A running scripted server on 127.0.0.1 (random port).
@@ -92,15 +117,12 @@ impl ScriptedServer {
         listener: TcpListener,
         script: impl Fn(usize) -> Reply + Send + Sync + 'static,
     ) -> Self {
-        let state = Arc::new(AppState {
-            script: Arc::new(script),
-            scripted: AtomicUsize::new(0),
-            requests: Mutex::new(Vec::new()),
-        });
+        let state = AppState::new(Arc::new(script));
         let app = Router::new()
             .route("/v1/models", get(models))
             .route("/v1/completions", post(generate))
             .route("/v1/chat/completions", post(generate))
+            .route("/v1/responses", post(respond))
             .with_state(state.clone());
         let addr = listener.local_addr().expect("local addr");
         let task = tokio::spawn(async move {
@@ -123,11 +145,7 @@ impl ScriptedServer {
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        let state = Arc::new(AppState {
-            script: Arc::new(|_| Reply::stream_ms(0, 0)),
-            scripted: AtomicUsize::new(0),
-            requests: Mutex::new(Vec::new()),
-        });
+        let state = AppState::new(Arc::new(|_| Reply::stream_ms(0, 0)));
         Self { addr, state, task }
     }
 
@@ -248,6 +266,173 @@ async fn generate(State(state): State<Arc<AppState>>, Json(body): Json<Value>) -
                       "prompt_tokens_details": {"cached_tokens": cached}}});
         let _ = tx.send(sse::data_event(&usage)).await;
         let _ = tx.send(Bytes::from_static(sse::DONE)).await;
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .expect("static response parts")
+}
+
+/// One Responses stream event: `event:` its type, `data:` the object with `type`.
+fn response_event(kind: &str, mut data: Value) -> Bytes {
+    data["type"] = json!(kind);
+    Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+}
+
+/// The words of a Responses `input`: a string, or message items with string content.
+fn input_words(input: &Value) -> u64 {
+    match input {
+        Value::String(text) => words(text),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| words(i["content"].as_str().unwrap_or("")))
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// A Responses object.
+fn response_object(id: &str, status: &str, text: &str, usage: Option<&Value>) -> Value {
+    json!({"id": id, "object": "response", "created_at": 0, "model": MODEL,
+        "status": status,
+        "output": [{"type": "message", "id": format!("msg_{id}"), "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "usage": usage})
+}
+
+async fn respond(State(state): State<Arc<AppState>>, Json(body): Json<Value>) -> Response {
+    let max_tokens = body["max_output_tokens"].as_u64().unwrap_or(16) as usize;
+    state.requests.lock().expect("lock").push(body.clone());
+    let id = format!(
+        "resp_{}",
+        state.responses.fetch_add(1, Ordering::SeqCst) + 1
+    );
+    let reply = if max_tokens > 1 {
+        (state.script)(state.scripted.fetch_add(1, Ordering::SeqCst))
+    } else {
+        Reply::stream_ms(0, 0)
+    };
+    let earlier = match body["previous_response_id"].as_str() {
+        None => 0,
+        Some(previous) => match state.stored.lock().expect("lock").get(previous) {
+            Some(&words) => words,
+            None => {
+                let message = format!("Previous response with id '{previous}' not found.");
+                return ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+                    .into_response();
+            }
+        },
+    };
+    let new_input = input_words(&body["input"]);
+    let instructions = words(body["instructions"].as_str().unwrap_or(""));
+    let prompt = instructions + earlier + new_input;
+    // Whether to ignore `stream: true` and answer one JSON object.
+    let json_reply = body["stream"] != json!(true) || matches!(reply, Reply::Json);
+    // How the stream ends: `Ok` completes, `Err(None)` breaks off, `Err(Some)` is an
+    // error event.
+    let (ttft, itl, tokens, finish): (_, _, _, Result<(), Option<String>>) = match reply {
+        Reply::Error { status, message } => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return ApiError::new(status, "scripted", message).into_response();
+        }
+        Reply::Stream { ttft, itl } => (ttft, itl, max_tokens, Ok(())),
+        Reply::Truncated { after } => (Duration::ZERO, Duration::ZERO, after, Err(None)),
+        Reply::ErrorEvent { after, message } => {
+            (Duration::ZERO, Duration::ZERO, after, Err(Some(message)))
+        }
+        Reply::Json => (Duration::ZERO, Duration::ZERO, 1, Ok(())),
+    };
+    let text: String = (0..tokens).map(|i| format!(" tok{i}")).collect();
+    let usage = json!({"input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": prompt - new_input},
+        "output_tokens": tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + tokens as u64});
+    if finish.is_ok() && body["store"] != json!(false) {
+        let words = earlier + new_input + tokens as u64;
+        state.stored.lock().expect("lock").insert(id.clone(), words);
+    }
+    let incomplete = body["ignore_eos"] == json!(true);
+    let status = if incomplete {
+        "incomplete"
+    } else {
+        "completed"
+    };
+    if json_reply {
+        return Json(response_object(&id, status, &text, Some(&usage))).into_response();
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let started = response_object(&id, "in_progress", "", None);
+        let item = json!({"type": "message", "id": format!("msg_{id}"), "role": "assistant",
+            "status": "in_progress", "content": []});
+        let part = json!({"type": "output_text", "text": "", "annotations": []});
+        let opening = [
+            response_event("response.created", json!({"response": started})),
+            response_event("response.in_progress", json!({"response": started})),
+            response_event(
+                "response.output_item.added",
+                json!({"output_index": 0, "item": item}),
+            ),
+            response_event(
+                "response.content_part.added",
+                json!({"output_index": 0, "content_index": 0, "part": part}),
+            ),
+        ];
+        for event in opening {
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+        tokio::time::sleep(ttft).await;
+        for i in 0..tokens {
+            if i > 0 {
+                tokio::time::sleep(itl).await;
+            }
+            let delta = json!({"output_index": 0, "content_index": 0, "delta": format!(" tok{i}")});
+            if tx
+                .send(response_event("response.output_text.delta", delta))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        match finish {
+            Err(None) => return,
+            Err(Some(message)) => {
+                let error = json!({"code": "scripted", "message": message, "param": null});
+                let _ = tx.send(response_event("error", error)).await;
+                return;
+            }
+            Ok(()) => {}
+        }
+        let done_part = json!({"type": "output_text", "text": text, "annotations": []});
+        let end = response_object(&id, status, &text, Some(&usage));
+        let closing = [
+            response_event(
+                "response.output_text.done",
+                json!({"output_index": 0, "content_index": 0, "text": text}),
+            ),
+            response_event(
+                "response.content_part.done",
+                json!({"output_index": 0, "content_index": 0, "part": done_part}),
+            ),
+            response_event(
+                "response.output_item.done",
+                json!({"output_index": 0, "item": end["output"][0]}),
+            ),
+            response_event(&format!("response.{status}"), json!({"response": end})),
+        ];
+        for event in closing {
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
     });
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<Bytes, Infallible>(b), rx))
