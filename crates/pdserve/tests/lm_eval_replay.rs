@@ -8,110 +8,21 @@
 //! scored the way lm-eval scores it: the same per-item log-likelihoods and accuracy on
 //! every stack (printed, for the record).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+#[path = "support/up.rs"]
+mod up;
 #[path = "support/worker.rs"]
 mod worker;
+
+use up::Up;
 
 /// lm-eval's batch size for the log-likelihood requests.
 const BATCH: usize = 16;
 /// Log-probabilities agree to this.
 const TOLERANCE: f64 = 1e-4;
-
-/// A free port from outside the ephemeral range, where no `bind(0)` or outgoing
-/// connection of a sibling test can take it before the process it is for binds it.
-fn free_port() -> u16 {
-    pdserve_http_server::free_local_port().unwrap()
-}
-
-/// `pdserve up` with some flags, stopped with SIGINT (or killed) when dropped.
-struct Up {
-    child: Child,
-    entry: String,
-    log: std::path::PathBuf,
-    /// The workers it started (from its banner).
-    workers: Vec<String>,
-}
-
-impl Up {
-    fn start(model: &std::path::Path, flags: &[&str]) -> Self {
-        let port = free_port();
-        let log = std::env::temp_dir().join(format!("pdserve-lm-eval-{port}.log"));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-            .args(["up", "--port", &port.to_string(), "--cores", "2"])
-            .args(flags)
-            .arg("--model")
-            .arg(model)
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let mut up = Self {
-            child,
-            entry: format!("http://127.0.0.1:{port}"),
-            log,
-            workers: Vec::new(),
-        };
-        loop {
-            match rx.recv_timeout(Duration::from_secs(240)) {
-                Ok(line) if line.starts_with("Ctrl-C stops everything") => return up,
-                Ok(line) => {
-                    let line = line.trim();
-                    for role in ["prefill worker at ", "decode worker at "] {
-                        if let Some(rest) = line.strip_prefix(role) {
-                            up.workers.push(rest.split(' ').next().unwrap().to_string());
-                        }
-                    }
-                }
-                Err(e) => panic!(
-                    "pdserve up {flags:?} did not come up: {e}; {}",
-                    up.log_tail()
-                ),
-            }
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let start = log.len().saturating_sub(6000);
-        log[log.floor_char_boundary(start)..].to_string()
-    }
-
-    fn stop(mut self) {
-        // SAFETY: signalling our own child process.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGINT);
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.child.try_wait().unwrap().is_none() {
-            assert!(Instant::now() < deadline, "pdserve up did not stop");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- pdserve up log (tail) ---\n{}", self.log_tail());
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
 
 /// One multiple-choice item of the task file.
 struct Item {
