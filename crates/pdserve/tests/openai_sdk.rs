@@ -1,7 +1,7 @@
 //! The official OpenAI Python SDK's Responses API (`client.responses.create`: plain,
 //! streamed, a three-turn chain over `previous_response_id`, retrieve and delete, and the
 //! errors it raises) against one aggregated worker (the oracle) and against `pdserve up`
-//! in vLLM's P/D, aggregated and SGLang's P/D. Every stack answers greedily with the
+//! in vLLM's P/D, aggregated, SGLang's P/D and decode-as-orchestrator. Every stack answers greedily with the
 //! oracle's texts and token counts, and through P/D the second and third turns of the
 //! chain report cached input tokens (the earlier turns' KV is reused). The script is
 //! `tests/sdk/responses_sdk.py`; the Python interpreter is `$PDSERVE_TEST_PYTHON`, else
@@ -218,6 +218,8 @@ fn openai_sdk_responses_answer_alike_aggregated_and_through_p_d() {
         &[][..],
         &["--aggregated"][..],
         &["--protocol", "sglang"][..],
+        // The decode worker is the entry point and runs its own prefill leg.
+        &["--topology", "orchestrator"][..],
     ] {
         let what = format!("pdserve up {flags:?}");
         let up = Up::start(&model, flags);
