@@ -22,6 +22,7 @@ pub mod error;
 pub mod handoff;
 pub mod hops;
 pub mod identity;
+pub mod intake;
 pub mod kv_events;
 pub mod legs;
 pub mod load;

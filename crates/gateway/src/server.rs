@@ -224,7 +224,7 @@ async fn generate(
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
-        let permit = match admit_and_count(&state, &mut ctx, &request).await {
+        let permit = match crate::intake::admit_and_count(&state, &mut ctx, &request).await {
             Ok(permit) => permit,
             Err(refused) => return Ok(refused),
         };
@@ -232,26 +232,7 @@ async fn generate(
         Ok(crate::admission::hold_until_sent(response, permit))
     }
     .await;
-    answer(&state, &ctx, result)
-}
-
-/// What every generation route does before routing: admission (past
-/// `--max-concurrent-requests` the request waits, or is refused with the returned
-/// answer), then the prompt's token ids where routing or the length check reads them.
-pub(crate) async fn admit_and_count(
-    state: &AppState,
-    ctx: &mut RequestContext,
-    request: &ClientRequest,
-) -> Result<crate::admission::Permit, Response> {
-    let permit = crate::admission::admit(&state.admission, request, &ctx.client_headers).await?;
-    if let Some(tokenizer) = &state.tokenizer {
-        if state.routing_reads_tokens
-            || crate::prompt_tokens::may_overflow(request, state.model_lens.smallest())
-        {
-            ctx.prompt_tokens = crate::prompt_tokens::tokenize(tokenizer, request).await;
-        }
-    }
-    Ok(permit)
+    crate::intake::answer(&state, &ctx, result)
 }
 
 /// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D
@@ -295,34 +276,7 @@ async fn sglang_generate(
         handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route, None).await
     }
     .await;
-    answer(&state, &ctx, result)
-}
-
-/// The client's answer to a generation request, with its failure logged and both
-/// counted: every generation route ends here.
-pub(crate) fn answer(
-    state: &AppState,
-    ctx: &RequestContext,
-    result: Result<Response, Failure>,
-) -> Response {
-    let response = match result {
-        Ok(response) => response,
-        Err(failure) => {
-            tracing::info!(
-                request_id = ctx.headers.request_id(),
-                status = failure.status().as_u16(),
-                "request failed: {failure:?}"
-            );
-            state
-                .metrics
-                .observe_end_to_end(ctx.route, ctx.started.elapsed());
-            failure.into_response()
-        }
-    };
-    state
-        .metrics
-        .record_request(ctx.route, response.status().as_u16());
-    response
+    crate::intake::answer(&state, &ctx, result)
 }
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -49,7 +49,7 @@ pub async fn create(
             .map(|c| c.items())
             .unwrap_or_default();
         let chat = request.as_chat(&before)?;
-        let permit = match crate::server::admit_and_count(&state, &mut ctx, &chat).await {
+        let permit = match crate::intake::admit_and_count(&state, &mut ctx, &chat).await {
             Ok(permit) => permit,
             Err(refused) => return Ok(refused),
         };
@@ -63,7 +63,7 @@ pub async fn create(
         Ok(crate::admission::hold_until_sent(response, permit))
     }
     .await;
-    crate::server::answer(&state, &ctx, result)
+    crate::intake::answer(&state, &ctx, result)
 }
 
 /// The stored response a request continues.
@@ -251,16 +251,25 @@ async fn single(
     stream: bool,
     edits: Arc<ResponseEdits>,
 ) -> Result<Response, Failure> {
-    let leg = FinalLeg {
+    forward(state, ctx, route, final_leg(role, &body, stream, edits)).await
+}
+
+/// The leg that answers the client with `body`, its response objects edited.
+fn final_leg(
+    role: WorkerRole,
+    body: &Map<String, Value>,
+    stream: bool,
+    edits: Arc<ResponseEdits>,
+) -> FinalLeg {
+    FinalLeg {
         role,
-        body: encode(&body),
+        body: encode(body),
         stream,
         conversation_id: None,
         dp_rank: None,
         reencode_on_500: false,
         responses: Some(edits),
-    };
-    forward(state, ctx, route, leg).await
+    }
 }
 
 /// vLLM's sequential handoff of a turn: the prefill leg (reading the previous decode's
@@ -307,15 +316,7 @@ async fn sequential(
         ),
     }
     let edits = turn.edits(state, answer.cached_tokens);
-    let leg = FinalLeg {
-        role: WorkerRole::Decode,
-        body: encode(&decode),
-        stream: turn.request.stream,
-        conversation_id: None,
-        dp_rank: None,
-        reencode_on_500: false,
-        responses: Some(edits),
-    };
+    let leg = final_leg(WorkerRole::Decode, &decode, turn.request.stream, edits);
     let mut response = forward(state, ctx, route, leg).await?;
     // Decode answered: it has read the blocks.
     release.disarm();
