@@ -64,6 +64,10 @@ pub struct WorkerArgs {
     /// request with the fewest prompt tokens left to compute, waiting ones included (a
     /// short prompt that arrives during a long prefill gets its first token after its own
     /// compute); requests older than --scheduling-age-limit-secs go first, oldest first.
+    /// `priority`: vLLM's priority scheduling, by each request's integer `priority` field
+    /// (lower first, 0 by default), then arrival; a waiting request goes before running
+    /// ones of a later priority, which are preempted first when KV blocks run out. Under
+    /// the other policies a non-zero `priority` is refused with a 400, as vLLM does.
     #[arg(long, env = "PDSERVE_SCHEDULING_POLICY", value_enum, default_value_t = PolicyName::Fcfs)]
     pub scheduling_policy: PolicyName,
 
@@ -354,6 +358,9 @@ pub enum PolicyName {
     Fcfs,
     /// Fewest prompt tokens left to compute first, with an age limit.
     ShortestPrefillFirst,
+    /// vLLM's priority scheduling: the request's `priority` field, lower first, then
+    /// arrival.
+    Priority,
 }
 
 impl WorkerArgs {
@@ -370,6 +377,7 @@ impl WorkerArgs {
             PolicyName::ShortestPrefillFirst => {
                 SchedulingPolicy::ShortestPrefillFirst { age_limit }
             }
+            PolicyName::Priority => SchedulingPolicy::Priority,
         })
     }
 }

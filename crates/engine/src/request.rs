@@ -29,6 +29,9 @@ pub struct GenerationRequest {
     pub pin_on_finish: bool,
     /// KV computed elsewhere for the leading prompt tokens, loaded instead of computed.
     pub kv_import: Option<KvImport>,
+    /// vLLM's `priority` (lower is served first; honoured by `--scheduling-policy
+    /// priority`, which alone accepts a non-zero one).
+    pub priority: i64,
 }
 
 impl GenerationRequest {
@@ -45,6 +48,7 @@ impl GenerationRequest {
             prompt_logprobs: None,
             pin_on_finish: false,
             kv_import: None,
+            priority: 0,
         }
     }
 }

@@ -66,6 +66,11 @@ pub enum SubmitError {
     /// The scheduler thread is gone.
     #[error("the engine has stopped")]
     Stopped,
+    /// A non-zero `priority` without `--scheduling-policy priority` (as vLLM refuses it).
+    #[error(
+        "priority scheduling is not enabled (start the worker with --scheduling-policy priority)"
+    )]
+    PriorityNotEnabled,
 }
 
 /// Why a KV block operation failed.
@@ -102,6 +107,8 @@ pub struct EngineHandle {
     /// Requests accepted but never admitted to the running batch yet.
     queued: Arc<AtomicUsize>,
     max_waiting: usize,
+    /// Whether a request's `priority` is honoured.
+    honours_priority: bool,
     heartbeat: Arc<Heartbeat>,
     profiler: Arc<Profiler>,
 }
@@ -124,6 +131,9 @@ impl EngineHandle {
     /// Queues `request`; its output arrives on the returned receiver. Dropping the
     /// receiver cancels the request.
     pub fn submit(&self, request: GenerationRequest) -> Result<SeqEvents, SubmitError> {
+        if request.priority != 0 && !self.honours_priority {
+            return Err(SubmitError::PriorityNotEnabled);
+        }
         let reserved = self
             .queued
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
@@ -227,6 +237,7 @@ pub fn spawn_publishing<M: StepModel>(
         commands: tx,
         queued: queued.clone(),
         max_waiting: config.max_waiting,
+        honours_priority: config.policy.honours_priority(),
         heartbeat: heartbeat.clone(),
         profiler: profiler.clone(),
     };

@@ -255,6 +255,7 @@ fn full_queue_refuses_with_queue_full_and_frees_slots_on_admission() {
         commands: tx,
         queued: Arc::default(),
         max_waiting: 2,
+        honours_priority: false,
         heartbeat: Arc::default(),
         profiler: Arc::default(),
     };
@@ -393,6 +394,16 @@ fn first_token_of_long_and_short(
     short_len: usize,
     budget: usize,
 ) -> &'static str {
+    first_token_by_priority(policy, (long_len, 0), (short_len, 0), budget)
+}
+
+/// [`first_token_of_long_and_short`] with each request's (prompt length, `priority`).
+fn first_token_by_priority(
+    policy: SchedulingPolicy,
+    (long_len, long_priority): (usize, i64),
+    (short_len, short_priority): (usize, i64),
+    budget: usize,
+) -> &'static str {
     let mut model = FakeModel::new(64);
     model.step_delay = Duration::from_millis(5);
     let cfg = SchedulerConfig {
@@ -403,7 +414,11 @@ fn first_token_of_long_and_short(
     let (handle, thread, _) = start(model, cfg);
     let long = prompt(long_len, 3);
     let short = prompt(short_len, 4);
-    let mut long_rx = handle.submit(request(long.clone(), 2)).unwrap();
+    let with_priority = |prompt: &[u32], priority| GenerationRequest {
+        priority,
+        ..request(prompt.to_vec(), 2)
+    };
+    let mut long_rx = handle.submit(with_priority(&long, long_priority)).unwrap();
     let started = Instant::now();
     loop {
         match long_rx.try_recv() {
@@ -415,7 +430,9 @@ fn first_token_of_long_and_short(
             }
         }
     }
-    let mut short_rx = handle.submit(request(short.clone(), 2)).unwrap();
+    let mut short_rx = handle
+        .submit(with_priority(&short, short_priority))
+        .unwrap();
     let mut first = None;
     let mut outputs = [Vec::new(), Vec::new()];
     let mut ended = [false, false];
@@ -464,6 +481,36 @@ fn shortest_prefill_first_lets_a_short_prompt_pass_a_long_prefill() {
     // The short prompt joins the long one's last chunk with budget to spare: each is
     // scheduled once (scheduling the admitted one again overran its prompt).
     first_token_of_long_and_short(spf, 100, 10, 64);
+}
+
+#[test]
+fn priority_scheduling_serves_a_lower_priority_value_first_then_arrival() {
+    let p = SchedulingPolicy::Priority;
+    // A later request of a lower value passes a running prefill of a higher one, even a
+    // longer one.
+    assert_eq!(first_token_by_priority(p, (200, 5), (200, 0), 8), "short");
+    assert_eq!(first_token_by_priority(p, (200, 0), (5, -3), 8), "short");
+    // Within one priority, arrival order: the short prompt does not pass (that would be
+    // shortest-prefill-first), nor does a later one of a higher value.
+    assert_eq!(first_token_by_priority(p, (200, 1), (5, 1), 8), "long");
+    assert_eq!(first_token_by_priority(p, (200, 0), (5, 2), 8), "long");
+}
+
+#[test]
+fn a_priority_is_refused_unless_priority_scheduling_is_on() {
+    let (handle, thread, _) = start(FakeModel::new(64), config());
+    let ranked = GenerationRequest {
+        priority: 1,
+        ..request(prompt(4, 1), 1)
+    };
+    assert_eq!(
+        handle.submit(ranked).unwrap_err(),
+        SubmitError::PriorityNotEnabled
+    );
+    // Priority 0 is everyone's default and always accepted.
+    let mut rx = handle.submit(request(prompt(4, 1), 1)).unwrap();
+    assert!(matches!(collect(&mut rx).1, SeqEvent::Finished { .. }));
+    stop(handle, thread);
 }
 
 #[test]

@@ -19,6 +19,10 @@ pub enum SchedulingPolicy {
         /// How long a sequence can be passed over.
         age_limit: Duration,
     },
+    /// vLLM's priority scheduling: the request's `priority` (lower first), then arrival,
+    /// running and waiting sequences alike; a waiting request goes before running ones of
+    /// a later class, and blocks run short the latest-class running sequence is preempted.
+    Priority,
 }
 
 /// Where a sequence stands under [`SchedulingPolicy::ShortestPrefillFirst`]; smaller goes
@@ -27,6 +31,8 @@ pub enum SchedulingPolicy {
 pub(crate) struct Priority {
     /// Past the age limit: ordered by arrival only, ahead of everything younger.
     aged: bool,
+    /// The request's `priority` under [`SchedulingPolicy::Priority`] (else 0).
+    class: i64,
     /// Prompt tokens still to compute (1 for a decoding sequence).
     remaining: usize,
     arrived: Instant,
@@ -39,8 +45,9 @@ impl Ord for Priority {
             (true, false) => Ordering::Less,
             (false, true) => Ordering::Greater,
             (false, false) => self
-                .remaining
-                .cmp(&other.remaining)
+                .class
+                .cmp(&other.class)
+                .then(self.remaining.cmp(&other.remaining))
                 .then(self.arrived.cmp(&other.arrived)),
         }
     }
@@ -56,20 +63,25 @@ impl SchedulingPolicy {
     /// The age limit when the policy orders by remaining prompt tokens.
     fn age_limit(self) -> Option<Duration> {
         match self {
-            Self::Fcfs => None,
             Self::ShortestPrefillFirst { age_limit } => Some(age_limit),
+            Self::Fcfs | Self::Priority => None,
         }
     }
 
     /// Whether this policy reorders sequences (and lets waiting prompts go before
     /// running ones).
     pub(crate) fn reorders(self) -> bool {
-        self.age_limit().is_some()
+        self != Self::Fcfs
+    }
+
+    /// Whether requests' `priority` is honoured (else a non-zero one is refused).
+    pub fn honours_priority(self) -> bool {
+        self == Self::Priority
     }
 
     /// A running sequence's priority (tokens left to compute).
     pub(crate) fn running(self, seq: &Sequence, now: Instant) -> Priority {
-        self.priority(seq.num_uncomputed(), seq.arrived, now)
+        self.ranked(seq, seq.num_uncomputed(), now)
     }
 
     /// A waiting sequence's priority: its tokens less those a peer's KV will supply (a
@@ -77,7 +89,21 @@ impl SchedulingPolicy {
     pub(crate) fn waiting(self, seq: &Sequence, now: Instant) -> Priority {
         let imported = seq.kv_import().map_or(0, |import| import.num_tokens);
         let remaining = seq.tokens.len() - seq.num_computed.max(imported).min(seq.tokens.len());
-        self.priority(remaining.max(1), seq.arrived, now)
+        self.ranked(seq, remaining.max(1), now)
+    }
+
+    /// `seq`'s priority with `remaining` tokens to compute.
+    fn ranked(self, seq: &Sequence, remaining: usize, now: Instant) -> Priority {
+        match self {
+            // Class, then arrival: the work left does not count.
+            Self::Priority => Priority {
+                aged: false,
+                class: seq.priority(),
+                remaining: 0,
+                arrived: seq.arrived,
+            },
+            _ => self.priority(remaining, seq.arrived, now),
+        }
     }
 
     fn priority(self, remaining: usize, arrived: Instant, now: Instant) -> Priority {
@@ -86,6 +112,7 @@ impl SchedulingPolicy {
             .is_some_and(|limit| now.saturating_duration_since(arrived) > limit);
         Priority {
             aged,
+            class: 0,
             remaining,
             arrived,
         }

@@ -70,6 +70,11 @@ impl Sequence {
         }
     }
 
+    /// The request's `priority` (lower first, under priority scheduling).
+    pub fn priority(&self) -> i64 {
+        self.request.priority
+    }
+
     /// Whether the blocks stay pinned for a peer when the sequence finishes.
     pub fn pin_on_finish(&self) -> bool {
         self.request.pin_on_finish

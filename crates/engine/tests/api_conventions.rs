@@ -380,3 +380,57 @@ async fn imported_kv_is_reported_apart_from_prefix_cache_hits() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_is_honoured_only_with_priority_scheduling() {
+    serial(async {
+        let fcfs = TestWorker::start(&[]).await;
+        for (path, body) in [
+            ("/v1/chat/completions", chat("hi", json!({"priority": 3}))),
+            ("/v1/completions", completion("hi", json!({"priority": -1}))),
+            ("/v1/responses", json!({"input": "hi", "priority": 2})),
+        ] {
+            let (status, answer) = fcfs.post(path, &body).await;
+            assert_eq!(status, 400, "{path}: {answer}");
+            assert_eq!(answer["error"]["param"], "priority", "{answer}");
+        }
+        // 0, vLLM's default, is accepted everywhere; a non-integer is a 400 everywhere.
+        let (status, answer) = fcfs
+            .post(
+                "/v1/chat/completions",
+                &chat("hi", json!({"priority": 0, "max_tokens": 2})),
+            )
+            .await;
+        assert_eq!(status, 200, "{answer}");
+        let (status, answer) = fcfs
+            .post(
+                "/v1/chat/completions",
+                &chat("hi", json!({"priority": "high"})),
+            )
+            .await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["param"], "priority");
+        fcfs.stop().await;
+
+        let ranked = TestWorker::start(&["--scheduling-policy", "priority"]).await;
+        for (path, body) in [
+            (
+                "/v1/chat/completions",
+                chat("hi", json!({"priority": 3, "max_tokens": 2})),
+            ),
+            (
+                "/v1/completions",
+                completion("hi", json!({"priority": -1, "max_tokens": 2})),
+            ),
+            (
+                "/v1/responses",
+                json!({"input": "hi", "priority": 2, "max_output_tokens": 2}),
+            ),
+        ] {
+            let (status, answer) = ranked.post(path, &body).await;
+            assert_eq!(status, 200, "{path}: {answer}");
+        }
+        ranked.stop().await;
+    })
+    .await;
+}

@@ -78,6 +78,10 @@ pub struct UpArgs {
     /// value), e.g. `--gateway-arg=--disagg-threshold --gateway-arg=64`.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
     gateway_args: Vec<String>,
+    /// More `pdserve worker` flags for every worker, passed through as given (repeat for
+    /// each flag or value), e.g. `--worker-arg=--scheduling-policy --worker-arg=priority`.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
     /// Seconds a P/D worker keeps KV blocks pinned for a peer that never reads them.
     #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
     kv_abort_timeout: u64,
@@ -244,6 +248,7 @@ impl Stack<'_> {
                 &self.args.kv_abort_timeout.to_string(),
             ]);
         }
+        worker.args(&self.args.worker_args);
         Ok(worker)
     }
 

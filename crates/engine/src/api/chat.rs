@@ -20,7 +20,7 @@ use super::prepared::{serve, session_key, Prepared, PromptRun, Reply};
 use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
-    check_model, choice_count, generation_request, output_options, top_logprobs,
+    check_model, choice_count, generation_request, output_options, request_priority, top_logprobs,
 };
 use super::AppState;
 
@@ -63,7 +63,7 @@ async fn prepare(
         .generation
         .max_completion_tokens
         .or(req.generation.max_tokens);
-    let request = generation_request(
+    let mut request = generation_request(
         prompt,
         &req.generation,
         max_tokens,
@@ -71,6 +71,7 @@ async fn prepare(
         &app.serving.limits,
         "messages",
     )?;
+    request.priority = request_priority(&req.extra)?;
     let format = ChatFormat::new(app.serving.limits.served_model_name.clone());
     Ok(Prepared {
         prompts: vec![PromptRun::plain(request)],

@@ -19,7 +19,7 @@ use super::prepared::{serve, session_key, Prepared, PromptRun, Reply};
 use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
-    check_model, choice_count, generation_request, output_options, top_logprobs,
+    check_model, choice_count, generation_request, output_options, request_priority, top_logprobs,
 };
 use super::AppState;
 use crate::serving::{EchoPlan, PromptEcho, PromptScores};
@@ -111,6 +111,7 @@ async fn prepare(
         ))
         .with_param("prompt"));
     }
+    let priority = request_priority(&req.extra)?;
     let mut prompts = Vec::with_capacity(ids.len());
     for (prompt, text) in ids.into_iter().zip(texts) {
         let mut request = generation_request(
@@ -121,6 +122,7 @@ async fn prepare(
             &app.serving.limits,
             "prompt",
         )?;
+        request.priority = priority;
         if scores_only {
             request.max_new_tokens = 0;
         }

@@ -79,6 +79,9 @@ impl From<SubmitError> for ApiError {
         match e {
             SubmitError::QueueFull(_) => ApiError::too_many_requests(e.to_string()),
             SubmitError::Stopped => ApiError::service_unavailable(e.to_string()),
+            SubmitError::PriorityNotEnabled => {
+                ApiError::bad_request(e.to_string()).with_param("priority")
+            }
         }
     }
 }

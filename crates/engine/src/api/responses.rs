@@ -23,7 +23,7 @@ use super::prepared::{serve, session_key, Prepared, PromptRun, Reply};
 use super::response_format::{ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::response_store::{ResponseStore, StoredResponse};
 use super::unsupported::check_unsupported;
-use super::validate::{check_model, generation_request, output_options};
+use super::validate::{check_model, generation_request, output_options, request_priority};
 use super::AppState;
 
 /// Handles `POST /v1/responses`.
@@ -187,7 +187,7 @@ async fn prepare(
     }
     turns.extend(conversation.iter().cloned());
     let prompt = super::chat::chat_prompt(app, turns).await?;
-    let request = generation_request(
+    let mut request = generation_request(
         prompt,
         &req.generation,
         req.max_output_tokens,
@@ -199,6 +199,7 @@ async fn prepare(
         Some("max_tokens") => e.with_param("max_output_tokens"),
         _ => e,
     })?;
+    request.priority = request_priority(&req.extra)?;
     let store = req
         .store
         .unwrap_or(true)

@@ -129,6 +129,21 @@ pub fn choice_count(n: Option<i64>) -> Result<usize, ApiError> {
     }
 }
 
+/// vLLM's `priority` field of a request body (`extra`): an integer, 0 when absent.
+pub fn request_priority(
+    extra: &serde_json::Map<String, serde_json::Value>,
+) -> Result<i64, ApiError> {
+    match extra.get("priority") {
+        None | Some(serde_json::Value::Null) => Ok(0),
+        Some(value) => value.as_i64().ok_or_else(|| {
+            invalid(
+                "priority",
+                format!("priority must be an integer, got {value}"),
+            )
+        }),
+    }
+}
+
 /// The scheduler request for `prompt` with the sampling fields of `params` (all but
 /// `n`: each choice is a request of its own, see [`choice_count`]).
 /// `max_tokens` is the (already chosen) `max_tokens`/`max_completion_tokens` value.
@@ -217,6 +232,7 @@ pub fn generation_request(
         prompt_logprobs: None,
         pin_on_finish: false,
         kv_import: None,
+        priority: 0,
     })
 }
 
