@@ -20,22 +20,21 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry as MetricsRegistry;
 use tokio::sync::oneshot;
 
-use crate::request::ClientRequest;
-
 /// The header that sets a request's priority when its body has no `priority`.
 pub const PRIORITY_HEADER: &str = "x-pdserve-priority";
 
-/// A request's priority: its body's `priority` (vLLM's field, passed on to the workers),
-/// else the [`PRIORITY_HEADER`], else 0. Lower goes first.
+/// A request's priority: its body's `priority` (`field`, as the client wrote it: vLLM's
+/// and SGLang's field, passed on to the workers), else the [`PRIORITY_HEADER`], else 0.
+/// Lower goes first.
 #[allow(clippy::result_large_err)]
-pub fn priority(request: &ClientRequest, headers: &HeaderMap) -> Result<i64, ApiError> {
+pub fn priority(field: Option<&str>, headers: &HeaderMap) -> Result<i64, ApiError> {
     let parse = |text: &str, param: &str| {
         text.trim().parse::<i64>().map_err(|_| {
             ApiError::bad_request(format!("{param} must be an integer, got {text}"))
                 .with_param(param)
         })
     };
-    if let Some(text) = request.verbatim_number("priority") {
+    if let Some(text) = field {
         return parse(text, "priority");
     }
     match headers.get(PRIORITY_HEADER) {
@@ -44,17 +43,18 @@ pub fn priority(request: &ClientRequest, headers: &HeaderMap) -> Result<i64, Api
     }
 }
 
-/// Admits `request` or answers why not: a bad priority (400), a full queue (429), a
-/// wait that ran out (408); the refusals with `Retry-After`.
+/// Admits a request whose body's `priority` is `field` (see [`priority`]) or answers why
+/// not: a bad priority (400), a full queue (429), a wait that ran out (408); the refusals
+/// with `Retry-After`.
 pub async fn admit(
     admission: &Arc<Admission>,
-    request: &ClientRequest,
+    field: Option<&str>,
     headers: &HeaderMap,
 ) -> Result<Permit, Response> {
     if admission.max_running == 0 {
         return Ok(Permit { admission: None });
     }
-    let priority = priority(request, headers).map_err(IntoResponse::into_response)?;
+    let priority = priority(field, headers).map_err(IntoResponse::into_response)?;
     let rejection = match admission.admit(priority).await {
         Ok(permit) => return Ok(permit),
         Err(rejection) => rejection,

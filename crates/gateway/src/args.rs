@@ -140,7 +140,8 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_MAX_STORED_RESPONSES", default_value = "16384")]
     pub max_stored_responses: NonZeroUsize,
 
-    /// Most chat/completion requests served at once; the others wait in a queue, by
+    /// Most generation requests (chat, completions, Responses, SGLang's `/generate`)
+    /// served at once; the others wait in a queue, by
     /// priority (vLLM's `priority` field, or the `x-pdserve-priority` header; lower
     /// first) and then arrival. 0: no limit.
     #[arg(long, env = "PDSERVE_MAX_CONCURRENT_REQUESTS", default_value_t = 0)]

@@ -17,7 +17,8 @@ pub async fn admit_and_count(
     ctx: &mut RequestContext,
     request: &ClientRequest,
 ) -> Result<crate::admission::Permit, Response> {
-    let permit = crate::admission::admit(&state.admission, request, &ctx.client_headers).await?;
+    let field = request.verbatim_number("priority");
+    let permit = crate::admission::admit(&state.admission, field, &ctx.client_headers).await?;
     if let Some(tokenizer) = &state.tokenizer {
         if state.routing_reads_tokens
             || crate::prompt_tokens::may_overflow(request, state.model_lens.smallest())

@@ -262,6 +262,14 @@ async fn sglang_generate(
         };
         // Only the gateway writes KV handles (the bootstrap fields are overwritten).
         body.remove("kv_transfer_params");
+        let field = body.get("priority").map(Value::to_string);
+        let permit =
+            match crate::admission::admit(&state.admission, field.as_deref(), &ctx.client_headers)
+                .await
+            {
+                Ok(permit) => permit,
+                Err(refused) => return Ok(refused),
+            };
         let roster = state.registry.snapshot();
         if roster.routing_mode() != Mode::Disaggregated {
             return Err(ApiError::service_unavailable(format!(
@@ -273,7 +281,10 @@ async fn sglang_generate(
         state.metrics.record_disaggregation("disaggregated");
         let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
         let shape = SglangRoute::Generate;
-        handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route, None).await
+        let response =
+            handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route, None)
+                .await?;
+        Ok(crate::admission::hold_until_sent(response, permit))
     }
     .await;
     crate::intake::answer(&state, &ctx, result)

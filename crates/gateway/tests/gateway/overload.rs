@@ -120,3 +120,54 @@ async fn a_request_that_waits_too_long_is_a_408() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn responses_and_sglang_generate_wait_in_the_same_queue() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "p").await;
+        let d = Double::start(Role::Decode, "d").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.max_concurrent_requests = 1;
+        config.queue_size = 0;
+        config.protocol = pdserve_gateway::args::Protocol::Sglang;
+        let gateway = Gateway::start(config).await;
+        d.set(Behavior::Delay(Duration::from_millis(400)));
+        let busy = tokio::spawn(
+            client()
+                .post(gateway.at("/v1/completions"))
+                .json(&body("busy"))
+                .send(),
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for (path, request) in [
+            ("/v1/responses", json!({"input": "hi", "priority": -5})),
+            ("/generate", json!({"text": "hi", "priority": -5})),
+        ] {
+            let refused = client()
+                .post(gateway.at(path))
+                .json(&request)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(refused.status(), 429, "{path}");
+            assert!(refused.headers().get("retry-after").is_some(), "{path}");
+        }
+        let bad = client()
+            .post(gateway.at("/generate"))
+            .json(&json!({"text": "hi", "priority": "soon"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(bad.status(), 400, "a priority that is not an integer");
+        assert_eq!(busy.await.unwrap().unwrap().status(), 200);
+        assert_eq!(
+            metric(
+                &gateway,
+                r#"pdserve_gateway_rejected_requests_total{reason="queue_full"}"#
+            )
+            .await,
+            2.0
+        );
+    })
+    .await;
+}
