@@ -74,6 +74,15 @@ impl ResponsesBody {
         self.body.clone()
     }
 
+    /// [`Self::expanded`] when `write_out`, else [`Self::original`].
+    pub fn body_for(&self, write_out: bool, before: &[Value]) -> Map<String, Value> {
+        if write_out {
+            self.expanded(before)
+        } else {
+            self.original()
+        }
+    }
+
     /// The body with the conversation so far written out before this turn's input and
     /// without `previous_response_id`: for a worker that does not store the conversation.
     pub fn expanded(&self, before: &[Value]) -> Map<String, Value> {

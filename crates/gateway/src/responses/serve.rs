@@ -171,59 +171,31 @@ async fn serve(
         ..ctx.route_for(turn.chat, root)
     };
     let stream = turn.request.stream;
-    if mode == Mode::Aggregated {
-        state.metrics.record_disaggregation("aggregated");
+    let alone = if mode == Mode::Aggregated {
         // The owner continues from its own store (and prefix cache); any other worker is
         // sent the conversation, unless only the owner knows it (then it is that worker's
         // 404 to give).
-        let body = if owner.is_some() || !turn.history_known() {
-            turn.request.original()
-        } else {
-            turn.request.expanded(turn.before)
-        };
-        return single(
-            state,
-            ctx,
-            &route,
-            role,
-            body,
-            stream,
-            turn.edits(state, None),
-        )
-        .await;
-    }
-    if !turn.history_known() {
+        let known_elsewhere = owner.is_none() && turn.history_known();
+        Some((
+            "aggregated",
+            turn.request.body_for(known_elsewhere, turn.before),
+        ))
+    } else if !turn.history_known() {
         // Only the decode worker that stores the conversation has it: it computes the
         // turn alone.
-        state.metrics.record_disaggregation("prefill_skipped");
-        let body = turn.request.original();
-        return single(
-            state,
-            ctx,
-            &route,
-            role,
-            body,
-            stream,
-            turn.edits(state, None),
-        )
-        .await;
+        Some(("prefill_skipped", turn.request.original()))
+    } else {
+        // The decode worker is sent the conversation as the prefill worker is, so that
+        // both compute the same prompt whichever decode worker a retry lands on.
+        conditional::skips_prefill(state, &roster, &route)
+            .then(|| ("prefill_skipped", turn.request.expanded(turn.before)))
+    };
+    if let Some((outcome, body)) = alone {
+        state.metrics.record_disaggregation(outcome);
+        let edits = turn.edits(state, None);
+        return single(state, ctx, &route, role, body, stream, edits).await;
     }
-    // The decode worker is sent the conversation as the prefill worker is, so that both
-    // compute the same prompt whichever decode worker a retry lands on.
     let body = turn.request.expanded(turn.before);
-    if conditional::skips_prefill(state, &roster, &route) {
-        state.metrics.record_disaggregation("prefill_skipped");
-        return single(
-            state,
-            ctx,
-            &route,
-            role,
-            body,
-            stream,
-            turn.edits(state, None),
-        )
-        .await;
-    }
     state.metrics.record_disaggregation("disaggregated");
     if state.config.protocol == crate::args::Protocol::Sglang {
         let edits = turn.edits(state, None);
