@@ -1,0 +1,46 @@
+//! OpenTelemetry traces for pdserve's gateway and workers.
+//!
+//! Off unless `--otlp-traces-endpoint` (or an `OTEL_EXPORTER_OTLP_*ENDPOINT` variable) is
+//! given. When off nothing is installed: [`tracer`] is `None` (one atomic load), no
+//! middleware wraps the routes and no span is built, so a request costs what it did
+//! before. When on, spans go to an OTLP/HTTP (protobuf) collector from a batch processor
+//! on the tokio runtime, and W3C `traceparent`/`tracestate` carry the trace across
+//! processes ([`propagation`]).
+
+pub mod config;
+pub mod exporter;
+pub mod http;
+pub mod propagation;
+pub mod semconv;
+pub mod spans;
+
+use std::sync::OnceLock;
+
+pub use config::{TraceConfig, TracingArgs};
+pub use exporter::{Telemetry, TelemetryError};
+pub use opentelemetry::Context;
+pub use spans::{ChildSpan, Timeline};
+
+/// The process's tracer, set once by [`Telemetry::init`] when tracing is on.
+static TRACER: OnceLock<opentelemetry_sdk::trace::SdkTracer> = OnceLock::new();
+
+/// The tracer when tracing is on; `None` (the whole cost of tracing when off) otherwise.
+#[inline]
+pub fn tracer() -> Option<&'static opentelemetry_sdk::trace::SdkTracer> {
+    TRACER.get()
+}
+
+/// Whether this process exports traces.
+#[inline]
+pub fn enabled() -> bool {
+    TRACER.get().is_some()
+}
+
+/// The context of the request being served (its server span), when tracing is on and
+/// the current task runs inside one (see [`http::trace_requests`]).
+pub fn current() -> Option<Context> {
+    use opentelemetry::trace::TraceContextExt;
+    tracer()?;
+    let cx = Context::current();
+    cx.has_active_span().then_some(cx)
+}

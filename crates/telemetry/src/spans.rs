@@ -1,0 +1,123 @@
+//! Building spans: a child span open while something runs ([`ChildSpan`]), and spans
+//! recorded afterwards from timestamps taken elsewhere ([`Timeline`]: the scheduler
+//! thread notes instants; spans are made from them when the request ends).
+
+use std::borrow::Cow;
+use std::time::{Instant, SystemTime};
+
+use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::{Context, KeyValue};
+
+use crate::propagation::TraceHeaders;
+
+/// A span started under a parent; it ends when dropped (or at [`ChildSpan::end`]).
+#[derive(Debug, Clone)]
+pub struct ChildSpan {
+    cx: Context,
+    /// Keeps the parent's span open at least as long as this one.
+    _parent: Context,
+}
+
+impl ChildSpan {
+    /// Starts `name` under `parent`; `None` when tracing is off.
+    pub fn start(
+        parent: &Context,
+        name: impl Into<Cow<'static, str>>,
+        kind: SpanKind,
+        attributes: Vec<KeyValue>,
+    ) -> Option<Self> {
+        let tracer = crate::tracer()?;
+        let span = tracer
+            .span_builder(name)
+            .with_kind(kind)
+            .with_attributes(attributes)
+            .start_with_context(tracer, parent);
+        Some(Self {
+            cx: parent.with_span(span),
+            _parent: parent.clone(),
+        })
+    }
+
+    /// The span's context (a parent for spans under it).
+    pub fn context(&self) -> &Context {
+        &self.cx
+    }
+
+    /// The W3C headers naming this span, for the request it makes.
+    pub fn headers(&self) -> Option<TraceHeaders> {
+        TraceHeaders::of(&self.cx)
+    }
+
+    /// Adds an attribute.
+    pub fn set(&self, attribute: KeyValue) {
+        self.cx.span().set_attribute(attribute);
+    }
+
+    /// Marks the span failed with `why`.
+    pub fn fail(&self, why: impl Into<Cow<'static, str>>) {
+        self.cx.span().set_status(Status::error(why));
+    }
+
+    /// Ends the span now (it would end when the last clone drops anyway).
+    pub fn end(self) {
+        self.cx.span().end();
+    }
+}
+
+/// Converts instants to wall-clock times for spans recorded after the fact.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeline {
+    instant: Instant,
+    wall: SystemTime,
+}
+
+impl Default for Timeline {
+    fn default() -> Self {
+        Self::now()
+    }
+}
+
+impl Timeline {
+    /// Anchored now.
+    pub fn now() -> Self {
+        Self {
+            instant: Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+
+    /// The wall-clock time of `at`.
+    pub fn wall(&self, at: Instant) -> SystemTime {
+        match self.instant.checked_duration_since(at) {
+            Some(ago) => self.wall - ago,
+            None => self.wall + (at - self.instant),
+        }
+    }
+
+    /// Records a finished span `name` under `parent` from `start` to `end`; returns its
+    /// context for spans under it (`None` when tracing is off).
+    pub fn record(
+        &self,
+        parent: &Context,
+        name: impl Into<Cow<'static, str>>,
+        kind: SpanKind,
+        (start, end): (Instant, Instant),
+        attributes: Vec<KeyValue>,
+    ) -> Option<Context> {
+        let tracer = crate::tracer()?;
+        let span = tracer
+            .span_builder(name)
+            .with_kind(kind)
+            .with_start_time(self.wall(start))
+            .with_attributes(attributes)
+            .start_with_context(tracer, parent);
+        let cx = parent.with_span(span);
+        cx.span().end_with_timestamp(self.wall(end.max(start)));
+        Some(cx)
+    }
+}
+
+/// Seconds of `d`, as the latency attributes want them.
+pub fn seconds(d: std::time::Duration) -> f64 {
+    d.as_secs_f64()
+}
