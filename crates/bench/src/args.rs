@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{ArgGroup, Args, FromArgMatches, Subcommand, ValueEnum};
 
+use crate::priority::{PriorityClass, PriorityMix};
+
 /// `pdserve bench` subcommands and flags.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -166,6 +168,9 @@ pub struct ServeArgs {
     /// shared-prefix: tokens of each answer.
     #[arg(long, env = "PDSERVE_BENCH_GSP_OUTPUT_LEN", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     pub gsp_output_len: u64,
+    /// `--priority`: the share of requests sending each `priority` value.
+    #[command(flatten)]
+    pub priority: PriorityMix,
     /// SLOs for goodput.
     #[command(flatten)]
     pub slo: SloArgs,
@@ -340,6 +345,86 @@ impl Args for ConversationApi {
     }
 }
 
+/// The flag behind [`PriorityMix`], before the checks across its values.
+#[derive(Debug, Clone, Args)]
+struct PriorityFlags {
+    /// Send vLLM's `"priority": VALUE` (an integer, lower is served first) in this
+    /// SHARE (0, 1] of the requests; repeat it (comma-separated in the environment
+    /// variable) for several classes, e.g. `--priority -1:0.5 --priority 0:0.5`. Shares
+    /// sum to at most 1; the rest is sent without `priority` (class "none"). Each
+    /// request's class is drawn from `--seed`. The report adds latency and rejections
+    /// (HTTP 429, 408) per class.
+    #[arg(
+        long = "priority",
+        env = "PDSERVE_BENCH_PRIORITY",
+        value_name = "VALUE:SHARE",
+        value_delimiter = ',',
+        allow_hyphen_values = true,
+        value_parser = PriorityClass::parse
+    )]
+    priority: Vec<PriorityClass>,
+}
+
+impl PriorityMix {
+    fn checked(flags: PriorityFlags) -> Result<Self, clap::Error> {
+        Self::new(flags.priority).map_err(|e| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for '--priority <VALUE:SHARE>': {e}"),
+            )
+        })
+    }
+
+    fn flags(&self) -> PriorityFlags {
+        PriorityFlags {
+            priority: self.classes().to_vec(),
+        }
+    }
+}
+
+// By hand, like `ConversationApi`: duplicates and the shares' sum are checks across
+// values, which clap's per-value parser cannot make.
+impl FromArgMatches for PriorityMix {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Self::checked(PriorityFlags::from_arg_matches(matches)?)
+    }
+
+    fn from_arg_matches_mut(matches: &mut clap::ArgMatches) -> Result<Self, clap::Error> {
+        Self::checked(PriorityFlags::from_arg_matches_mut(matches)?)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        let mut flags = self.flags();
+        flags.update_from_arg_matches(matches)?;
+        *self = Self::checked(flags)?;
+        Ok(())
+    }
+
+    fn update_from_arg_matches_mut(
+        &mut self,
+        matches: &mut clap::ArgMatches,
+    ) -> Result<(), clap::Error> {
+        let mut flags = self.flags();
+        flags.update_from_arg_matches_mut(matches)?;
+        *self = Self::checked(flags)?;
+        Ok(())
+    }
+}
+
+impl Args for PriorityMix {
+    fn group_id() -> Option<clap::Id> {
+        PriorityFlags::group_id()
+    }
+
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        PriorityFlags::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        PriorityFlags::augment_args_for_update(cmd)
+    }
+}
+
 /// `pdserve bench compare`.
 #[derive(Debug, Clone, Args)]
 pub struct CompareArgs {
@@ -386,5 +471,62 @@ fn range_ratio(s: &str) -> Result<f64, String> {
         Ok(v)
     } else {
         Err(format!("the range ratio must be in [0, 1), got `{s}`"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        priority: PriorityMix,
+    }
+
+    fn parse(args: &[&str]) -> Result<PriorityMix, String> {
+        Cli::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+            .map(|c| c.priority)
+            .map_err(|e| e.to_string())
+    }
+
+    fn values(mix: &PriorityMix) -> Vec<(i64, f64)> {
+        mix.classes().iter().map(|c| (c.value, c.share)).collect()
+    }
+
+    #[test]
+    fn priority_flag_takes_repeated_and_comma_separated_classes() {
+        assert!(parse(&[]).unwrap().is_empty());
+        // A negative value is a value, not a flag.
+        let mix = parse(&["--priority", "-1:0.5", "--priority", "0:0.5"]).unwrap();
+        assert_eq!(values(&mix), vec![(-1, 0.5), (0, 0.5)]);
+        let mix = parse(&["--priority=-3:0.25,7:0.25"]).unwrap();
+        assert_eq!(values(&mix), vec![(-3, 0.25), (7, 0.25)]);
+        assert_eq!(mix.remainder(), 0.5);
+    }
+
+    #[test]
+    fn priority_flag_errors_name_the_flag_and_the_problem() {
+        for (args, expected) in [
+            (&["--priority", "1"][..], "VALUE:SHARE"),
+            (&["--priority", "high:0.5"][..], "must be an integer"),
+            (&["--priority", "1:0"][..], "(0, 1]"),
+            (&["--priority", "1:2"][..], "(0, 1]"),
+            (
+                &["--priority", "-1:0.7", "--priority", "0:0.5"][..],
+                "the shares sum to 1.2",
+            ),
+            (
+                &["--priority", "2:0.1", "--priority", "2:0.2"][..],
+                "priority 2 is given twice",
+            ),
+        ] {
+            let err = parse(args).unwrap_err();
+            assert!(
+                err.contains("--priority") && err.contains(expected),
+                "{args:?}: {err}"
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@ pub mod dataset;
 pub mod metrics;
 pub mod multi_turn;
 pub mod plot;
+pub mod priority;
 mod progress;
 pub mod report;
 pub mod responses_client;

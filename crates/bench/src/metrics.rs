@@ -31,6 +31,14 @@ pub struct RequestRecord {
     pub ok: bool,
     /// The failure reason, when it did not.
     pub error: Option<String>,
+    /// The HTTP status of a failure the server answered with one (429 and 408 are an
+    /// overloaded gateway's rejections); absent in files written before `--priority`.
+    #[serde(default)]
+    pub http_status: Option<u16>,
+    /// serve `--priority`: the `priority` this request sent (`None`: none); absent in
+    /// files written before the option existed.
+    #[serde(default)]
+    pub priority: Option<i64>,
     /// Prompt tokens the benchmark built (before BOS or a chat template).
     pub requested_prompt_tokens: u64,
     /// `max_tokens` asked for.
@@ -71,6 +79,8 @@ impl RequestRecord {
             start_s: start.as_secs_f64(),
             ok: outcome.is_ok(),
             error: None,
+            http_status: None,
+            priority: None,
             requested_prompt_tokens,
             requested_output_tokens,
             prompt_tokens: None,
@@ -95,7 +105,12 @@ impl RequestRecord {
                 record.e2e_ms = Some(ms(r.e2e));
                 record.itl_ms = r.inter_token_latencies().into_iter().map(ms).collect();
             }
-            Err(e) => record.error = Some(e.to_string()),
+            Err(e) => {
+                record.error = Some(e.to_string());
+                if let RequestError::Status { status, .. } = e {
+                    record.http_status = Some(*status);
+                }
+            }
         }
         record
     }
@@ -303,6 +318,8 @@ mod tests {
             start_s: 0.0,
             ok,
             error: (!ok).then(|| "HTTP 503: busy".to_string()),
+            http_status: (!ok).then_some(503),
+            priority: None,
             requested_prompt_tokens: 10,
             requested_output_tokens: 5,
             prompt_tokens: Some(11),
@@ -313,6 +330,23 @@ mod tests {
             e2e_ms: ok.then_some(ttft + 40.0),
             itl_ms: if ok { vec![10.0; 4] } else { vec![] },
         }
+    }
+
+    #[test]
+    fn failures_keep_the_http_status_they_were_answered() {
+        let rejected: Result<StreamRecord, RequestError> = Err(RequestError::Status {
+            status: 429,
+            message: "queue full".into(),
+        });
+        let r = RequestRecord::new(0, Duration::ZERO, 1, 1, &rejected);
+        assert_eq!((r.ok, r.http_status), (false, Some(429)));
+        assert_eq!(r.error.as_deref(), Some("HTTP 429: queue full"));
+        let timed_out: Result<StreamRecord, RequestError> = Err(RequestError::Timeout(1.0));
+        let r = RequestRecord::new(0, Duration::ZERO, 1, 1, &timed_out);
+        assert_eq!(
+            r.http_status, None,
+            "a client-side timeout is no HTTP answer"
+        );
     }
 
     #[test]

@@ -92,7 +92,15 @@ pub async fn run_multi_turn(
     match api {
         Api::Chat => {
             let probe_input = RequestInput::Prompt(probe_prompt(args.seed));
-            probe(&client, Endpoint::Chat, &model, probe_input, ignore_eos).await?;
+            probe(
+                &client,
+                Endpoint::Chat,
+                &model,
+                probe_input,
+                ignore_eos,
+                Map::new(),
+            )
+            .await?;
         }
         Api::Responses => probe_responses(&client, &model, args.seed, ignore_eos).await?,
     }
@@ -189,10 +197,12 @@ pub async fn run_multi_turn(
             send_conversation_id: Some(args.protocol.send_conversation_id),
             api: Some(api),
             system_prompt_len: Some(args.system_prompt_len),
+            priorities: Vec::new(),
         },
         summary: summarize(&records, planned, duration, &slo),
         failures: failures(&records),
         turns: per_turn(&records),
+        per_priority: Vec::new(),
         requests: records,
     })
 }

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::args::{Api, Endpoint};
 use crate::metrics::{Distribution, FailureCount, RequestRecord, Summary};
+use crate::priority::{self, PriorityClass, PrioritySummary};
 use crate::BenchError;
 
 /// Version of the result-file schema; bumped on any change a reader could notice.
@@ -88,6 +89,10 @@ pub struct RunConfig {
     /// files written before the option existed).
     #[serde(default)]
     pub system_prompt_len: Option<u64>,
+    /// serve: `--priority`, value and share of each class (absent without it, and in
+    /// files written before it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub priorities: Vec<PriorityClass>,
 }
 
 /// The shape of a shared-prefix workload.
@@ -143,6 +148,9 @@ pub struct BenchResult {
     pub failures: Vec<FailureCount>,
     /// Multi-turn: one entry per turn (empty for serve).
     pub turns: Vec<TurnSummary>,
+    /// serve `--priority`: one entry per class, "none" last (absent without it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub per_priority: Vec<PrioritySummary>,
     /// Every request that was sent and finished (or failed).
     pub requests: Vec<RequestRecord>,
 }
@@ -211,6 +219,12 @@ impl BenchResult {
         .max()
         .unwrap_or(16)
             + 1;
+        // The per-priority rows are wider than the name and value columns.
+        let vw = if self.per_priority.is_empty() {
+            vw
+        } else {
+            vw.max(priority::SECTION_WIDTH - 44)
+        };
         let width = 44 + vw;
         let _ = writeln!(out, "{title:=^width$}");
         if self.interrupted {
@@ -335,6 +349,9 @@ impl BenchResult {
                     opt(t.cached_token_share, &|v| format!("{:.1}%", v * 100.0)),
                 );
             }
+        }
+        if !self.per_priority.is_empty() {
+            priority::write_section(&mut out, &self.per_priority, width);
         }
         if !self.failures.is_empty() {
             let _ = writeln!(out, "{:-^width$}", " Failures ");

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use pdserve_protocol::unix_now;
-use serde_json::Map;
+use serde_json::{Map, Value};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -12,6 +12,7 @@ use crate::args::{Dataset, Endpoint, ServeArgs};
 use crate::client::{request_body, ApiClient, RequestError, RequestInput};
 use crate::dataset::{load_tokenizer, PromptGenerator};
 use crate::metrics::{failures, summarize, RequestRecord, Slo};
+use crate::priority::{body_fields, per_priority};
 use crate::report::{BenchResult, RunConfig, RunKind, SharedPrefixConfig, SCHEMA_VERSION};
 use crate::schedule::Dispatcher;
 use crate::{progress, BenchError};
@@ -37,23 +38,18 @@ pub async fn resolve_model(client: &ApiClient, model: Option<&str>) -> Result<St
     }
 }
 
-/// Sends one small streaming request so that an unreachable or non-OpenAI server is a
-/// clear error up front instead of N identical failures.
+/// Sends one small streaming request, with the workload's `extra` body fields, so that
+/// an unreachable or non-OpenAI server, or one refusing those fields, is a clear error
+/// up front instead of N identical failures.
 pub async fn probe(
     client: &ApiClient,
     endpoint: Endpoint,
     model: &str,
     input: RequestInput,
     ignore_eos: bool,
+    extra: Map<String, Value>,
 ) -> Result<(), BenchError> {
-    let body = request_body(
-        endpoint,
-        model,
-        input,
-        PROBE_MAX_TOKENS,
-        ignore_eos,
-        Map::new(),
-    );
+    let body = request_body(endpoint, model, input, PROBE_MAX_TOKENS, ignore_eos, extra);
     let url = format!("{}{}", client.base_url(), endpoint.path());
     match client.stream(endpoint, &body).await {
         Ok(_) | Err(RequestError::Empty) => Ok(()),
@@ -105,21 +101,24 @@ pub async fn run_serve(
             &model,
             RequestInput::Prompt(probe_prompt(args.seed)),
             ignore_eos,
+            body_fields(args.priority.probe_class()),
         )
         .await?;
     }
     let mut jobs: Vec<Option<_>> = workload
         .into_iter()
-        .map(|r| {
+        .enumerate()
+        .map(|(index, r)| {
+            let priority = args.priority.class_of(args.seed, index as u64);
             let body = request_body(
                 endpoint,
                 &model,
                 RequestInput::Prompt(r.prompt),
                 r.output_tokens,
                 ignore_eos,
-                Map::new(),
+                body_fields(priority),
             );
-            Some((body, r.prompt_tokens, r.output_tokens))
+            Some((body, r.prompt_tokens, r.output_tokens, priority))
         })
         .collect();
 
@@ -156,7 +155,7 @@ pub async fn run_serve(
             permit = dispatcher.ready(next), if next < jobs.len() => {
                 let index = next;
                 next += 1;
-                let Some((body, prompt_tokens, output_tokens)) = jobs[index].take() else {
+                let Some((body, prompt_tokens, output_tokens, priority)) = jobs[index].take() else {
                     continue;
                 };
                 let client = clients[index % clients.len()].clone();
@@ -164,7 +163,10 @@ pub async fn run_serve(
                     let _slot = permit;
                     let sent = start.elapsed();
                     let outcome = client.stream(endpoint, &body).await;
-                    RequestRecord::new(index as u64, sent, prompt_tokens, output_tokens, &outcome)
+                    let mut record =
+                        RequestRecord::new(index as u64, sent, prompt_tokens, output_tokens, &outcome);
+                    record.priority = priority;
+                    record
                 });
             }
         }
@@ -248,10 +250,12 @@ fn assemble(
             send_conversation_id: None,
             api: None,
             system_prompt_len: None,
+            priorities: args.priority.classes().to_vec(),
         },
         summary: summarize(&records, planned, duration, &slo),
         failures: failures(&records),
         turns: Vec::new(),
+        per_priority: per_priority(&records, &args.priority),
         requests: records,
     }
 }

@@ -169,6 +169,38 @@ fn flags_are_validated() {
     ])
     .is_ok());
     assert!(parse(&["compare"]).is_err(), "compare needs files");
+    // `--priority`: negative values are values, and the shares are checked together.
+    let prioritized = &[
+        "serve",
+        "--url",
+        url,
+        "--concurrency",
+        "1",
+        "--priority",
+        "-1:0.5",
+        "--priority",
+        "0:0.5",
+    ];
+    assert!(parse(prioritized).is_ok());
+    let mut twice = prioritized.to_vec();
+    twice.extend(["--priority", "0:0.1"]);
+    let err = parse(&twice).unwrap_err().to_string();
+    assert!(
+        err.contains("--priority") && err.contains("given twice"),
+        "{err}"
+    );
+    let err = parse(&[
+        "serve",
+        "--url",
+        url,
+        "--concurrency",
+        "1",
+        "--priority",
+        "x",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("VALUE:SHARE"), "{err}");
 }
 
 #[tokio::test]

@@ -15,7 +15,8 @@ use support::{multi_turn_args, never, scratch, serve_args, TEST_LIMIT};
 use tokio::time::timeout;
 
 /// Every key path of a result file (`[]` marks array elements). Changing this list
-/// means changing the schema: bump `SCHEMA_VERSION` and the README.
+/// means changing the schema: update the README, and bump `SCHEMA_VERSION` unless the
+/// change only adds keys that may be absent (older files then still parse).
 const GOLDEN_KEYS: &[&str] = &[
     "config",
     "config.api",
@@ -28,6 +29,9 @@ const GOLDEN_KEYS: &[&str] = &[
     "config.model",
     "config.num_requests",
     "config.output_len",
+    "config.priorities",
+    "config.priorities[].share",
+    "config.priorities[].value",
     "config.range_ratio",
     "config.request_rate",
     "config.seed",
@@ -46,15 +50,37 @@ const GOLDEN_KEYS: &[&str] = &[
     "interrupted",
     "kind",
     "label",
+    "per_priority",
+    "per_priority[].completed",
+    "per_priority[].e2e_ms",
+    "per_priority[].e2e_ms.max",
+    "per_priority[].e2e_ms.mean",
+    "per_priority[].e2e_ms.min",
+    "per_priority[].e2e_ms.p50",
+    "per_priority[].e2e_ms.p90",
+    "per_priority[].e2e_ms.p99",
+    "per_priority[].failed",
+    "per_priority[].priority",
+    "per_priority[].rejected_408",
+    "per_priority[].rejected_429",
+    "per_priority[].ttft_ms",
+    "per_priority[].ttft_ms.max",
+    "per_priority[].ttft_ms.mean",
+    "per_priority[].ttft_ms.min",
+    "per_priority[].ttft_ms.p50",
+    "per_priority[].ttft_ms.p90",
+    "per_priority[].ttft_ms.p99",
     "requests",
     "requests[].cached_tokens",
     "requests[].conversation",
     "requests[].e2e_ms",
     "requests[].error",
+    "requests[].http_status",
     "requests[].index",
     "requests[].itl_ms",
     "requests[].ok",
     "requests[].output_tokens",
+    "requests[].priority",
     "requests[].prompt_tokens",
     "requests[].requested_output_tokens",
     "requests[].requested_prompt_tokens",
@@ -256,6 +282,7 @@ async fn result_file_keys_are_stable_and_documented() {
     })
     .await;
     let serve = serve_result(&server, &["--concurrency", "2", "--slo-ttft-ms", "1000"]).await;
+    let prioritized = serve_result(&server, &["--concurrency", "2", "--priority", "1:0.5"]).await;
     let url = server.url();
     let args = multi_turn_args(&[
         "--url",
@@ -274,7 +301,7 @@ async fn result_file_keys_are_stable_and_documented() {
     server.stop().await;
 
     let mut keys = BTreeSet::new();
-    for result in [&serve, &multi] {
+    for result in [&serve, &prioritized, &multi] {
         assert_eq!(result.schema_version, SCHEMA_VERSION);
         key_paths(&serde_json::to_value(result).expect("json"), "", &mut keys);
     }
@@ -309,6 +336,40 @@ async fn result_file_keys_are_stable_and_documented() {
         same_json(&back, &serde_json::to_value(&serve).unwrap()),
         "round trip"
     );
+
+    // The priority keys appear only with `--priority`, so files without them (older
+    // ones included) are the same schema and still parse.
+    let plain = serde_json::to_value(&serve).unwrap();
+    assert!(plain.get("per_priority").is_none() && plain["config"].get("priorities").is_none());
+    let mut old = plain.clone();
+    for request in old["requests"].as_array_mut().unwrap() {
+        let request = request.as_object_mut().unwrap();
+        request.remove("priority");
+        request.remove("http_status");
+    }
+    std::fs::write(&path, old.to_string()).expect("write");
+    let back = BenchResult::read_json(&path).expect("a file from before --priority");
+    assert!(back.per_priority.is_empty() && back.config.priorities.is_empty());
+    assert_eq!(back.requests[0].http_status, None);
+    // The first to arrive was answered 429, which its record keeps.
+    let statuses: Vec<_> = serve
+        .requests
+        .iter()
+        .filter_map(|r| r.http_status)
+        .collect();
+    assert_eq!(statuses, [429]);
+    let path = scratch("roundtrip-priority.json");
+    prioritized.write_json(&path).expect("write");
+    let back = BenchResult::read_json(&path).expect("read");
+    assert!(
+        same_json(
+            &serde_json::to_value(&back).unwrap(),
+            &serde_json::to_value(&prioritized).unwrap()
+        ),
+        "round trip with --priority"
+    );
+    assert!(!back.per_priority.is_empty());
+
     std::fs::write(&path, r#"{"schema_version": 999}"#).expect("write");
     let err = BenchResult::read_json(&path).unwrap_err().to_string();
     assert!(err.contains("schema version 999"), "{err}");

@@ -1,5 +1,5 @@
 //! `serve` against the scripted server: measured latencies against scripted truth,
-//! goodput, failure reasons, Poisson arrivals and interruption.
+//! goodput, failure reasons, Poisson arrivals, interruption and priority classes.
 //!
 //! Tolerances: a measurement can only exceed the scripted delay (the server sleeps at
 //! least that long), so lower bounds are tight; upper bounds leave room for a loaded
@@ -324,4 +324,155 @@ async fn interruption_keeps_finished_requests_and_drops_the_rest() {
     assert!(result.table().contains("interrupted"));
     let err = pdserve_bench::emit(&result, &Default::default()).unwrap_err();
     assert!(matches!(err, pdserve_bench::BenchError::Interrupted));
+}
+
+#[tokio::test]
+async fn priority_classes_are_sent_in_their_shares_and_rejections_counted_per_class() {
+    for endpoint in ["completions", "chat"] {
+        priority_case(endpoint).await;
+    }
+}
+
+async fn priority_case(endpoint: &str) {
+    // An overloaded gateway's queue in miniature: priority -1 is served, priority 5 is
+    // turned away (queue full), requests without a priority wait until they time out.
+    let server = ScriptedServer::start_with_body(|_, body| match body["priority"].as_i64() {
+        Some(-1) => Reply::stream_ms(1, 1),
+        Some(_) => Reply::Error {
+            status: 429,
+            message: "queue full".into(),
+        },
+        None => Reply::Error {
+            status: 408,
+            message: "queue wait ran out".into(),
+        },
+    })
+    .await;
+    let url = server.url();
+    let (n, seed) = (200u64, 3u64);
+    let args = serve_args(&[
+        "--url",
+        &url,
+        "--num-prompts",
+        "200",
+        "--concurrency",
+        "8",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--seed",
+        "3",
+        "--endpoint",
+        endpoint,
+        "--priority",
+        "-1:0.5",
+        "--priority",
+        "5:0.25",
+    ]);
+    let result = timeout(TEST_LIMIT, run_serve(&args, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    let bodies = server.requests();
+    server.stop().await;
+
+    // The probe carries the first non-zero priority, so a server refusing it stops the
+    // run up front.
+    assert_eq!(bodies[0]["max_tokens"], 1);
+    assert_eq!(bodies[0]["priority"], -1);
+    let workload = &bodies[1..];
+    assert_eq!(workload.len() as u64, n);
+    assert!(workload.iter().all(|b| b
+        .get(if endpoint == "chat" {
+            "messages"
+        } else {
+            "prompt"
+        })
+        .is_some()));
+    // The seed fixes each request's class; the bodies carry exactly those.
+    let planned = |class: Option<i64>| {
+        (0..n)
+            .filter(|&i| args.priority.class_of(seed, i) == class)
+            .count() as u64
+    };
+    let sent = |class: Option<i64>| {
+        workload
+            .iter()
+            .filter(|b| b.get("priority").and_then(|p| p.as_i64()) == class)
+            .count() as u64
+    };
+    for (class, share) in [(Some(-1), 0.5), (Some(5), 0.25), (None, 0.25)] {
+        assert_eq!(sent(class), planned(class), "{endpoint} {class:?}");
+        let got = sent(class) as f64 / n as f64;
+        assert!((got - share).abs() < 0.1, "{class:?}: share {got}");
+    }
+    assert!(workload
+        .iter()
+        .all(|b| b.get("priority").is_none_or(serde_json::Value::is_i64)));
+    for r in &result.requests {
+        assert_eq!(r.priority, args.priority.class_of(seed, r.index));
+        let status = match r.priority {
+            Some(-1) => None,
+            Some(_) => Some(429),
+            None => Some(408),
+        };
+        assert_eq!(r.http_status, status, "request {}", r.index);
+    }
+
+    let rows: Vec<_> = result
+        .per_priority
+        .iter()
+        .map(|p| {
+            (
+                p.priority,
+                p.completed,
+                p.failed,
+                p.rejected_429,
+                p.rejected_408,
+            )
+        })
+        .collect();
+    let (high, low, none) = (planned(Some(-1)), planned(Some(5)), planned(None));
+    assert_eq!(
+        rows,
+        vec![
+            (Some(-1), high, 0, 0, 0),
+            (Some(5), 0, low, low, 0),
+            (None, 0, none, 0, none),
+        ]
+    );
+    let served = &result.per_priority[0];
+    assert!(served.ttft_ms.expect("TTFT of the served class").min >= 1.0);
+    assert!(served.e2e_ms.is_some());
+    assert!(result.per_priority[1].ttft_ms.is_none());
+    assert_eq!(
+        result
+            .config
+            .priorities
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["-1:0.5", "5:0.25"]
+    );
+
+    let table = result.table();
+    println!("{table}");
+    let section: Vec<Vec<&str>> = table
+        .lines()
+        .skip_while(|l| !l.contains(" Per priority "))
+        .skip(2)
+        .take(3)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    let (low, none) = (low.to_string(), none.to_string());
+    assert_eq!(section[0][..5], ["-1", &high.to_string(), "0", "0", "0"]);
+    assert_eq!(section[1], ["5", "0", &low, &low, "0", "-", "-", "-", "-"]);
+    assert_eq!(
+        section[2],
+        ["none", "0", &none, "0", &none, "-", "-", "-", "-"]
+    );
+    // Every line of the widened report has the same width as its frame.
+    let width = table.lines().next().unwrap().chars().count();
+    assert!(table.lines().all(|l| l.chars().count() <= width), "{table}");
 }

@@ -68,7 +68,8 @@ impl Reply {
     }
 }
 
-type Script = Arc<dyn Fn(usize) -> Reply + Send + Sync>;
+/// The reply to the `n`th scripted request, which may depend on its body.
+type Script = Arc<dyn Fn(usize, &Value) -> Reply + Send + Sync>;
 
 struct AppState {
     script: Script,
@@ -112,12 +113,25 @@ impl ScriptedServer {
         .await
     }
 
+    /// Like [`ScriptedServer::start`], with a script that also sees the request body
+    /// (e.g. to reject by `priority`, as an overloaded gateway's queue does).
+    pub async fn start_with_body(
+        script: impl Fn(usize, &Value) -> Reply + Send + Sync + 'static,
+    ) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        Self::serve(listener, Arc::new(script)).await
+    }
+
     /// Like [`ScriptedServer::start`], on a listener the caller bound.
     pub async fn start_on(
         listener: TcpListener,
         script: impl Fn(usize) -> Reply + Send + Sync + 'static,
     ) -> Self {
-        let state = AppState::new(Arc::new(script));
+        Self::serve(listener, Arc::new(move |n, _: &Value| script(n))).await
+    }
+
+    async fn serve(listener: TcpListener, script: Script) -> Self {
+        let state = AppState::new(script);
         let app = Router::new()
             .route("/v1/models", get(models))
             .route("/v1/completions", post(generate))
@@ -145,7 +159,7 @@ impl ScriptedServer {
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
-        let state = AppState::new(Arc::new(|_| Reply::stream_ms(0, 0)));
+        let state = AppState::new(Arc::new(|_, _: &Value| Reply::stream_ms(0, 0)));
         Self { addr, state, task }
     }
 
@@ -206,7 +220,7 @@ async fn generate(State(state): State<Arc<AppState>>, Json(body): Json<Value>) -
     let max_tokens = body["max_tokens"].as_u64().unwrap_or(16) as usize;
     state.requests.lock().expect("lock").push(body.clone());
     let reply = if max_tokens > 1 {
-        (state.script)(state.scripted.fetch_add(1, Ordering::SeqCst))
+        (state.script)(state.scripted.fetch_add(1, Ordering::SeqCst), &body)
     } else {
         Reply::stream_ms(0, 0)
     };
@@ -313,7 +327,7 @@ async fn respond(State(state): State<Arc<AppState>>, Json(body): Json<Value>) ->
         state.responses.fetch_add(1, Ordering::SeqCst) + 1
     );
     let reply = if max_tokens > 1 {
-        (state.script)(state.scripted.fetch_add(1, Ordering::SeqCst))
+        (state.script)(state.scripted.fetch_add(1, Ordering::SeqCst), &body)
     } else {
         Reply::stream_ms(0, 0)
     };
