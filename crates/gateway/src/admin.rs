@@ -77,6 +77,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                     "waiting": r.waiting,
                     "running": r.running,
                     "kv_usage": r.kv_usage,
+                    "prefix_cache_hit_ratio": r.prefix_cache_hit_ratio,
                 })),
                 "dp_size": w.spec.dp_size,
                 "bootstrap_port": w.spec.bootstrap_port,

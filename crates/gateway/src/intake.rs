@@ -50,8 +50,19 @@ pub fn answer(
             failure.into_response()
         }
     };
-    state
-        .metrics
-        .record_request(ctx.route, response.status().as_u16());
+    let status = response.status().as_u16();
+    state.metrics.record_request(ctx.route, status);
+    // A stream's relay files it when the stream ends; a body is complete here.
+    if !ctx.journey.relayed() {
+        let finished = crate::dashboard::history::Finished {
+            status,
+            outcome: if status < 400 { "ok" } else { "error" },
+            stream: false,
+            ttft: None,
+            itl: None,
+            duration: ctx.started.elapsed(),
+        };
+        ctx.journey.file(&state.metrics.history, finished);
+    }
     response
 }

@@ -14,6 +14,7 @@ pub mod admission;
 pub mod args;
 pub mod auth;
 pub mod conversation;
+pub mod dashboard;
 pub mod direct;
 pub mod discovery;
 pub mod encoder;

@@ -30,6 +30,19 @@ const KV_USAGE: &[&str] = &[
     "sglang:token_usage",
 ];
 
+/// Counters read as prompt tokens found in the prefix cache (vLLM ≥ 0.10, and older).
+const PREFIX_HITS: &[&str] = &[
+    "vllm:prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hits_total",
+];
+/// Counters read as prompt tokens looked up in the prefix cache.
+const PREFIX_QUERIES: &[&str] = &[
+    "vllm:prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries_total",
+];
+/// Gauges read as the prefix-cache hit ratio itself (0-1).
+const PREFIX_HIT_RATE: &[&str] = &["sglang:cache_hit_rate"];
+
 /// A worker's load as one scrape read it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Scraped {
@@ -39,6 +52,9 @@ pub struct Scraped {
     pub running: f64,
     /// KV usage, the highest of its label sets.
     pub kv_usage: Option<f64>,
+    /// Prefix-cache hits over lookups since the worker started (shown on the dashboard,
+    /// not used for routing).
+    pub prefix_cache_hit_ratio: Option<f64>,
 }
 
 /// Reads a Prometheus text body; `None` when it has neither queue gauge.
@@ -50,6 +66,7 @@ pub struct Scraped {
 /// has descriptors and no samples (as Python's client writes for unlabelled children).
 pub fn parse(body: &str) -> Option<Scraped> {
     let (mut waiting, mut running, mut kv_usage) = (None::<f64>, None::<f64>, None::<f64>);
+    let (mut hits, mut queries, mut hit_rate) = (None::<f64>, None::<f64>, None::<f64>);
     for line in body.lines() {
         let Some((name, value)) = sample(line) else {
             continue;
@@ -61,15 +78,26 @@ pub fn parse(body: &str) -> Option<Scraped> {
             add(&mut running);
         } else if KV_USAGE.contains(&name) {
             kv_usage = Some(kv_usage.map_or(value, |v| v.max(value)));
+        } else if PREFIX_HITS.contains(&name) {
+            add(&mut hits);
+        } else if PREFIX_QUERIES.contains(&name) {
+            add(&mut queries);
+        } else if PREFIX_HIT_RATE.contains(&name) {
+            hit_rate = Some(value);
         }
     }
     if waiting.is_none() && running.is_none() {
         return None;
     }
+    let prefix_cache_hit_ratio = match (hits, queries) {
+        (Some(hits), Some(queries)) if queries > 0.0 => Some((hits / queries).clamp(0.0, 1.0)),
+        _ => hit_rate,
+    };
     Some(Scraped {
         waiting: waiting.unwrap_or(0.0),
         running: running.unwrap_or(0.0),
         kv_usage,
+        prefix_cache_hit_ratio,
     })
 }
 
@@ -185,7 +213,13 @@ async fn scrape(
         response.text().await.ok()
     };
     match body.await.as_deref().and_then(parse) {
-        Some(load) => worker.report_load(load.waiting, load.running, load.kv_usage, interval * 3),
+        Some(load) => worker.report_load(
+            load.waiting,
+            load.running,
+            load.kv_usage,
+            load.prefix_cache_hit_ratio,
+            interval * 3,
+        ),
         None => {
             metrics.failed(&worker.base);
             worker.clear_reported_load();
@@ -214,7 +248,8 @@ mod tests {
             Some(Scraped {
                 waiting: 2.0,
                 running: 4.0,
-                kv_usage: Some(0.5)
+                kv_usage: Some(0.5),
+                prefix_cache_hit_ratio: None,
             })
         );
         let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 7\nsglang:num_running_reqs{model_name=\"m\"} 5\nsglang:token_usage{model_name=\"m\"} 0.9\n";
@@ -223,7 +258,8 @@ mod tests {
             Some(Scraped {
                 waiting: 7.0,
                 running: 5.0,
-                kv_usage: Some(0.9)
+                kv_usage: Some(0.9),
+                prefix_cache_hit_ratio: None,
             })
         );
         // Labels holding braces, quotes and spaces; a timestamp; our own engine's
@@ -235,8 +271,16 @@ mod tests {
             Some(Scraped {
                 waiting: 4.0,
                 running: 0.0,
-                kv_usage: None
+                kv_usage: None,
+                prefix_cache_hit_ratio: None,
             })
+        );
+        let cached = "vllm:num_requests_running 1\nvllm:prefix_cache_queries_total{engine=\"0\"} 200\nvllm:prefix_cache_hits_total{engine=\"0\"} 50\n";
+        assert_eq!(parse(cached).unwrap().prefix_cache_hit_ratio, Some(0.25));
+        let sglang_rate = "sglang:num_running_reqs 1\nsglang:cache_hit_rate 0.5\n";
+        assert_eq!(
+            parse(sglang_rate).unwrap().prefix_cache_hit_ratio,
+            Some(0.5)
         );
         assert_eq!(parse("process_cpu_seconds_total 3\n"), None);
         assert_eq!(parse("vllm:num_requests_waiting NaN\n"), None);

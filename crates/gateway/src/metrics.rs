@@ -127,6 +127,8 @@ pub struct Metrics {
     pub load: std::sync::Arc<crate::load::LoadMetrics>,
     /// Overload control: queue depth, wait, rejections.
     pub admission: std::sync::Arc<crate::admission::AdmissionMetrics>,
+    /// The dashboard's per-second samples and recent requests.
+    pub history: std::sync::Arc<crate::dashboard::history::History>,
 }
 
 impl Default for Metrics {
@@ -307,6 +309,7 @@ impl Default for Metrics {
             std::sync::Arc::new(crate::admission::AdmissionMetrics::register(&mut registry));
         Self {
             registry,
+            history: Default::default(),
             kv_events,
             load,
             admission,
@@ -385,11 +388,15 @@ impl Metrics {
     /// Records a finished prefill leg.
     pub fn observe_prefill(&self, d: Duration) {
         self.prefill_seconds.observe(d.as_secs_f64());
+        self.history
+            .observe(crate::dashboard::history::Series::Prefill, d);
     }
 
     /// Records a decode leg's time to first byte.
     pub fn observe_decode_ttfb(&self, d: Duration) {
         self.decode_ttfb_seconds.observe(d.as_secs_f64());
+        self.history
+            .observe(crate::dashboard::history::Series::DecodeTtfb, d);
     }
 
     /// Records a request's end-to-end duration.

@@ -56,6 +56,8 @@ pub fn router(state: Arc<AppState>) -> Router {
                 .layer(DefaultBodyLimit::max(admin::MAX_ADMIN_BODY_BYTES)),
         )
         .route("/metrics", get(metrics))
+        .route("/dashboard", get(crate::dashboard::page))
+        .route("/dashboard/data", get(crate::dashboard::data))
         .route("/start_profile", post(profile::start))
         .route("/stop_profile", post(profile::stop))
         .fallback(not_found)

@@ -271,10 +271,8 @@ async fn attempt(
             stream_response(content_type, attached.into_stream())
         }
     };
-    if state.config.expose_routing {
-        expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill);
-        expose_worker(&mut response, ctx, X_PDSERVE_DECODE, &decode);
-    }
+    expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill);
+    expose_worker(&mut response, ctx, X_PDSERVE_DECODE, &decode);
     Ok(response)
 }
 

@@ -221,9 +221,7 @@ pub async fn serve(
             Ok(mut response) => {
                 current.release.disarm();
                 current.stages.decode_ttfb = started.elapsed();
-                if state.config.expose_routing {
-                    expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &current.prefill);
-                }
+                expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &current.prefill);
                 record(
                     state,
                     ctx,
@@ -324,6 +322,11 @@ fn record(
     attempt: usize,
 ) {
     let total = ctx.started.elapsed();
+    ctx.journey.encoded(if stages.prefill.is_some() {
+        crate::dashboard::journey::Mode::EncodePrefillDecode
+    } else {
+        crate::dashboard::journey::Mode::EncodePrefillDecodeTogether
+    });
     let metrics = &state.metrics;
     metrics.observe_epd_stage("encode", stages.encode);
     metrics.observe_epd_stage("rewrite", stages.rewrite);

@@ -90,9 +90,7 @@ pub async fn serve(
     if cached_tokens.is_some() || merge.is_some() {
         response = with_prefill_facts(response, stream, cached_tokens, merge).await;
     }
-    if state.config.expose_routing {
-        expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
-    }
+    expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
     Ok(response)
 }
 

@@ -59,7 +59,7 @@ pub async fn forward(
         attempt(state, ctx, &leg, w)
     })
     .await?;
-    expose_final(state, ctx, &mut response, leg.role, &worker);
+    expose_final(ctx, &mut response, leg.role, &worker);
     Ok(response)
 }
 
@@ -75,35 +75,39 @@ pub async fn forward_once(
         .await
         .inspect_err(|e| state.report(worker, e))?;
     state.registry.record_answer(worker);
-    expose_final(state, ctx, &mut response, leg.role, worker);
+    expose_final(ctx, &mut response, leg.role, worker);
     Ok(response)
 }
 
 fn expose_final(
-    state: &AppState,
     ctx: &RequestContext,
     response: &mut Response,
     role: WorkerRole,
-    worker: &Worker,
+    worker: &Arc<Worker>,
 ) {
-    if state.config.expose_routing {
-        let name = if role == WorkerRole::PrefillDecode {
-            X_PDSERVE_WORKER
-        } else {
-            X_PDSERVE_DECODE
-        };
-        expose_worker(response, ctx, name, worker);
-    }
+    let name = if role == WorkerRole::PrefillDecode {
+        X_PDSERVE_WORKER
+    } else {
+        X_PDSERVE_DECODE
+    };
+    expose_worker(response, ctx, name, worker);
 }
 
-/// Names `worker` in the response header `name` (with `--expose-routing`), and what it
-/// held of the prompt when chosen in the matching `…-cache` header.
+/// Notes that `worker` served the request (the dashboard's route) and, with
+/// `--expose-routing` (the request keeps routing notes), names it in the response header
+/// `name` and what it held of the prompt when chosen in the matching `…-cache` header.
 pub fn expose_worker(
     response: &mut Response,
     ctx: &RequestContext,
     name: &'static str,
-    worker: &Worker,
+    worker: &Arc<Worker>,
 ) {
+    let Some(notes) = &ctx.routing_notes else {
+        ctx.journey.served_by(worker, None);
+        return;
+    };
+    let held = notes.get(worker);
+    ctx.journey.served_by(worker, held);
     if let Ok(value) = HeaderValue::from_str(&worker.base) {
         response.headers_mut().insert(name, value);
     }
@@ -112,7 +116,6 @@ pub fn expose_worker(
         X_PDSERVE_DECODE => X_PDSERVE_DECODE_CACHE,
         _ => X_PDSERVE_WORKER_CACHE,
     };
-    let held = ctx.routing_notes.as_ref().and_then(|n| n.get(worker));
     if let Some(value) = held.and_then(|m| HeaderValue::from_str(&m.header_value()).ok()) {
         response.headers_mut().insert(cache_header, value);
     }
@@ -278,7 +281,9 @@ pub(crate) fn relay(
         upstream,
         decoded_elsewhere,
     } = head;
+    ctx.journey.relay_takes_over();
     let relay = Relay {
+        journey: Some(ctx.journey.clone()),
         first,
         upstream,
         decoded_elsewhere,

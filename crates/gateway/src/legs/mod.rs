@@ -49,19 +49,26 @@ pub struct RequestContext {
     pub prompt_tokens: Option<std::sync::Arc<[u32]>>,
     /// The chosen workers' cache matches, kept with `--expose-routing` only.
     pub routing_notes: Option<std::sync::Arc<RoutingNotes>>,
+    /// The workers that served the request and how it ended, for the dashboard.
+    pub journey: std::sync::Arc<crate::dashboard::journey::Journey>,
 }
 
 impl RequestContext {
     /// The context of a request to `route` that arrived now with the client's `headers`.
     pub fn new(endpoint: Endpoint, route: &'static str, headers: HeaderMap) -> Self {
+        let forward = ForwardHeaders::from_client(&headers);
+        let started = Instant::now();
+        let journey =
+            crate::dashboard::journey::Journey::new(forward.request_id.clone(), route, started);
         Self {
             endpoint,
             route,
-            headers: ForwardHeaders::from_client(&headers),
+            headers: forward,
             client_headers: headers,
-            started: Instant::now(),
+            started,
             prompt_tokens: None,
             routing_notes: None,
+            journey: std::sync::Arc::new(journey),
         }
     }
 

@@ -16,6 +16,8 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::Value;
 
 use crate::conversation::ConversationCache;
+use crate::dashboard::history::Finished;
+use crate::dashboard::journey::Journey;
 use crate::error::error_chain;
 use crate::metrics::Metrics;
 use crate::policy::InFlight;
@@ -443,6 +445,8 @@ pub struct Relay {
     pub request_id: String,
     /// Keeps the worker's in-flight count until the relay ends or is dropped.
     pub in_flight: InFlight,
+    /// The request's route, filed for the dashboard when the stream ends.
+    pub journey: Option<Arc<Journey>>,
 }
 
 /// The relay's running state.
@@ -453,6 +457,13 @@ struct RelayState {
     /// A failure or end seen while merging, reported after the merged bytes.
     stashed: Option<End>,
     finished: bool,
+    /// For the dashboard: when the relay began (the first chunk had just come), when
+    /// the client got its first bytes, the upstream chunks (the first included) and when
+    /// the last of them came.
+    opened: Instant,
+    first_out: Option<Instant>,
+    chunks: u32,
+    last_chunk: Instant,
 }
 
 impl Relay {
@@ -468,15 +479,21 @@ impl Relay {
             None => SseScanner::new(false),
         };
         let first = Some(std::mem::take(&mut self.first));
+        let opened = Instant::now();
         let state = RelayState {
             relay: self,
             scanner,
             first,
             stashed: None,
             finished: false,
+            opened,
+            first_out: None,
+            chunks: 0,
+            last_chunk: opened,
         };
         futures::stream::unfold(state, |mut state| async move {
             let item = state.next_chunk().await?;
+            state.first_out.get_or_insert_with(Instant::now);
             Some((Ok(item), state))
         })
     }
@@ -547,6 +564,10 @@ impl RelayState {
             } else {
                 self.wait().await
             };
+            if matches!(event, Event::Chunk(_)) {
+                self.chunks += 1;
+                self.last_chunk = Instant::now();
+            }
             let lines = match event {
                 Event::Chunk(chunk) => match self.scanner.push(chunk) {
                     Ok(Some(lines)) => Ok(lines),
@@ -628,6 +649,7 @@ impl RelayState {
             self.finished = true;
             self.relay.in_flight.set_outcome(RequestOutcome::Success);
             self.record_end();
+            self.file(200, "ok");
             return None;
         }
         let end = match self.scanner.dialect {
@@ -647,6 +669,7 @@ impl RelayState {
         self.relay.in_flight.set_outcome(RequestOutcome::Failure);
         self.relay.metrics.inc_stream_errors();
         self.record_end();
+        self.file(error.status.as_u16(), "stream_error");
         self.scanner.error_tail(&error)
     }
 
@@ -654,6 +677,30 @@ impl RelayState {
         self.relay
             .metrics
             .observe_end_to_end(self.relay.route, self.relay.started.elapsed());
+    }
+
+    /// Files the request for the dashboard: `status` is what the client's stream ended
+    /// with (200 unless it failed), `outcome` how.
+    fn file(&self, status: u16, outcome: &'static str) {
+        let Some(journey) = &self.relay.journey else {
+            return;
+        };
+        let started = journey.started();
+        // Mean gap between chunks after the first: one event per token on the workers'
+        // streams, so close to the inter-token latency (a burst merged upstream counts once).
+        let itl = (outcome == "ok" && self.chunks >= 2)
+            .then(|| self.last_chunk.saturating_duration_since(self.opened) / (self.chunks - 1));
+        journey.file(
+            &self.relay.metrics.history,
+            Finished {
+                status,
+                outcome,
+                stream: true,
+                ttft: self.first_out.map(|t| t.saturating_duration_since(started)),
+                itl,
+                duration: started.elapsed(),
+            },
+        );
     }
 }
 
@@ -665,6 +712,8 @@ impl Drop for RelayState {
                 worker = %self.relay.worker,
                 "client went away mid-stream; cancelling the upstream request"
             );
+            // nginx's "client closed request".
+            self.file(499, "client_left");
         }
     }
 }
@@ -717,6 +766,7 @@ mod tests {
             worker: "w".into(),
             request_id: "r".into(),
             in_flight: InFlight::start(worker, crate::policy::by_name("round_robin").unwrap()),
+            journey: None,
         }
     }
 

@@ -107,6 +107,8 @@ pub struct ReportedLoad {
     pub running: f64,
     /// Share of its KV cache in use (0-1), when it says.
     pub kv_usage: Option<f64>,
+    /// Its prefix-cache hit ratio (0-1) since it started, when it says.
+    pub prefix_cache_hit_ratio: Option<f64>,
     /// This gateway's open requests on the worker when the report came.
     in_flight_then: i64,
     /// When the report came.
@@ -208,12 +210,14 @@ impl Worker {
         waiting: f64,
         running: f64,
         kv_usage: Option<f64>,
+        prefix_cache_hit_ratio: Option<f64>,
         valid_for: Duration,
     ) {
         *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = Some(ReportedLoad {
             waiting,
             running,
             kv_usage,
+            prefix_cache_hit_ratio,
             in_flight_then: self.in_flight(),
             at: Instant::now(),
             valid_for,

@@ -292,8 +292,6 @@ async fn sequential(
     let mut response = forward(state, ctx, route, leg).await?;
     // Decode answered: it has read the blocks.
     release.disarm();
-    if state.config.expose_routing {
-        expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
-    }
+    expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
     Ok(response)
 }

@@ -1,0 +1,171 @@
+//! The live status page: `/dashboard` is one self-contained page (nothing loaded from
+//! elsewhere), and `/dashboard/data` shows a row per worker, the requests with the route
+//! each took, and per-second samples once traffic passed.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::double::{Double, Role};
+use crate::{bounded, client, pd_config, Gateway};
+
+/// Every `src`/`href` value of `html`, and any `url(...)` in its style.
+fn referenced_urls(html: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for attr in ["src=", "href=", "url("] {
+        for (at, _) in html.match_indices(attr) {
+            let rest = html[at + attr.len()..].trim_start_matches(['"', '\'']);
+            let end = rest.find(['"', '\'', ')', ' ', '>']).unwrap_or(rest.len());
+            found.push(rest[..end].to_string());
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn the_page_is_self_contained() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let gw = Gateway::start(pd_config(&[&p], &[&d])).await;
+        let response = client().get(gw.at("/dashboard")).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        let content_type = response.headers()["content-type"].to_str().unwrap();
+        assert!(content_type.starts_with("text/html"), "{content_type}");
+        let html = response.text().await.unwrap();
+        assert!(html.contains("<svg") && html.contains("\"/data\""));
+        for url in referenced_urls(&html) {
+            assert!(
+                !(url.starts_with("http:") || url.starts_with("https:") || url.starts_with("//")),
+                "the page loads {url} from elsewhere"
+            );
+        }
+        for external in ["http://", "https://", "//cdn", "@import"] {
+            assert!(!html.contains(external), "the page names {external}");
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn data_shows_the_roster_the_routes_and_per_second_samples() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.expose_routing = true;
+        let gw = Gateway::start(config).await;
+        let http = client();
+        for stream in [false, true, true] {
+            let body = json!({
+                "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 4,
+                "stream": stream,
+            });
+            let response = http
+                .post(gw.at("/v1/chat/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+            response.bytes().await.unwrap();
+        }
+        // Samples are closed when their second ends: wait for one that counts requests.
+        let mut data = Value::Null;
+        for _ in 0..40 {
+            data = http
+                .get(gw.at("/dashboard/data"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let counted: u64 = data["samples"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["requests"].as_u64().unwrap())
+                .sum();
+            if counted == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let samples = data["samples"].as_array().unwrap();
+        let busy: Vec<&Value> = samples
+            .iter()
+            .filter(|s| s["requests"].as_u64() > Some(0))
+            .collect();
+        assert!(!busy.is_empty(), "no sample counted the requests: {data}");
+        assert!(
+            busy.iter()
+                .all(|s| s["errors"] == 0 && s["e2e_ms"]["p50"].as_f64() > Some(0.0)),
+            "{data}"
+        );
+        let chart = |key: &str| samples.iter().any(|s| s[key]["p99"].as_f64() > Some(0.0));
+        for key in ["ttft_ms", "prefill_ms", "decode_ttfb_ms", "e2e_ms"] {
+            assert!(chart(key), "no {key} sample: {data}");
+        }
+
+        let mut rows: Vec<(String, String)> = data["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| {
+                assert_eq!(w["health"], "live");
+                assert_eq!(w["source"], "static");
+                assert_eq!(w["circuit"], "closed");
+                (
+                    w["url"].as_str().unwrap().into(),
+                    w["role"].as_str().unwrap().into(),
+                )
+            })
+            .collect();
+        rows.sort();
+        let mut expected = vec![
+            (p.url.clone(), "prefill".into()),
+            (d.url.clone(), "decode".into()),
+        ];
+        expected.sort();
+        assert_eq!(rows, expected);
+
+        let requests = data["requests"].as_array().unwrap();
+        assert_eq!(requests.len(), 3, "{data}");
+        for (request, stream) in requests.iter().zip([true, true, false]) {
+            assert_eq!(request["endpoint"], "/v1/chat/completions");
+            assert_eq!(request["mode"], "vllm_pd");
+            assert_eq!(request["prefill"]["url"], p.url.as_str());
+            assert_eq!(request["decode"]["url"], d.url.as_str());
+            assert!(request["worker"].is_null());
+            assert_eq!(request["status"], 200);
+            assert_eq!(request["outcome"], "ok");
+            assert_eq!(request["stream"], stream);
+            assert!(request["duration_ms"].as_f64() > Some(0.0));
+            assert_eq!(request["ttft_ms"].is_number(), stream, "{request}");
+            assert!(!request["request_id"].as_str().unwrap().is_empty());
+        }
+        // A refused request is listed too, routed nowhere.
+        let response = http
+            .post(gw.at("/v1/chat/completions"))
+            .json(&json!({"messages": "not a list"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 400);
+        let data: Value = http
+            .get(gw.at("/dashboard/data"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let newest = &data["requests"][0];
+        assert_eq!(newest["status"], 400);
+        assert_eq!(newest["outcome"], "error");
+        assert_eq!(newest["mode"], "unrouted");
+    })
+    .await;
+}
