@@ -229,6 +229,10 @@ pub struct WorkerArgs {
     /// listen backlog) until one closes. 0: no cap.
     #[arg(long, env = "PDSERVE_MAX_CONNECTIONS", default_value_t = 4096)]
     pub max_connections: usize,
+
+    /// OpenTelemetry traces (`--otlp-traces-endpoint`).
+    #[command(flatten)]
+    pub tracing: pdserve_telemetry::TracingArgs,
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ pub mod scheduling;
 mod sequence;
 pub mod serving;
 pub mod step_model;
+pub mod trace;
 pub mod worker;
 
 pub use args::WorkerArgs;

@@ -32,6 +32,8 @@ pub struct GenerationRequest {
     /// vLLM's `priority` (lower is served first; honoured by `--scheduling-policy
     /// priority`, which alone accepts a non-zero one).
     pub priority: i64,
+    /// Where the scheduler notes the sequence's instants (traced requests only).
+    pub trace: Option<std::sync::Arc<crate::trace::SeqTrace>>,
 }
 
 impl GenerationRequest {
@@ -49,6 +51,7 @@ impl GenerationRequest {
             pin_on_finish: false,
             kv_import: None,
             priority: 0,
+            trace: None,
         }
     }
 }

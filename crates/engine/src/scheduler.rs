@@ -614,6 +614,9 @@ impl<M: StepModel> Scheduler<M> {
                 }
             }
             if seq.cached_tokens.is_none() {
+                if let Some(trace) = seq.trace() {
+                    trace.admitted();
+                }
                 self.metrics
                     .queue_seconds
                     .observe(seq.arrived.elapsed().as_secs_f64());
@@ -751,6 +754,9 @@ impl<M: StepModel> Scheduler<M> {
                     self.metrics.generation_tokens.inc();
                     let elapsed = seq.arrived.elapsed().as_secs_f64();
                     if seq.num_generated() == 1 {
+                        if let Some(trace) = seq.trace() {
+                            trace.first_token();
+                        }
                         self.metrics.time_to_first_token_seconds.observe(elapsed);
                         self.metrics.vllm.time_to_first_token.observe(elapsed);
                     }
@@ -794,6 +800,9 @@ impl<M: StepModel> Scheduler<M> {
         let mut done = Vec::with_capacity(finished.len());
         for (i, mut event) in finished {
             let mut seq = self.running.remove(i);
+            if let Some(trace) = seq.trace() {
+                trace.finished();
+            }
             if let SeqEvent::Finished { pinned, .. } = &mut event {
                 if seq.pin_on_finish() {
                     *pinned = self.pin_for_export(&seq);

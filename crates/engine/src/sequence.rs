@@ -70,6 +70,11 @@ impl Sequence {
         }
     }
 
+    /// Where its instants are noted, when the request is traced.
+    pub fn trace(&self) -> Option<&crate::trace::SeqTrace> {
+        self.request.trace.as_deref()
+    }
+
     /// The request's `priority` (lower first, under priority scheduling).
     pub fn priority(&self) -> i64 {
         self.request.priority

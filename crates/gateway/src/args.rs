@@ -250,6 +250,10 @@ pub struct GatewayArgs {
     #[command(flatten)]
     pub kv_events: crate::kv_events::KvEventsArgs,
 
+    /// OpenTelemetry traces (`--otlp-traces-endpoint`).
+    #[command(flatten)]
+    pub tracing: pdserve_telemetry::TracingArgs,
+
     /// Most workers the roster holds (static, registered and discovered together);
     /// registrations past it get 429.
     #[arg(long, env = "PDSERVE_MAX_WORKERS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]

@@ -16,6 +16,13 @@ pub struct ReadRequest {
     pub token_ids: Vec<u32>,
     /// The block layout the client can accept (see [`crate::BlockSource::layout`]).
     pub layout: String,
+    /// W3C `traceparent` of the reader's span, so the server's span of this read joins
+    /// the request's trace (absent from older peers and untraced reads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// W3C `tracestate` going with `traceparent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
 }
 
 /// [`ReadRequest`] as it travels: the request's fields plus the transfer secret, so

@@ -94,6 +94,8 @@ fn request(id: &str, n: usize) -> ReadRequest {
         block_ids: (10..10 + n as u64).collect(),
         token_ids: (0..(n * 4) as u32).collect(),
         layout: LAYOUT.into(),
+        traceparent: None,
+        tracestate: None,
     }
 }
 

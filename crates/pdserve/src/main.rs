@@ -6,6 +6,7 @@ use tracing_subscriber::EnvFilter;
 
 mod members;
 mod placement;
+mod telemetry;
 mod up;
 
 #[derive(Debug, Parser)]
@@ -89,8 +90,20 @@ async fn main() -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Up(args) => up::run(args).await?,
-        Command::Gateway(args) => pdserve_gateway::run(*args).await?,
-        Command::Worker(args) => pdserve_engine::run(args).await?,
+        Command::Gateway(args) => {
+            let telemetry = telemetry::start(&args.tracing, "pdserve-gateway", None)?;
+            let result = pdserve_gateway::run(*args).await;
+            telemetry.shutdown().await;
+            result?
+        }
+        Command::Worker(args) => {
+            let role = args.role.as_str();
+            let service = format!("pdserve-worker-{role}");
+            let telemetry = telemetry::start(&args.tracing, &service, Some(role))?;
+            let result = pdserve_engine::run(args).await;
+            telemetry.shutdown().await;
+            result?
+        }
         Command::Bench(args) => pdserve_bench::run(args).await?,
         Command::Model {
             command: ModelCommand::Fetch,

@@ -115,6 +115,10 @@ pub struct UpArgs {
     /// always split.
     #[arg(long, env = "PDSERVE_CORE_LAYOUT", value_enum, default_value_t = CoreLayout::Shared)]
     core_layout: CoreLayout,
+    /// Export OpenTelemetry traces over OTLP/HTTP to this URL from every process of the
+    /// stack (passed on as their `--otlp-traces-endpoint`).
+    #[arg(long, env = "PDSERVE_OTLP_TRACES_ENDPOINT")]
+    otlp_traces_endpoint: Option<String>,
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -217,6 +221,13 @@ fn kv_secret() -> anyhow::Result<String> {
 }
 
 impl Stack<'_> {
+    /// `--otlp-traces-endpoint` for a member, when the stack exports traces.
+    fn trace_to(&self, member: &mut Command) {
+        if let Some(url) = &self.args.otlp_traces_endpoint {
+            member.args(["--otlp-traces-endpoint", url]);
+        }
+    }
+
     /// `pdserve worker` as `role` on `host:port`, with `cpus.len()` compute threads.
     fn worker(
         &self,
@@ -248,6 +259,7 @@ impl Stack<'_> {
                 &self.args.kv_abort_timeout.to_string(),
             ]);
         }
+        self.trace_to(&mut worker);
         worker.args(&self.args.worker_args);
         Ok(worker)
     }
@@ -346,6 +358,7 @@ impl Stack<'_> {
                 .env("PDSERVE_KV_SECRET", self.kv_secret)
                 .args(&gateway)
                 .args(["--port", &port.to_string()]);
+            self.trace_to(&mut command);
             if let Some(key) = &args.api_key {
                 command
                     .env("PDSERVE_API_KEY", key)

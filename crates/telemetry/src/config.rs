@@ -57,7 +57,7 @@ impl TraceConfig {
 fn traces_url(url: &str) -> String {
     let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
     match after_scheme.find('/') {
-        Some(i) if after_scheme[i..].trim_end_matches('/').len() > 0 => url.to_string(),
+        Some(i) if !after_scheme[i..].trim_end_matches('/').is_empty() => url.to_string(),
         _ => format!("{}/v1/traces", url.trim_end_matches('/')),
     }
 }

@@ -19,7 +19,7 @@ use crate::semconv;
 /// axum middleware: the request's server span. Install it only when [`crate::enabled`]:
 /// the routes then pay nothing when tracing is off.
 pub async fn trace_requests(request: Request, next: Next) -> Response {
-    let Some(tracer) = crate::tracer() else {
+    let Some(tracer) = crate::tracer().filter(|_| traced(request.uri().path())) else {
         return next.run(request).await;
     };
     let parent = crate::propagation::extract(request.headers());
@@ -36,6 +36,13 @@ pub async fn trace_requests(request: Request, next: Next) -> Response {
     ];
     if let Some(route) = route {
         attributes.push(KeyValue::new(semconv::HTTP_ROUTE, route));
+    }
+    if let Some(id) = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+    {
+        attributes.push(KeyValue::new(semconv::GEN_AI_REQUEST_ID, id.to_owned()));
     }
     let span = tracer
         .span_builder(name)
@@ -54,6 +61,12 @@ pub async fn trace_requests(request: Request, next: Next) -> Response {
     }
     let (parts, body) = response.into_parts();
     Response::from_parts(parts, Body::new(SpanBody { body, _cx: cx }))
+}
+
+/// Whether requests to `path` get a span: the API routes, not probes and scrapes
+/// (`/health`, `/metrics`, pages), which would bury the requests in their own traces.
+fn traced(path: &str) -> bool {
+    path.starts_with("/v1/") || matches!(path, "/generate" | "/tokenize" | "/detokenize")
 }
 
 /// A response body that holds its request's span open until it is dropped.

@@ -18,8 +18,10 @@ use std::sync::OnceLock;
 
 pub use config::{TraceConfig, TracingArgs};
 pub use exporter::{Telemetry, TelemetryError};
-pub use opentelemetry::Context;
-pub use spans::{ChildSpan, Timeline};
+pub use opentelemetry;
+pub use opentelemetry::trace::SpanKind;
+pub use opentelemetry::{Context, KeyValue};
+pub use spans::{ChildSpan, Recorded, Timeline};
 
 /// The process's tracer, set once by [`Telemetry::init`] when tracing is on.
 static TRACER: OnceLock<opentelemetry_sdk::trace::SdkTracer> = OnceLock::new();
@@ -43,4 +45,16 @@ pub fn current() -> Option<Context> {
     tracer()?;
     let cx = Context::current();
     cx.has_active_span().then_some(cx)
+}
+
+/// `future`, run with the current request's context as its current context when
+/// tracing is on (for a future spawned onto another task); as it is otherwise.
+pub fn in_current_context<F: std::future::Future>(
+    future: F,
+) -> futures::future::Either<F, opentelemetry::context::WithContext<F>> {
+    use opentelemetry::context::FutureExt;
+    match current() {
+        Some(cx) => futures::future::Either::Right(future.with_context(cx)),
+        None => futures::future::Either::Left(future),
+    }
 }

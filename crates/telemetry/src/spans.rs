@@ -94,26 +94,63 @@ impl Timeline {
         }
     }
 
-    /// Records a finished span `name` under `parent` from `start` to `end`; returns its
-    /// context for spans under it (`None` when tracing is off).
-    pub fn record(
-        &self,
-        parent: &Context,
-        name: impl Into<Cow<'static, str>>,
-        kind: SpanKind,
-        (start, end): (Instant, Instant),
-        attributes: Vec<KeyValue>,
-    ) -> Option<Context> {
+    /// Records a finished span `name` under `parent` from `start` to `end`, with
+    /// `events` at their instants and `error` as its failure; returns its context for
+    /// spans under it (`None` when tracing is off).
+    pub fn record(&self, parent: &Context, span: Recorded) -> Option<Context> {
         let tracer = crate::tracer()?;
-        let span = tracer
-            .span_builder(name)
-            .with_kind(kind)
+        let (start, end) = span.during;
+        let built = tracer
+            .span_builder(span.name)
+            .with_kind(span.kind)
             .with_start_time(self.wall(start))
-            .with_attributes(attributes)
+            .with_attributes(span.attributes)
             .start_with_context(tracer, parent);
-        let cx = parent.with_span(span);
-        cx.span().end_with_timestamp(self.wall(end.max(start)));
+        let cx = parent.with_span(built);
+        let live = cx.span();
+        for (name, at) in span.events {
+            live.add_event_with_timestamp(name, self.wall(at), Vec::new());
+        }
+        if let Some(why) = span.error {
+            live.set_status(Status::error(why));
+        }
+        live.end_with_timestamp(self.wall(end.max(start)));
         Some(cx)
+    }
+}
+
+/// A span recorded after the fact (see [`Timeline::record`]).
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// Its name.
+    pub name: Cow<'static, str>,
+    /// Its kind.
+    pub kind: SpanKind,
+    /// From, to.
+    pub during: (Instant, Instant),
+    /// Its attributes.
+    pub attributes: Vec<KeyValue>,
+    /// Named instants within it.
+    pub events: Vec<(&'static str, Instant)>,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+}
+
+impl Recorded {
+    /// An internal span `name` from `start` to `end` with `attributes`.
+    pub fn new(
+        name: impl Into<Cow<'static, str>>,
+        during: (Instant, Instant),
+        attributes: Vec<KeyValue>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            kind: SpanKind::Internal,
+            during,
+            attributes,
+            events: Vec::new(),
+            error: None,
+        }
     }
 }
 

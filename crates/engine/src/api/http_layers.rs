@@ -66,6 +66,12 @@ pub fn apply<S: Clone + Send + Sync + 'static>(
             },
         ));
     }
+    if pdserve_telemetry::enabled() {
+        // The request's server span (tracing on only: otherwise no layer, no cost).
+        router = router.layer(axum::middleware::from_fn(
+            pdserve_telemetry::http::trace_requests,
+        ));
+    }
     router
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(

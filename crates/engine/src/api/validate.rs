@@ -233,6 +233,7 @@ pub fn generation_request(
         pin_on_finish: false,
         kv_import: None,
         priority: 0,
+        trace: None,
     })
 }
 

@@ -58,6 +58,8 @@ impl RemoteBlocks {
                 block_ids,
                 token_ids: Vec::new(),
                 layout: layout.to_string(),
+                traceparent: None,
+                tracestate: None,
             },
         })
     }
@@ -74,6 +76,8 @@ impl RemoteBlocks {
                 block_ids: super::service::awaited::awaited_block_ids(prompt_tokens),
                 token_ids: Vec::new(),
                 layout: layout.to_string(),
+                traceparent: None,
+                tracestate: None,
             },
         }
     }
@@ -132,13 +136,37 @@ pub async fn pull_blocks(
         return Err(HandoffError::PeerNotAllowed { host: remote.host });
     }
     remote.read.token_ids = token_ids.to_vec();
+    let span = crate::trace::pull_span(&mut remote.read, &remote.addr);
     let config = PullConfig {
         connect_timeout: CONNECT_TIMEOUT,
         io_timeout: IO_TIMEOUT,
         secret: kv.secret.clone(),
     };
     let counters = &kv.metrics.kv;
-    match pull(&remote.addr, &remote.read, kv.block_bytes, &config).await {
+    let result = pull(&remote.addr, &remote.read, kv.block_bytes, &config).await;
+    if let Some(span) = span {
+        use pdserve_telemetry::semconv as sc;
+        use pdserve_telemetry::KeyValue;
+        match &result {
+            Ok(pulled) => {
+                span.set(KeyValue::new(
+                    sc::PDSERVE_KV_BLOCKS,
+                    pulled.blocks.len() as i64,
+                ));
+                span.set(KeyValue::new(sc::PDSERVE_KV_BYTES, pulled.bytes as i64));
+                span.set(KeyValue::new(
+                    sc::PDSERVE_KV_TOKENS,
+                    pulled.matched_tokens as i64,
+                ));
+                span.set(KeyValue::new(
+                    sc::PDSERVE_KV_SECONDS,
+                    pulled.elapsed.as_secs_f64(),
+                ));
+            }
+            Err(e) => span.fail(e.to_string()),
+        }
+    }
+    match result {
         Ok(pulled) => {
             counters.blocks_received.inc_by(pulled.blocks.len() as u64);
             counters.bytes_received.inc_by(pulled.bytes as u64);

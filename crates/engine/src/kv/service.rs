@@ -415,6 +415,24 @@ impl BlockSource for KvService {
     }
 
     async fn export(&self, request: &ReadRequest) -> Result<Export, (ErrorCode, String)> {
+        let began = std::time::Instant::now();
+        let exported = self.export_blocks(request).await;
+        match &exported {
+            Ok(_) => crate::trace::export_accepted(request, began),
+            Err((_, why)) => crate::trace::export_refused(request, began, why),
+        }
+        exported
+    }
+
+    fn finish(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
+        crate::trace::export_finished(request_id, &outcome, &stats);
+        self.finish_read(request_id, outcome, stats);
+    }
+}
+
+impl KvService {
+    /// [`BlockSource::export`] itself (the trait's method adds the trace span).
+    async fn export_blocks(&self, request: &ReadRequest) -> Result<Export, (ErrorCode, String)> {
         let awaited = awaited::is_awaited_read(request);
         if awaited {
             self.await_publication(&request.request_id).await;
@@ -491,7 +509,8 @@ impl BlockSource for KvService {
         }
     }
 
-    fn finish(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
+    /// [`BlockSource::finish`] itself.
+    fn finish_read(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
         let blocks = self.lock().reading.remove(request_id);
         match outcome {
             ReadOutcome::Completed => {

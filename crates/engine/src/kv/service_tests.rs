@@ -44,6 +44,8 @@ fn read_of(params: &KvTransferParams, tokens: &[u32]) -> ReadRequest {
         block_ids: params.remote_block_ids.as_ref().unwrap().flatten(),
         token_ids: tokens.to_vec(),
         layout: "fake".into(),
+        traceparent: None,
+        tracestate: None,
     }
 }
 
@@ -243,6 +245,8 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
         block_ids: awaited::awaited_block_ids(prompt.len()),
         token_ids: prompt.clone(),
         layout: "fake".into(),
+        traceparent: None,
+        tracestate: None,
     };
     assert!(awaited::is_awaited_read(&awaited_read("x")));
 

@@ -101,9 +101,10 @@ pub async fn concurrent(
     let body = prefill_body(model.as_deref(), &request.prompt, Some(&id), None);
     let mut prefill = {
         let (orchestrator, worker) = (orchestrator.clone(), worker.clone());
-        AbortOnDrop(tokio::spawn(async move {
-            orchestrator.prefill(&worker, &body).await
-        }))
+        // The leg's span goes under this request's, though it runs on a task of its own.
+        AbortOnDrop(tokio::spawn(pdserve_telemetry::in_current_context(
+            async move { orchestrator.prefill(&worker, &body).await },
+        )))
     };
     let remote = RemoteBlocks::awaited(&peer, id.clone(), request.prompt.len(), &ctx.kv.layout);
     let fallback = Fallback {

@@ -13,6 +13,7 @@ use crate::kv::{KvContext, Publish, PublishKind};
 use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, SeqEvents};
 use crate::scheduler::EngineHandle;
+use crate::trace::GenerationTrace;
 
 /// The engine and what submitting to it needs.
 pub struct ServingContext {
@@ -37,12 +38,13 @@ impl ServingContext {
     /// Submits `request` and returns its output, cut at `stop` strings.
     pub fn generate(
         self: &Arc<Self>,
-        request: GenerationRequest,
+        mut request: GenerationRequest,
         stop: Vec<String>,
     ) -> Result<Generation, ApiError> {
         let prompt_tokens = request.prompt.len();
+        let trace = GenerationTrace::start(&mut request, &self.limits.served_model_name);
         let events = self.submit(request)?;
-        Ok(Generation::new(self.clone(), events, prompt_tokens, stop))
+        Ok(Generation::new(self.clone(), events, prompt_tokens, stop).traced(trace))
     }
 
     /// Submits a prefill whose KV a peer will read: pinned when it finishes and

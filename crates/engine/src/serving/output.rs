@@ -13,6 +13,7 @@ use crate::kv::Publish;
 use crate::output_text::{OutputText, TokenText};
 use crate::request::{FinishReason, PinnedKv, SeqEvent, SeqEvents};
 use crate::sampling::TokenLogprobs;
+use crate::trace::{GenerationEnd, GenerationTrace};
 
 pub use super::prompt_echo::{EchoPlan, PromptEcho, PromptScores};
 
@@ -91,6 +92,8 @@ pub struct Generation {
     echo: Option<EchoPlan>,
     /// Bytes in front of the output text (the echoed prompt), for `text_offset`.
     offset_base: usize,
+    /// Its spans, recorded when it ends (traced requests only).
+    trace: Option<GenerationTrace>,
 }
 
 /// What woke a generation waiting for its next event.
@@ -124,6 +127,26 @@ impl Generation {
             primed: None,
             echo: None,
             offset_base: 0,
+            trace: None,
+        }
+    }
+
+    /// Records its spans under `trace` when it ends.
+    pub fn traced(mut self, trace: Option<GenerationTrace>) -> Self {
+        self.trace = trace;
+        self
+    }
+
+    /// Records the spans of a traced generation that ended with `outcome`.
+    fn end_trace(&mut self, outcome: Result<&'static str, &str>) {
+        if let Some(trace) = self.trace.take() {
+            trace.end(GenerationEnd {
+                prompt_tokens: self.prompt_tokens,
+                completion_tokens: self.completion_tokens,
+                cached_tokens: self.cached_tokens,
+                kv_imported_tokens: self.kv_imported_tokens,
+                outcome,
+            });
         }
     }
 
@@ -305,6 +328,7 @@ impl Generation {
                     if step.stopped {
                         // Dropping our interest cancels the sequence in the scheduler.
                         self.events.close();
+                        self.end_trace(Ok(FinishReason::Stop.as_str()));
                         self.pending_end = Some(vec![Piece::End {
                             finish_reason: FinishReason::Stop.as_str(),
                             usage: self.usage(),
@@ -325,6 +349,7 @@ impl Generation {
                     self.earlier_turn_tokens = usage.earlier_turn_tokens;
                     self.kv_imported_tokens = usage.kv_imported_tokens;
                     let kv_transfer_params = self.publish(pinned);
+                    self.end_trace(Ok(reason.as_str()));
                     let tail = self.text.finish(self.ctx.model.tokenizer());
                     let end = Piece::End {
                         finish_reason: reason.as_str(),
@@ -339,6 +364,7 @@ impl Generation {
                     return Some(Piece::Tail(tail));
                 }
                 SeqEvent::Failed(msg) => {
+                    self.end_trace(Err(&msg));
                     self.done = true;
                     return Some(Piece::Error(ApiError::internal(msg)));
                 }
@@ -351,6 +377,9 @@ impl Drop for Generation {
     /// A response dropped early (client gone) must not strand blocks the scheduler left
     /// pinned for it: stop further events, then unpin any already queued.
     fn drop(&mut self) {
+        self.end_trace(Err(
+            "ended before the sequence finished (client gone or failed)",
+        ));
         self.events.close();
         while let Ok(event) = self.events.try_recv() {
             if let SeqEvent::Finished {
