@@ -6,6 +6,7 @@ mod body;
 mod chat;
 pub mod choices;
 mod completions;
+pub mod dashboard;
 mod error;
 pub mod http_layers;
 mod kv_release;

@@ -49,6 +49,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/get_server_info", get(super::server_info::server_info))
         .route("/model_info", get(super::server_info::model_info))
         .route("/get_model_info", get(super::server_info::model_info))
+        .route("/dashboard", get(super::dashboard::page))
+        .route("/dashboard/data", get(super::dashboard::data))
+        .layer(axum::middleware::from_fn(super::dashboard::record))
+        .layer(axum::Extension(super::dashboard::WorkerHistory::shared()))
         .fallback(not_found)
         .with_state(state)
 }
