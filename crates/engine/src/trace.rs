@@ -165,7 +165,8 @@ impl GenerationTrace {
                 ],
             ),
         );
-        if let Some(first) = first {
+        // A one-token answer (a prefill leg) has nothing after its first token.
+        if let Some(first) = first.filter(|_| end.completion_tokens > 1) {
             timeline.record(
                 &cx,
                 Recorded::new(

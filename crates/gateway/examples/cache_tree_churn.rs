@@ -92,6 +92,7 @@ fn main() {
             tokens: None,
             notes: None,
             prefer: None,
+            trace: None,
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

@@ -17,6 +17,7 @@ pub async fn admit_and_count(
     ctx: &mut RequestContext,
     request: &ClientRequest,
 ) -> Result<crate::admission::Permit, Response> {
+    crate::trace::describe(ctx.trace.as_ref(), request);
     let field = request.verbatim_number("priority");
     let permit = crate::admission::admit(&state.admission, field, &ctx.client_headers).await?;
     if let Some(tokenizer) = &state.tokenizer {

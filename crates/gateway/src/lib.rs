@@ -40,6 +40,7 @@ pub mod responses;
 pub mod server;
 pub mod state;
 pub mod tokenize;
+pub mod trace;
 pub mod worker_client;
 
 pub use args::{GatewayArgs, GatewayConfig};

@@ -63,6 +63,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        // The request's server span, only when tracing is on (otherwise no layer at all).
+        .layer(tower::util::option_layer(
+            pdserve_telemetry::enabled()
+                .then(|| axum::middleware::from_fn(pdserve_telemetry::http::trace_requests)),
+        ))
         // --api-key on the OpenAI routes (inside the access log: 401s are logged too).
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

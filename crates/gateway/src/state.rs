@@ -11,7 +11,7 @@ use crate::error::GatewayError;
 use crate::identity::Instance;
 use crate::metrics::Metrics;
 use crate::policy::InFlight;
-use crate::policy::{self, Policy, RouteRequest};
+use crate::policy::{self, CacheMatch, Policy, RouteRequest};
 use crate::registry::{CircuitState, Registry, Worker, WorkerSource};
 use crate::worker_client::{LegError, LegFault, WorkerClient};
 
@@ -125,10 +125,15 @@ impl AppState {
             self.registry.note_panic(role, 1);
         }
         let policy = self.policy(role);
+        let began = route.trace.map(|_| std::time::Instant::now());
         // The common case allocates nothing: a first attempt with every circuit closed.
         if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
-            let chosen = choose(policy.as_ref(), role, live, route)?;
+            let (chosen, cache) = choose(policy.as_ref(), role, live, route)?;
             log_choice(policy.name(), role, &chosen, live.len());
+            if let (Some(cx), Some(began)) = (route.trace, began) {
+                let name = policy.name();
+                crate::trace::routing(cx, began, name, role, &chosen, live.len(), cache);
+            }
             return Some(chosen);
         }
         let mut passed_over: Vec<&str> = tried.iter().map(|w| w.base.as_str()).collect();
@@ -138,11 +143,15 @@ impl AppState {
                 .filter(|w| !passed_over.contains(&w.base.as_str()) && w.breaker.is_candidate())
                 .cloned()
                 .collect();
-            let chosen = choose(policy.as_ref(), role, &candidates, route)?;
+            let (chosen, cache) = choose(policy.as_ref(), role, &candidates, route)?;
             // An open circuit past its cooldown admits one trial request; if another
             // request claimed it first, choose again without this worker.
             if chosen.breaker.admit() {
                 log_choice(policy.name(), role, &chosen, candidates.len());
+                if let (Some(cx), Some(began)) = (route.trace, began) {
+                    let (name, n) = (policy.name(), candidates.len());
+                    crate::trace::routing(cx, began, name, role, &chosen, n, cache);
+                }
                 return Some(chosen);
             }
             let base = live.iter().find(|w| w.base == chosen.base)?;
@@ -178,27 +187,28 @@ impl AppState {
     }
 }
 
-/// The policy's choice; its cache match noted for the response headers where the request
-/// keeps notes (`--expose-routing`).
+/// The policy's choice and its cache match, noted for the response headers where the
+/// request keeps notes (`--expose-routing`); the match is looked for only then and for a
+/// traced request (its `routing` span shows it).
 fn choose(
     policy: &dyn Policy,
     role: WorkerRole,
     candidates: &[Arc<Worker>],
     route: &RouteRequest<'_>,
-) -> Option<Arc<Worker>> {
+) -> Option<(Arc<Worker>, Option<CacheMatch>)> {
     if let Some(prefer) = route.prefer {
         if let Some(worker) = candidates.iter().find(|w| w.base == prefer) {
-            return Some(worker.clone());
+            return Some((worker.clone(), None));
         }
     }
-    let Some(notes) = route.notes else {
-        return policy.select(role, candidates, route);
-    };
+    if route.notes.is_none() && route.trace.is_none() {
+        return policy.select(role, candidates, route).map(|w| (w, None));
+    }
     let choice = policy.choose(role, candidates, route)?;
-    if let Some(cache) = choice.cache {
+    if let (Some(notes), Some(cache)) = (route.notes, choice.cache) {
         notes.record(&choice.worker, cache);
     }
-    Some(choice.worker)
+    Some((choice.worker, choice.cache))
 }
 
 fn log_choice(policy: &str, role: WorkerRole, chosen: &Worker, candidates: usize) {

@@ -15,6 +15,7 @@ use crate::direct::{DirectClient, DirectError, DirectResponse};
 use crate::error::{error_chain, truncate, Failure};
 use crate::hops::X_PDSERVE_HOPS;
 use crate::registry::Worker;
+use pdserve_telemetry::propagation::{TRACEPARENT, TRACESTATE};
 
 /// The request id header shared by the client response and both upstream legs.
 pub const X_REQUEST_ID: &str = "x-request-id";
@@ -31,6 +32,10 @@ pub struct ForwardHeaders {
     pub authorization: Option<HeaderValue>,
     /// The gateways the request passed through, this one last (see [`crate::hops`]).
     pub hops: Option<HeaderValue>,
+    /// W3C `traceparent` naming the span a leg runs under (traced requests only).
+    pub traceparent: Option<HeaderValue>,
+    /// W3C `tracestate` going with it.
+    pub tracestate: Option<HeaderValue>,
 }
 
 impl ForwardHeaders {
@@ -45,6 +50,8 @@ impl ForwardHeaders {
             request_id,
             authorization: headers.get(header::AUTHORIZATION).cloned(),
             hops: headers.get(X_PDSERVE_HOPS).cloned(),
+            traceparent: None,
+            tracestate: None,
         }
     }
 
@@ -120,6 +127,12 @@ impl WorkerClient {
         if let Some(hops) = &headers.hops {
             request = request.header(X_PDSERVE_HOPS, hops.clone());
         }
+        if let Some(traceparent) = &headers.traceparent {
+            request = request.header(TRACEPARENT, traceparent.clone());
+            if let Some(tracestate) = &headers.tracestate {
+                request = request.header(TRACESTATE, tracestate.clone());
+            }
+        }
         let request = request.body(Full::new(body)).ok()?;
         Some((addr, request))
     }
@@ -164,6 +177,12 @@ impl WorkerClient {
         let mut builder = builder.header(X_REQUEST_ID, headers.request_id.clone());
         if let Some(hops) = &headers.hops {
             builder = builder.header(X_PDSERVE_HOPS, hops.clone());
+        }
+        if let Some(traceparent) = &headers.traceparent {
+            builder = builder.header(TRACEPARENT, traceparent.clone());
+            if let Some(tracestate) = &headers.tracestate {
+                builder = builder.header(TRACESTATE, tracestate.clone());
+            }
         }
         match self.authorization(headers) {
             Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),

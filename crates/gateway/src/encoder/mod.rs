@@ -138,6 +138,8 @@ pub async fn encode(
                 request_id: child_request_id(ctx, group.items[0]),
                 authorization: ctx.headers.authorization.clone(),
                 hops: ctx.headers.hops.clone(),
+                traceparent: ctx.headers.traceparent.clone(),
+                tracestate: ctx.headers.tracestate.clone(),
             };
             async move { (g, send(state, &group.encoder, body, &headers).await) }
         })
@@ -262,10 +264,14 @@ async fn send(
 ) -> Result<Bytes, Failure> {
     let mut in_flight = state.start_request(encoder.clone());
     let exchange = Exchange::new(encoder, "encode worker", state.config.prefill_timeout);
-    let request = state
-        .client
-        .post_json(encoder.url(Endpoint::Chat), body, headers);
+    let url = encoder.url(Endpoint::Chat);
+    // The fan-out runs on the request's task: its span is the current one.
+    let cx = pdserve_telemetry::current();
+    let span = crate::trace::leg(cx.as_ref(), "encode", encoder, url.as_str());
+    let leg_headers = crate::trace::leg_headers(headers, span.as_ref());
+    let request = state.client.post_json(url, body, &leg_headers);
     let result = exchange.send_and_read(request).await;
+    crate::trace::leg_done(span, &result);
     if result.is_ok() {
         state.registry.record_answer(encoder);
     }

@@ -175,10 +175,12 @@ async fn attempt(
     };
     let mut p_leg = PrefillLeg::spawn(state, ctx, plan.route, prefill.clone(), prefill_body);
     let mut d_in_flight = state.start_request(decode.clone());
+    let d_span = crate::trace::leg(ctx.trace.as_ref(), "decode", &decode, &decode.base);
+    let d_leg = d_span.clone();
     let decode_start = async {
-        let request = leg_request(state, ctx, plan.route, &decode, decode_body)
+        let request = leg_request(state, ctx, plan.route, &decode, decode_body, d_leg.as_ref())
             .map_err(|why| decode_exchange_error(state, &decode, why))?;
-        start_answer(
+        let started = start_answer(
             state,
             &decode,
             "decode worker",
@@ -186,7 +188,11 @@ async fn attempt(
             plan.stream,
             BodyShape::ObjectOrArray,
         )
-        .await
+        .await;
+        if !matches!(started, Ok(AnswerStart::Stream(_))) {
+            crate::trace::leg_done(d_leg.clone(), &started);
+        }
+        started
     };
     tokio::pin!(decode_start);
     let started = loop {
@@ -258,7 +264,7 @@ async fn attempt(
         }
         AnswerStart::Stream(head) => {
             let sink = plan.responses.clone().map(AnswerSink::Responses);
-            let (content_type, relay) = relay(state, ctx, &decode, d_in_flight, head, sink);
+            let (content_type, relay) = relay(state, ctx, &decode, d_in_flight, head, sink, d_span);
             let attached = Attached {
                 dialect: plan.route.dialect(),
                 relay: Some(relay.into_stream().boxed()),
@@ -307,6 +313,7 @@ fn leg_request(
     route: SglangRoute,
     worker: &Worker,
     body: Bytes,
+    span: Option<&pdserve_telemetry::ChildSpan>,
 ) -> Result<LegRequest, String> {
     let rank = worker.next_dp_rank();
     let generate_url;
@@ -320,7 +327,8 @@ fn leg_request(
             &generate_url
         }
     };
-    Ok(state.client.leg_request(url, body, &ctx.headers, rank))
+    let headers = crate::trace::leg_headers(&ctx.headers, span);
+    Ok(state.client.leg_request(url, body, &headers, rank))
 }
 
 /// P's leg, running as a task of its own so that it progresses while D's bytes are
@@ -356,11 +364,13 @@ impl PrefillLeg {
         let leg_worker = worker.clone();
         let task = tokio::spawn(async move {
             let worker = leg_worker;
-            let request = leg_request(&state, &ctx, route, &worker, body);
+            let span = crate::trace::leg(ctx.trace.as_ref(), "prefill", &worker, &worker.base);
+            let request = leg_request(&state, &ctx, route, &worker, body, span.as_ref());
             let result = send_prefill(&state, &worker, request, Some(head_tx), |body| {
                 check_prefill_answer(body).map(|()| body.clone())
             })
             .await;
+            crate::trace::leg_done(span, &result);
             if let Err(e) = &result {
                 state.report(&worker, e);
             }

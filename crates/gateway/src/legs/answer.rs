@@ -157,14 +157,22 @@ async fn send_leg(
     // Legs go over a direct connection that this task drives itself where the worker's
     // URL allows: a stream's burst of events is relayed in one write to the client, and
     // no connection task is woken.
-    let request = state.client.leg_request(
-        worker.url(ctx.endpoint),
-        leg.body.clone(),
-        &ctx.headers,
-        rank,
-    );
+    let url = worker.url(ctx.endpoint);
+    let span = crate::trace::leg(ctx.trace.as_ref(), leg.role.as_str(), &worker, url.as_str());
+    let headers = crate::trace::leg_headers(&ctx.headers, span.as_ref());
+    let request = state
+        .client
+        .leg_request(url, leg.body.clone(), &headers, rank);
     let shape = BodyShape::Object;
-    match start_answer(state, &worker, &label, request, leg.stream, shape).await? {
+    let started = start_answer(state, &worker, &label, request, leg.stream, shape).await;
+    let started = match started {
+        Ok(AnswerStart::Stream(head)) => Ok(AnswerStart::Stream(head)),
+        other => {
+            crate::trace::leg_done(span.clone(), &other);
+            other
+        }
+    };
+    match started? {
         AnswerStart::Body(body) => {
             // The decode side's KV handle names internal hosts and blocks: kept for the
             // conversation's next turn when there is one, never shown to the client.
@@ -200,7 +208,7 @@ async fn send_leg(
             let in_flight = in_flight
                 .take()
                 .unwrap_or_else(|| state.start_request(worker.clone()));
-            let (content_type, relay) = relay(state, ctx, &worker, in_flight, head, sink);
+            let (content_type, relay) = relay(state, ctx, &worker, in_flight, head, sink, span);
             Ok(stream_response(content_type, relay.into_stream()))
         }
     }
@@ -274,6 +282,7 @@ pub(crate) fn relay(
     in_flight: InFlight,
     head: StreamHead,
     sink: Option<AnswerSink>,
+    trace: Option<pdserve_telemetry::ChildSpan>,
 ) -> (HeaderValue, Relay) {
     let StreamHead {
         content_type,
@@ -295,6 +304,7 @@ pub(crate) fn relay(
         worker: worker.base.clone(),
         request_id: ctx.headers.request_id().to_string(),
         in_flight,
+        trace,
     };
     (content_type, relay)
 }

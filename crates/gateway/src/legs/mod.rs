@@ -51,12 +51,15 @@ pub struct RequestContext {
     pub routing_notes: Option<std::sync::Arc<RoutingNotes>>,
     /// The workers that served the request and how it ended, for the dashboard.
     pub journey: std::sync::Arc<crate::dashboard::journey::Journey>,
+    /// The request's server span, when it is traced (`--otlp-traces-endpoint`).
+    pub trace: Option<pdserve_telemetry::Context>,
 }
 
 impl RequestContext {
     /// The context of a request to `route` that arrived now with the client's `headers`.
     pub fn new(endpoint: Endpoint, route: &'static str, headers: HeaderMap) -> Self {
-        let forward = ForwardHeaders::from_client(&headers);
+        let mut forward = ForwardHeaders::from_client(&headers);
+        let trace = crate::trace::request_context(&mut forward);
         let started = Instant::now();
         let journey =
             crate::dashboard::journey::Journey::new(forward.request_id.clone(), route, started);
@@ -69,6 +72,7 @@ impl RequestContext {
             prompt_tokens: None,
             routing_notes: None,
             journey: std::sync::Arc::new(journey),
+            trace,
         }
     }
 
@@ -85,6 +89,7 @@ impl RequestContext {
             conversation_id,
             tokens: self.prompt_tokens.as_deref(),
             notes: self.routing_notes.as_deref(),
+            trace: self.trace.as_ref(),
             prefer: None,
         }
     }

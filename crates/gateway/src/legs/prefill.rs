@@ -208,16 +208,19 @@ async fn prefill_once(
     body: Bytes,
     rank: Option<u32>,
 ) -> Result<PrefillAnswer, LegError> {
-    let request = state
-        .client
-        .leg_request(worker.url(ctx.endpoint), body, &ctx.headers, rank);
-    send_prefill(state, worker, Ok(request), None, |body| {
+    let url = worker.url(ctx.endpoint);
+    let span = crate::trace::leg(ctx.trace.as_ref(), "prefill", worker, url.as_str());
+    let headers = crate::trace::leg_headers(&ctx.headers, span.as_ref());
+    let request = state.client.leg_request(url, body, &headers, rank);
+    let result = send_prefill(state, worker, Ok(request), None, |body| {
         parse_prefill_answer(body).map(|answer| PrefillAnswer {
             body: body.clone(),
             ..answer
         })
     })
-    .await
+    .await;
+    crate::trace::leg_done(span, &result);
+    result
 }
 
 /// The two fields the gateway reads from a prefill answer, as their source text;

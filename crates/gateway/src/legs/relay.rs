@@ -447,6 +447,8 @@ pub struct Relay {
     pub in_flight: InFlight,
     /// The request's route, filed for the dashboard when the stream ends.
     pub journey: Option<Arc<Journey>>,
+    /// The answering leg's span, ended when the relay is dropped (traced requests only).
+    pub trace: Option<pdserve_telemetry::ChildSpan>,
 }
 
 /// The relay's running state.
@@ -767,6 +769,7 @@ mod tests {
             request_id: "r".into(),
             in_flight: InFlight::start(worker, crate::policy::by_name("round_robin").unwrap()),
             journey: None,
+            trace: None,
         }
     }
 

@@ -39,6 +39,7 @@ fn cached(
         tokens: None,
         notes: None,
         prefer: None,
+        trace: None,
     };
     policy.cached_prefix(role, ws, &route)
 }

@@ -60,6 +60,8 @@ pub struct RouteRequest<'a> {
     /// A worker (its base URL) chosen over the policy's choice whenever it is a
     /// candidate: the one that stores the conversation a Responses request continues.
     pub prefer: Option<&'a str>,
+    /// The request's span, under which each choice records a `routing` span.
+    pub trace: Option<&'a pdserve_telemetry::Context>,
 }
 
 /// Where a cache match came from.
@@ -153,6 +155,7 @@ impl<'a> RouteRequest<'a> {
             tokens: None,
             notes: None,
             prefer: None,
+            trace: None,
         }
     }
 

@@ -142,6 +142,7 @@ mod tests {
             tokens: None,
             notes: None,
             prefer: None,
+            trace: None,
         }
     }
 

@@ -72,6 +72,7 @@ pub fn pick(
         tokens: None,
         notes: None,
         prefer: None,
+        trace: None,
     };
     policy
         .select(role, candidates, &route)
