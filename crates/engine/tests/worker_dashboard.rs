@@ -1,7 +1,7 @@
 //! The worker's status page on a real worker (the default model over HTTP on
 //! 127.0.0.1:0): `/dashboard` loads nothing from elsewhere, and `/dashboard/data` shows
-//! the role, model and KV blocks, the requests served, and token rates once two polls a
-//! second apart saw traffic between them.
+//! the role, model and KV blocks, the requests served, and token rates once two samples
+//! a second apart saw traffic between them.
 
 mod support;
 
@@ -76,14 +76,12 @@ async fn the_worker_dashboard_shows_its_state_and_requests() {
         assert_eq!(requests[1]["path"], "/v1/completions");
         assert_eq!(requests[1]["stream"], false);
 
+        // Samples are taken at polls and finished requests, a second apart at least.
         let samples = after["samples"].as_array().unwrap();
-        assert_eq!(samples.len(), 2, "one per poll a second apart: {after}");
-        let last = &samples[1];
-        assert!(last["prompt_tokens_per_s"].as_f64() > Some(0.0), "{after}");
-        assert!(
-            last["generation_tokens_per_s"].as_f64() > Some(0.0),
-            "{after}"
-        );
+        assert!(samples.len() >= 2, "{after}");
+        let rate = |key: &str| samples.iter().any(|s| s[key].as_f64() > Some(0.0));
+        assert!(rate("prompt_tokens_per_s"), "{after}");
+        assert!(rate("generation_tokens_per_s"), "{after}");
         assert!(after["worker"]["generation_tokens_total"].as_u64() >= Some(8));
         // The scheduler publishes its block counts after a step.
         assert!(

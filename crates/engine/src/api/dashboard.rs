@@ -4,9 +4,9 @@
 //! tokens per second, and the last generation requests. Open under `--api-key`, as
 //! `/metrics` is.
 //!
-//! The gauges and counters are the engine's own metrics, read when the page asks (at
-//! most one sample a second is kept, the last 300); each finished generation request is
-//! one short-locked push into a ring of the last 50.
+//! The gauges and counters are the engine's own metrics, sampled when the page asks or a
+//! generation request finishes (at most one sample a second is kept, the last 300); each
+//! finished generation request is one short-locked push into a ring of the last 50.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -23,6 +23,7 @@ use serde::Serialize;
 
 use super::http_layers::REQUEST_ID_HEADER;
 use super::AppState;
+use crate::metrics::Metrics;
 
 /// The page, embedded in the binary.
 pub const PAGE: &str = include_str!("dashboard.html");
@@ -33,16 +34,50 @@ const SAMPLES: usize = 300;
 const RECENT_REQUESTS: usize = 50;
 
 /// The worker's dashboard memory, shared by the recording layer and the data route.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct WorkerHistory {
+    metrics: Arc<Metrics>,
     samples: Mutex<VecDeque<Counters>>,
     requests: Mutex<VecDeque<RequestRow>>,
 }
 
 impl WorkerHistory {
-    /// A fresh history to hand to [`record`] and [`data`] as an extension.
-    pub fn shared() -> Arc<Self> {
-        Arc::new(Self::default())
+    /// A fresh history of the engine's `metrics`, to hand to [`record`] and [`data`] as
+    /// an extension.
+    pub fn shared(metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Self {
+            metrics,
+            samples: Mutex::default(),
+            requests: Mutex::default(),
+        })
+    }
+
+    /// Reads the engine's counters into a sample when the last one is a second old
+    /// (called by each poll and each finished request, so charts run while traffic
+    /// flows, watched or not).
+    fn sample(&self) -> Counters {
+        let m = &self.metrics;
+        let now = Counters {
+            at: Instant::now(),
+            t_ms: unix_ms(SystemTime::now()),
+            prompt_tokens: m.prompt_tokens.get(),
+            generation_tokens: m.generation_tokens.get(),
+            running: m.running.get(),
+            waiting: m.waiting.get(),
+            kv_used: m.kv_blocks_used.get(),
+            kv_free: m.kv_blocks_free.get(),
+        };
+        let mut ring = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+        let due = ring
+            .back()
+            .is_none_or(|last| now.at.duration_since(last.at) >= Duration::from_millis(900));
+        if due {
+            if ring.len() == SAMPLES {
+                ring.pop_front();
+            }
+            ring.push_back(now);
+        }
+        now
     }
 
     fn push_request(&self, row: RequestRow) {
@@ -72,7 +107,8 @@ struct Counters {
 pub struct WorkerDashboard {
     /// The worker itself and its gauges now.
     pub worker: WorkerNow,
-    /// One per poll a second or more apart, oldest first (at most 300).
+    /// One per second or more (taken at polls and finished requests), oldest first (at
+    /// most 300).
     pub samples: Vec<WorkerSample>,
     /// The last finished generation requests, newest first (at most 50).
     pub requests: Vec<RequestRow>,
@@ -171,27 +207,9 @@ pub async fn data(
     Extension(history): Extension<Arc<WorkerHistory>>,
 ) -> Response {
     let m = &app.serving.metrics;
-    let now = Counters {
-        at: Instant::now(),
-        t_ms: unix_ms(SystemTime::now()),
-        prompt_tokens: m.prompt_tokens.get(),
-        generation_tokens: m.generation_tokens.get(),
-        running: m.running.get(),
-        waiting: m.waiting.get(),
-        kv_used: m.kv_blocks_used.get(),
-        kv_free: m.kv_blocks_free.get(),
-    };
+    let now = history.sample();
     let samples = {
-        let mut ring = history.samples.lock().unwrap_or_else(|e| e.into_inner());
-        let due = ring
-            .back()
-            .is_none_or(|last| now.at.duration_since(last.at) >= Duration::from_millis(900));
-        if due {
-            if ring.len() == SAMPLES {
-                ring.pop_front();
-            }
-            ring.push_back(now);
-        }
+        let ring = history.samples.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::with_capacity(ring.len());
         let mut previous: Option<&Counters> = None;
         for c in ring.iter() {
@@ -328,6 +346,7 @@ impl Pending {
                 row.outcome = outcome;
             }
             self.history.push_request(row);
+            self.history.sample();
         }
     }
 }

@@ -52,7 +52,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/dashboard", get(super::dashboard::page))
         .route("/dashboard/data", get(super::dashboard::data))
         .layer(axum::middleware::from_fn(super::dashboard::record))
-        .layer(axum::Extension(super::dashboard::WorkerHistory::shared()))
+        .layer(axum::Extension(super::dashboard::WorkerHistory::shared(
+            state.serving.metrics.clone(),
+        )))
         .fallback(not_found)
         .with_state(state)
 }
