@@ -5,10 +5,18 @@
 //! gateway replica reads the same events and the same worker load, so replicas choose
 //! alike without sharing anything.
 //!
+//! A prompt every candidate holds equally much of (a new prefix after, say, a common
+//! system prompt) goes, among the candidates within
+//! `NEW_PREFIX_LOAD_SLACK` of the least load, to the one its first tokens hash highest
+//! with (rendezvous hashing): replicas that each see half the traffic, and none of the
+//! other's just-sent prompts, still send a new prefix's first requests to the same worker
+//! instead of each computing it on another.
+//!
 //! Needs the prompt's token ids: token-id prompts, or any prompt with `--tokenizer`.
 //! Without them, or when no candidate has a trusted index (none publishes events, or
 //! every one is stale), the approximate prefix tree (`cache_aware`) decides.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
@@ -19,6 +27,14 @@ use super::{
 };
 use crate::kv_events::KvEventsHub;
 use crate::registry::Worker;
+
+/// Tokens of a prompt's start that name its prefix for rendezvous hashing: enough to tell
+/// shared system prompts apart, few enough that prompts sharing one agree.
+const AFFINITY_TOKENS: usize = 128;
+
+/// Requests more than the least loaded candidate that a worker may have and still take a
+/// new prefix by its hash: replicas' views of load differ by their own recent sends.
+const NEW_PREFIX_LOAD_SLACK: i64 = 2;
 
 /// Routes on the workers' KV-event indexes.
 #[derive(Debug)]
@@ -71,8 +87,13 @@ impl PrecisePrefix {
     }
 
     /// The best score, then the lower load; among equals, one at random (always the
-    /// first would pile every new prefix onto one worker).
-    fn best(standings: &[Standing]) -> Standing {
+    /// first would pile every new prefix onto one worker). A prompt every candidate
+    /// holds equally much of goes by [`new_prefix_choice`] instead.
+    fn best(standings: &[Standing], candidates: &[Arc<Worker>], tokens: &[u32]) -> Standing {
+        let common = standings[0].cached;
+        if standings.iter().all(|s| s.cached == common) {
+            return new_prefix_choice(standings, candidates, &tokens[common.min(tokens.len())..]);
+        }
         let top = standings.iter().map(|s| (s.score, -s.load)).fold(
             (f64::NEG_INFINITY, i64::MIN),
             |a, b| if b > a { b } else { a },
@@ -83,6 +104,29 @@ impl PrecisePrefix {
             .collect();
         *equal[rand::Rng::random_range(&mut rand::rng(), 0..equal.len())]
     }
+}
+
+/// For a prompt whose `new` part (after what every candidate holds) no candidate holds:
+/// among the candidates within `NEW_PREFIX_LOAD_SLACK` of the least load, the one whose
+/// URL hashes highest with the first `AFFINITY_TOKENS` tokens of `new`. Every replica
+/// computes the same hashes (the same build's fixed-key hasher), so they agree while
+/// their views of load roughly do.
+fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[u32]) -> Standing {
+    let least = standings.iter().map(|s| s.load).min().unwrap_or(0);
+    let start = &new[..new.len().min(AFFINITY_TOKENS)];
+    *standings
+        .iter()
+        .filter(|s| s.load <= least.saturating_add(NEW_PREFIX_LOAD_SLACK))
+        .max_by_key(|s| rendezvous(&candidates[s.index].base, start))
+        .expect("the least loaded candidate is within the slack")
+}
+
+/// The rendezvous weight of `worker` for a prompt starting with `start`.
+fn rendezvous(worker: &str, start: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    start.hash(&mut h);
+    worker.hash(&mut h);
+    h.finish()
 }
 
 fn token_ids<'a>(request: &RouteRequest<'a>) -> Option<&'a [u32]> {
@@ -119,7 +163,7 @@ impl Policy for PrecisePrefix {
         let Some((tokens, standings)) = standings else {
             return self.fallback.choose(role, candidates, request);
         };
-        let best = Self::best(&standings);
+        let best = Self::best(&standings, candidates, tokens);
         let chosen = candidates[best.index].clone();
         self.matcher.sent(&chosen, tokens, best.cached);
         tracing::debug!(
@@ -180,5 +224,72 @@ impl Policy for PrecisePrefix {
     fn retain_workers(&self, live: &[&str]) {
         self.fallback.retain_workers(live);
         self.matcher.retain_workers(live);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testing::workers;
+
+    fn standing(index: usize, cached: usize, load: i64) -> Standing {
+        Standing {
+            index,
+            cached,
+            load,
+            score: cached as f64 - 0.1 * load as f64 * 300.0,
+        }
+    }
+
+    fn prompt(seed: u32) -> Vec<u32> {
+        (0..300)
+            .map(|i| seed.wrapping_mul(7919).wrapping_add(i))
+            .collect()
+    }
+
+    #[test]
+    fn replicas_send_a_new_prefix_to_the_same_worker_and_new_prefixes_spread() {
+        let pool = workers(WorkerRole::Prefill, &[9001, 9002]);
+        let mut on_first = 0;
+        for seed in 0..64 {
+            let tokens = prompt(seed);
+            // Two replicas whose views of load differ by their own recent sends.
+            let one = [standing(0, 0, 1), standing(1, 0, 0)];
+            let two = [standing(0, 0, 0), standing(1, 0, 2)];
+            let a = PrecisePrefix::best(&one, &pool, &tokens).index;
+            let b = PrecisePrefix::best(&two, &pool, &tokens).index;
+            assert_eq!(a, b, "prompt {seed}");
+            // Only the prompt's start names it.
+            let mut longer = tokens.clone();
+            longer.extend([1, 2, 3]);
+            assert_eq!(PrecisePrefix::best(&one, &pool, &longer).index, a);
+            on_first += usize::from(a == 0);
+        }
+        assert!(
+            (16..=48).contains(&on_first),
+            "{on_first} of 64 on the first"
+        );
+    }
+
+    #[test]
+    fn a_new_prefix_keeps_off_a_worker_past_the_slack_and_after_a_common_prefix() {
+        let pool = workers(WorkerRole::Prefill, &[9001, 9002]);
+        for seed in 0..32 {
+            let tokens = prompt(seed);
+            let busy = [standing(0, 0, 0), standing(1, 0, NEW_PREFIX_LOAD_SLACK + 1)];
+            assert_eq!(PrecisePrefix::best(&busy, &pool, &tokens).index, 0);
+            // Both hold the same 32-token system prompt: what follows it names the prefix,
+            // so prompts after one common system prompt still spread.
+            let common = [standing(0, 32, 0), standing(1, 32, 0)];
+            let fresh = [standing(0, 0, 0), standing(1, 0, 0)];
+            assert_eq!(
+                PrecisePrefix::best(&common, &pool, &tokens).index,
+                PrecisePrefix::best(&fresh, &pool, &tokens[32..]).index
+            );
+        }
+        // Whoever holds more of the prompt still wins.
+        let tokens = prompt(1);
+        let held = [standing(0, 0, 0), standing(1, 256, 0)];
+        assert_eq!(PrecisePrefix::best(&held, &pool, &tokens).index, 1);
     }
 }
