@@ -185,6 +185,15 @@ impl GenerationTrace {
     }
 }
 
+/// Notes the answer's id (`gen_ai.response.id`) on the request's span, when traced.
+pub fn note_response_id(id: &str) {
+    if let Some(cx) = pdserve_telemetry::current() {
+        use pdserve_telemetry::opentelemetry::trace::TraceContextExt;
+        let attribute = KeyValue::new(sc::GEN_AI_RESPONSE_ID, id.to_string());
+        cx.span().set_attribute(attribute);
+    }
+}
+
 /// The decode side's `kv_pull` span (a client span under the current request), whose
 /// trace context the read request carries to the peer; `None` when tracing is off.
 pub fn pull_span(read: &mut ReadRequest, addr: &str) -> Option<ChildSpan> {

@@ -37,13 +37,13 @@ fn set_headers(headers: &mut ForwardHeaders, cx: &Context) {
         .and_then(|s| HeaderValue::from_str(s).ok());
 }
 
-/// Notes the GenAI attributes of `request` (operation, model, limits) on the request's
-/// span.
+/// Notes the GenAI attributes of `request` (model, limits) on the request's span (the
+/// operation is the route's, noted with the span).
 pub fn describe(cx: Option<&Context>, request: &ClientRequest) {
     let Some(cx) = cx else { return };
-    let (operation, model, generation, extra) = match request {
-        ClientRequest::Chat(r) => ("chat", &r.model, &r.generation, &r.extra),
-        ClientRequest::Completion(r) => ("text_completion", &r.model, &r.generation, &r.extra),
+    let (model, generation, extra) = match request {
+        ClientRequest::Chat(r) => (&r.model, &r.generation, &r.extra),
+        ClientRequest::Completion(r) => (&r.model, &r.generation, &r.extra),
     };
     let number = |name: &str| {
         request
@@ -52,7 +52,6 @@ pub fn describe(cx: Option<&Context>, request: &ClientRequest) {
             .or_else(|| extra.get(name).and_then(Value::as_f64))
     };
     let span = cx.span();
-    span.set_attribute(KeyValue::new(sc::GEN_AI_OPERATION_NAME, operation));
     span.set_attribute(KeyValue::new(sc::GEN_AI_PROVIDER_NAME, "pdserve"));
     if let Some(model) = model {
         span.set_attribute(KeyValue::new(sc::GEN_AI_REQUEST_MODEL, model.clone()));

@@ -303,6 +303,9 @@ async fn one_pd_request_is_one_trace_across_gateway_prefill_and_decode() {
             .contains_key("gen_ai.latency.time_to_first_token"));
         assert!(llm.attributes.contains_key("gen_ai.latency.time_in_queue"));
     }
+    let answered = find(&trace, DECODE, "POST /v1/chat/completions");
+    assert!(answered.attributes["gen_ai.response.id"].starts_with("chatcmpl-"));
+    assert_eq!(answered.attributes["gen_ai.operation.name"], "chat");
     let decode = find(&trace, DECODE, "decode");
     assert_eq!(decode.attributes["gen_ai.usage.output_tokens"], "8");
 

@@ -30,10 +30,14 @@ pub async fn trace_requests(request: Request, next: Next) -> Response {
         .map(|p| p.as_str().to_owned());
     let path = request.uri().path().to_owned();
     let name = format!("{method} {}", route.as_deref().unwrap_or(&path));
+    let operation = operation(route.as_deref().unwrap_or(&path));
     let mut attributes = vec![
         KeyValue::new(semconv::HTTP_REQUEST_METHOD, method),
         KeyValue::new(semconv::URL_PATH, path),
     ];
+    if let Some(operation) = operation {
+        attributes.push(KeyValue::new(semconv::GEN_AI_OPERATION_NAME, operation));
+    }
     if let Some(route) = route {
         attributes.push(KeyValue::new(semconv::HTTP_ROUTE, route));
     }
@@ -67,6 +71,16 @@ pub async fn trace_requests(request: Request, next: Next) -> Response {
 /// (`/health`, `/metrics`, pages), which would bury the requests in their own traces.
 fn traced(path: &str) -> bool {
     path.starts_with("/v1/") || matches!(path, "/generate" | "/tokenize" | "/detokenize")
+}
+
+/// GenAI's `gen_ai.operation.name` of a generation route.
+fn operation(route: &str) -> Option<&'static str> {
+    match route {
+        "/v1/chat/completions" | "/v1/responses" => Some("chat"),
+        "/v1/completions" => Some("text_completion"),
+        "/generate" => Some("generate_content"),
+        _ => None,
+    }
 }
 
 /// A response body that holds its request's span open until it is dropped.

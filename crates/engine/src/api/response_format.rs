@@ -50,5 +50,7 @@ pub trait ResponseFormat: Send + Sync + 'static {
 
 /// A fresh response id with the API's prefix.
 pub fn response_id(prefix: &str) -> String {
-    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+    let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+    crate::trace::note_response_id(&id);
+    id
 }

@@ -257,6 +257,7 @@ impl ResponsesFormat {
     ) -> Self {
         let hex = || uuid::Uuid::new_v4().simple().to_string();
         let id = format!("resp_{}", hex());
+        crate::trace::note_response_id(&id);
         let settings = json!({
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
