@@ -358,3 +358,43 @@ async fn the_orchestrators_prefill_leg_carries_the_trace() {
     assert_eq!(export.parent, find(&trace, DECODE, "kv_pull").span_id);
     server.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglangs_dual_dispatch_is_one_trace_too() {
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let (url, spans, server) = receiver().await;
+    let up = tokio::task::spawn_blocking(move || {
+        let flags = ["--protocol", "sglang", "--otlp-traces-endpoint", &url];
+        Up::start(&model, &flags)
+    })
+    .await
+    .unwrap();
+    chat(&up.entry).await;
+    tokio::task::spawn_blocking(move || up.stop())
+        .await
+        .unwrap();
+    let trace = trace_when(&spans, |t| {
+        t.iter().any(|x| x.name == "kv_export")
+            && t.iter().filter(|x| x.name == "llm_request").count() >= 2
+    })
+    .await;
+    println!(
+        "span tree of one SGLang-protocol request:\n{}",
+        tree(&trace)
+    );
+
+    assert_connected(&trace);
+    let request = find(&trace, GATEWAY, "POST /v1/chat/completions");
+    for (leg, worker) in [("prefill leg", PREFILL), ("decode leg", DECODE)] {
+        let leg_span = find(&trace, GATEWAY, leg);
+        assert_eq!(leg_span.parent, request.span_id, "{leg}");
+        let served = find(&trace, worker, "POST /v1/chat/completions");
+        assert_eq!(
+            served.parent, leg_span.span_id,
+            "{worker}'s request is under the {leg}"
+        );
+    }
+    let export = find(&trace, PREFILL, "kv_export");
+    assert_eq!(export.parent, find(&trace, DECODE, "kv_pull").span_id);
+    server.abort();
+}
