@@ -460,12 +460,10 @@ struct RelayState {
     stashed: Option<End>,
     finished: bool,
     /// For the dashboard: when the relay began (the first chunk had just come), when
-    /// the client got its first bytes, the upstream chunks (the first included) and when
-    /// the last of them came.
+    /// the client got its first bytes, and the upstream chunks (the first included).
     opened: Instant,
     first_out: Option<Instant>,
     chunks: u32,
-    last_chunk: Instant,
 }
 
 impl Relay {
@@ -491,7 +489,6 @@ impl Relay {
             opened,
             first_out: None,
             chunks: 0,
-            last_chunk: opened,
         };
         futures::stream::unfold(state, |mut state| async move {
             let item = state.next_chunk().await?;
@@ -568,7 +565,6 @@ impl RelayState {
             };
             if matches!(event, Event::Chunk(_)) {
                 self.chunks += 1;
-                self.last_chunk = Instant::now();
             }
             let lines = match event {
                 Event::Chunk(chunk) => match self.scanner.push(chunk) {
@@ -689,9 +685,10 @@ impl RelayState {
         };
         let started = journey.started();
         // Mean gap between chunks after the first: one event per token on the workers'
-        // streams, so close to the inter-token latency (a burst merged upstream counts once).
+        // streams, so close to the inter-token latency (a burst merged upstream counts
+        // once). A stream that ended well is filed as its last chunk is relayed.
         let itl = (outcome == "ok" && self.chunks >= 2)
-            .then(|| self.last_chunk.saturating_duration_since(self.opened) / (self.chunks - 1));
+            .then(|| self.opened.elapsed() / (self.chunks - 1));
         journey.file(
             &self.relay.metrics.history,
             Finished {
