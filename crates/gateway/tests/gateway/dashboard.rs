@@ -4,10 +4,12 @@
 
 use std::time::Duration;
 
+use futures::StreamExt;
+use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 
-use crate::double::{Double, Role};
-use crate::{bounded, client, pd_config, Gateway};
+use crate::double::{Behavior, Double, Role};
+use crate::{bounded, client, pd_config, urls, Gateway};
 
 /// Every `src`/`href` value of `html`, and any `url(...)` in its style.
 fn referenced_urls(html: &str) -> Vec<String> {
@@ -166,6 +168,72 @@ async fn data_shows_the_roster_the_routes_and_per_second_samples() {
         assert_eq!(newest["status"], 400);
         assert_eq!(newest["outcome"], "error");
         assert_eq!(newest["mode"], "unrouted");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_failed_and_abandoned_requests_are_listed_as_such() {
+    bounded(async {
+        let w = Double::start(Role::Decode, "W").await;
+        let gw = Gateway::start(GatewayConfig::new(Vec::new(), Vec::new(), urls(&[&w]))).await;
+        let http = client();
+        let send = |stream: bool| {
+            http.post(gw.at("/v1/chat/completions")).json(&json!({
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "stream": stream,
+            }))
+        };
+        assert_eq!(send(false).send().await.unwrap().status(), 200);
+        w.set(Behavior::FailMidStream);
+        let failed = send(true).send().await.unwrap();
+        assert_eq!(failed.status(), 200);
+        failed.bytes().await.unwrap();
+        w.set(Behavior::Hold);
+        let held = send(true).send().await.unwrap();
+        let mut body = held.bytes_stream();
+        body.next().await.unwrap().unwrap();
+        drop(body);
+        w.wait_for_cancel().await;
+
+        let mut requests = Vec::new();
+        for _ in 0..100 {
+            let data: Value = http
+                .get(gw.at("/dashboard/data"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            requests = data["requests"].as_array().unwrap().clone();
+            if requests.len() == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(requests.len(), 3, "{requests:?}");
+        let row = |r: &Value| {
+            (
+                r["mode"].as_str().unwrap().to_string(),
+                r["worker"]["url"].as_str().unwrap().to_string(),
+                r["status"].as_u64().unwrap(),
+                r["outcome"].as_str().unwrap().to_string(),
+            )
+        };
+        let aggregated = |status, outcome: &str| {
+            (
+                "aggregated".to_string(),
+                w.url.clone(),
+                status,
+                outcome.to_string(),
+            )
+        };
+        assert_eq!(row(&requests[0]), aggregated(499, "client_left"));
+        assert_eq!(row(&requests[1]), aggregated(502, "stream_error"));
+        assert_eq!(row(&requests[2]), aggregated(200, "ok"));
+        assert!(requests[0]["itl_ms"].is_null() && requests[1]["itl_ms"].is_null());
     })
     .await;
 }
