@@ -67,7 +67,7 @@ impl GenerationTrace {
     /// Traces `request` under the current request's span when tracing is on (notes
     /// `request.trace` for the scheduler); `None` otherwise.
     pub fn start(request: &mut GenerationRequest, model: &str) -> Option<Self> {
-        let parent = pdserve_telemetry::current()?;
+        let parent = pdserve_telemetry::current().filter(pdserve_telemetry::is_sampled)?;
         let seq = Arc::new(SeqTrace {
             submitted: Instant::now(),
             admitted: OnceLock::new(),
@@ -192,6 +192,29 @@ pub fn note_response_id(id: &str) {
         let attribute = KeyValue::new(sc::GEN_AI_RESPONSE_ID, id.to_string());
         cx.span().set_attribute(attribute);
     }
+}
+
+/// The orchestrator's `prefill leg` span to the prefill worker at `url` and the trace
+/// context the leg carries (the request's own when it is not sampled); both `None`
+/// when the request is not traced.
+pub fn prefill_leg(url: &str) -> (Option<ChildSpan>, Option<TraceHeaders>) {
+    let Some(cx) = pdserve_telemetry::current() else {
+        return (None, None);
+    };
+    let span = pdserve_telemetry::is_sampled(&cx)
+        .then(|| {
+            let attributes = vec![
+                KeyValue::new(sc::PDSERVE_LEG, "prefill"),
+                KeyValue::new(sc::URL_FULL, format!("{url}/v1/completions")),
+            ];
+            ChildSpan::start(&cx, "prefill leg", SpanKind::Client, attributes)
+        })
+        .flatten();
+    let headers = match &span {
+        Some(span) => span.headers(),
+        None => TraceHeaders::of(&cx),
+    };
+    (span, headers)
 }
 
 /// The decode side's `kv_pull` span (a client span under the current request), whose

@@ -40,7 +40,9 @@ fn set_headers(headers: &mut ForwardHeaders, cx: &Context) {
 /// Notes the GenAI attributes of `request` (model, limits) on the request's span (the
 /// operation is the route's, noted with the span).
 pub fn describe(cx: Option<&Context>, request: &ClientRequest) {
-    let Some(cx) = cx else { return };
+    let Some(cx) = cx.filter(|cx| pdserve_telemetry::is_sampled(cx)) else {
+        return;
+    };
     let (model, generation, extra) = match request {
         ClientRequest::Chat(r) => (&r.model, &r.generation, &r.extra),
         ClientRequest::Completion(r) => (&r.model, &r.generation, &r.extra),
@@ -81,6 +83,9 @@ pub fn routing(
     candidates: usize,
     cache: Option<CacheMatch>,
 ) {
+    if !pdserve_telemetry::is_sampled(cx) {
+        return;
+    }
     let mut attributes = vec![
         KeyValue::new(sc::PDSERVE_ROUTING_POLICY, policy.to_string()),
         KeyValue::new(sc::PDSERVE_ROUTING_ROLE, role.as_str()),
@@ -110,7 +115,8 @@ pub fn leg(
     worker: &Worker,
     url: &str,
 ) -> Option<ChildSpan> {
-    let cx = cx?;
+    // Unsampled: no span; the leg carries the request's (unsampled) context as it is.
+    let cx = cx.filter(|cx| pdserve_telemetry::is_sampled(cx))?;
     let (host, port) = host_port(&worker.base);
     let mut attributes = vec![
         KeyValue::new(sc::PDSERVE_LEG, leg),

@@ -201,11 +201,19 @@ fn parent_of<'a>(trace: &'a [Received], span: &Received) -> &'a Received {
 
 /// One streamed chat request carrying the client's `traceparent`; its text.
 async fn chat(entry: &str) -> String {
+    chat_in(entry, &format!("00-{TRACE_ID}-{CLIENT_SPAN}-01")).await
+}
+
+/// A trace whose client said "not sampled" (flags 00): no process records a span of it.
+const UNSAMPLED_TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
+
+/// One streamed chat request carrying `traceparent`; its text.
+async fn chat_in(entry: &str, traceparent: &str) -> String {
     let http = reqwest::Client::new();
     let response = tokio::time::timeout(
         Duration::from_secs(120),
         http.post(format!("{entry}/v1/chat/completions"))
-            .header("traceparent", format!("00-{TRACE_ID}-{CLIENT_SPAN}-01"))
+            .header("traceparent", traceparent)
             .json(&serde_json::json!({
                 "messages": [{"role": "user", "content": "Give me three tips for staying healthy."}],
                 "max_tokens": 8,
@@ -240,6 +248,11 @@ async fn one_pd_request_is_one_trace_across_gateway_prefill_and_decode() {
     .await
     .unwrap();
     chat(&up.entry).await;
+    chat_in(
+        &up.entry,
+        &format!("00-{UNSAMPLED_TRACE_ID}-{CLIENT_SPAN}-00"),
+    )
+    .await;
     // Stopping the stack flushes every process's exporter.
     tokio::task::spawn_blocking(move || up.stop())
         .await
@@ -320,6 +333,17 @@ async fn one_pd_request_is_one_trace_across_gateway_prefill_and_decode() {
         export.attributes["pdserve.kv.blocks"],
         pull.attributes["pdserve.kv.blocks"]
     );
+
+    // The unsampled request left no span anywhere (its context still reached the workers,
+    // whose parent-based sampler honoured it).
+    let unsampled: Vec<String> = spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.trace_id == UNSAMPLED_TRACE_ID)
+        .map(|s| format!("{} [{}]", s.name, s.service))
+        .collect();
+    assert!(unsampled.is_empty(), "{unsampled:?}");
     server.abort();
 }
 

@@ -47,6 +47,13 @@ pub fn current() -> Option<Context> {
     cx.has_active_span().then_some(cx)
 }
 
+/// Whether `cx`'s span is sampled: under an unsampled one (`OTEL_TRACES_SAMPLER` drew
+/// no, or the client's `traceparent` said so) no span is built, only the context passed on.
+pub fn is_sampled(cx: &Context) -> bool {
+    use opentelemetry::trace::TraceContextExt;
+    cx.span().span_context().is_sampled()
+}
+
 /// `future`, run with the current request's context as its current context when
 /// tracing is on (for a future spawned onto another task); as it is otherwise.
 pub fn in_current_context<F: std::future::Future>(

@@ -19,7 +19,8 @@ pub struct ChildSpan {
 }
 
 impl ChildSpan {
-    /// Starts `name` under `parent`; `None` when tracing is off.
+    /// Starts `name` under `parent`; `None` when tracing is off or `parent` is not
+    /// sampled (its context is then what travels on).
     pub fn start(
         parent: &Context,
         name: impl Into<Cow<'static, str>>,
@@ -27,6 +28,9 @@ impl ChildSpan {
         attributes: Vec<KeyValue>,
     ) -> Option<Self> {
         let tracer = crate::tracer()?;
+        if !crate::is_sampled(parent) {
+            return None;
+        }
         let span = tracer
             .span_builder(name)
             .with_kind(kind)
@@ -96,9 +100,12 @@ impl Timeline {
 
     /// Records a finished span `name` under `parent` from `start` to `end`, with
     /// `events` at their instants and `error` as its failure; returns its context for
-    /// spans under it (`None` when tracing is off).
+    /// spans under it (`None` when tracing is off or `parent` is not sampled).
     pub fn record(&self, parent: &Context, span: Recorded) -> Option<Context> {
         let tracer = crate::tracer()?;
+        if !crate::is_sampled(parent) {
+            return None;
+        }
         let (start, end) = span.during;
         let built = tracer
             .span_builder(span.name)

@@ -222,21 +222,13 @@ impl PrefillClient {
 
     /// POSTs `body` to `url`'s `/v1/completions` and returns what its 200 answer says.
     pub async fn send(&self, url: &str, body: &Value) -> Result<PrefillAnswer, PrefillError> {
-        let span = pdserve_telemetry::current().and_then(|cx| {
-            use pdserve_telemetry::semconv as sc;
-            let attributes = vec![
-                pdserve_telemetry::KeyValue::new(sc::PDSERVE_LEG, "prefill"),
-                pdserve_telemetry::KeyValue::new(sc::URL_FULL, format!("{url}/v1/completions")),
-            ];
-            let kind = pdserve_telemetry::SpanKind::Client;
-            pdserve_telemetry::ChildSpan::start(&cx, "prefill leg", kind, attributes)
-        });
+        let (span, trace_headers) = crate::trace::prefill_leg(url);
         let exchange = async {
             let mut request = self.http.post(format!("{url}/v1/completions")).json(body);
             if let Some(key) = &self.api_key {
                 request = request.bearer_auth(key);
             }
-            if let Some(headers) = span.as_ref().and_then(|s| s.headers()) {
+            if let Some(headers) = &trace_headers {
                 for (name, value) in headers.header_values() {
                     request = request.header(name, value);
                 }
