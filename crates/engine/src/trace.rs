@@ -12,7 +12,7 @@ use pdserve_telemetry::propagation::TraceHeaders;
 use pdserve_telemetry::semconv as sc;
 use pdserve_telemetry::{ChildSpan, Context, KeyValue, Recorded, SpanKind, Timeline};
 
-use crate::request::GenerationRequest;
+use crate::sampling::SamplingParams;
 
 /// Instants of one sequence, noted by the scheduler thread (only for traced requests).
 #[derive(Debug)]
@@ -64,9 +64,10 @@ pub struct GenerationEnd<'a> {
 }
 
 impl GenerationTrace {
-    /// Traces `request` under the current request's span when tracing is on (notes
-    /// `request.trace` for the scheduler); `None` otherwise.
-    pub fn start(request: &mut GenerationRequest, model: &str) -> Option<Self> {
+    /// Traces a generation of at most `max_tokens` tokens of `model` under the current
+    /// request's span when tracing is on and it is sampled; `None` otherwise. The
+    /// request takes [`GenerationTrace::instants`] for the scheduler to note.
+    pub fn start(model: &str, max_tokens: usize, s: &SamplingParams) -> Option<Self> {
         let parent = pdserve_telemetry::current().filter(pdserve_telemetry::is_sampled)?;
         let seq = Arc::new(SeqTrace {
             submitted: Instant::now(),
@@ -74,13 +75,11 @@ impl GenerationTrace {
             first_token: OnceLock::new(),
             finished: OnceLock::new(),
         });
-        request.trace = Some(seq.clone());
-        let s = &request.sampling;
         let attributes = vec![
             KeyValue::new(sc::GEN_AI_PROVIDER_NAME, "pdserve"),
             KeyValue::new(sc::GEN_AI_REQUEST_MODEL, model.to_string()),
             KeyValue::new(sc::GEN_AI_RESPONSE_MODEL, model.to_string()),
-            KeyValue::new(sc::GEN_AI_REQUEST_MAX_TOKENS, request.max_new_tokens as i64),
+            KeyValue::new(sc::GEN_AI_REQUEST_MAX_TOKENS, max_tokens as i64),
             KeyValue::new(sc::GEN_AI_REQUEST_TEMPERATURE, f64::from(s.temperature)),
             KeyValue::new(sc::GEN_AI_REQUEST_TOP_P, f64::from(s.top_p)),
         ];
@@ -89,6 +88,11 @@ impl GenerationTrace {
             parent,
             request: attributes,
         })
+    }
+
+    /// Where the scheduler notes the sequence's instants.
+    pub fn instants(&self) -> Arc<SeqTrace> {
+        self.seq.clone()
     }
 
     /// Records `llm_request` (vLLM's span name) and its `queue`, `prefill` and `decode`

@@ -42,7 +42,9 @@ impl ServingContext {
         stop: Vec<String>,
     ) -> Result<Generation, ApiError> {
         let prompt_tokens = request.prompt.len();
-        let trace = GenerationTrace::start(&mut request, &self.limits.served_model_name);
+        let model = &self.limits.served_model_name;
+        let trace = GenerationTrace::start(model, request.max_new_tokens, &request.sampling);
+        request.trace = trace.as_ref().map(GenerationTrace::instants);
         let events = self.submit(request)?;
         Ok(Generation::new(self.clone(), events, prompt_tokens, stop).traced(trace))
     }
