@@ -349,10 +349,25 @@ async fn one_pd_request_is_one_trace_across_gateway_prefill_and_decode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_orchestrators_prefill_leg_carries_the_trace() {
+    // Sequential (P answers, then D reads) and concurrent (D's read starts with P's leg,
+    // which runs on a task of its own).
+    for handoff in ["sequential", "concurrent"] {
+        orchestrated_request_is_one_trace(handoff).await;
+    }
+}
+
+async fn orchestrated_request_is_one_trace(handoff: &'static str) {
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
     let (url, spans, server) = receiver().await;
     let up = tokio::task::spawn_blocking(move || {
-        let flags = ["--topology", "orchestrator", "--otlp-traces-endpoint", &url];
+        let flags = [
+            "--topology",
+            "orchestrator",
+            "--handoff",
+            handoff,
+            "--otlp-traces-endpoint",
+            &url,
+        ];
         Up::start(&model, &flags)
     })
     .await
@@ -366,17 +381,20 @@ async fn the_orchestrators_prefill_leg_carries_the_trace() {
             && t.iter().filter(|x| x.name == "llm_request").count() >= 2
     })
     .await;
-    println!("span tree of one orchestrated request:\n{}", tree(&trace));
+    println!(
+        "span tree of one orchestrated request ({handoff} handoff):\n{}",
+        tree(&trace)
+    );
 
     assert_connected(&trace);
     let request = find(&trace, DECODE, "POST /v1/chat/completions");
     assert_eq!(request.parent, CLIENT_SPAN);
     let leg = find(&trace, DECODE, "prefill leg");
-    assert_eq!(leg.parent, request.span_id);
+    assert_eq!(leg.parent, request.span_id, "{handoff}");
     let served = find(&trace, PREFILL, "POST /v1/completions");
     assert_eq!(
         served.parent, leg.span_id,
-        "the prefill worker's request is under the leg"
+        "the prefill worker's request is under the leg ({handoff})"
     );
     let export = find(&trace, PREFILL, "kv_export");
     assert_eq!(export.parent, find(&trace, DECODE, "kv_pull").span_id);
