@@ -68,9 +68,11 @@ pub async fn trace_requests(request: Request, next: Next) -> Response {
 }
 
 /// Whether requests to `path` get a span: the API routes, not probes and scrapes
-/// (`/health`, `/metrics`, pages), which would bury the requests in their own traces.
+/// (`/health`, `/metrics`, `/v1/models`, pages), which would bury the requests in
+/// traces of their own.
 fn traced(path: &str) -> bool {
-    path.starts_with("/v1/") || matches!(path, "/generate" | "/tokenize" | "/detokenize")
+    (path.starts_with("/v1/") && path != "/v1/models")
+        || matches!(path, "/generate" | "/tokenize" | "/detokenize")
 }
 
 /// GenAI's `gen_ai.operation.name` of a generation route.
