@@ -186,3 +186,33 @@ fn host_port(base: &str) -> (String, Option<i64>) {
         _ => (authority.to_string(), None),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_and_port_of_a_worker_url() {
+        assert_eq!(
+            host_port("http://10.0.0.5:8100"),
+            ("10.0.0.5".into(), Some(8100))
+        );
+        assert_eq!(host_port("http://[::1]:9/v1"), ("[::1]".into(), Some(9)));
+        assert_eq!(
+            host_port("https://workers.svc/p"),
+            ("workers.svc".into(), None)
+        );
+    }
+
+    #[test]
+    fn untraced_legs_cost_nothing() {
+        let headers = ForwardHeaders::from_client(&http::HeaderMap::new());
+        let mut traced = headers.clone();
+        assert!(
+            request_context(&mut traced).is_none(),
+            "tracing is off in tests"
+        );
+        assert!(traced.traceparent.is_none());
+        assert!(matches!(leg_headers(&headers, None), Cow::Borrowed(_)));
+    }
+}
