@@ -4,8 +4,8 @@
 //! tokens per second, and the last generation requests. Open under `--api-key`, as
 //! `/metrics` is.
 //!
-//! The gauges and counters are the engine's own metrics, sampled when the page asks or a
-//! generation request finishes (at most one sample a second is kept, the last 300); each
+//! The gauges and counters are the engine's own metrics, sampled once a second by a task
+//! (and when the page asks; at most one sample a second is kept, the last 300); each
 //! finished generation request is one short-locked push into a ring of the last 50.
 
 use std::collections::VecDeque;
@@ -43,18 +43,34 @@ pub struct WorkerHistory {
 
 impl WorkerHistory {
     /// A fresh history of the engine's `metrics`, to hand to [`record`] and [`data`] as
-    /// an extension.
+    /// an extension. Inside a tokio runtime a task samples the metrics once a second
+    /// (sampling when requests finish would always see their sequences gone) until the
+    /// history is dropped with the router.
     pub fn shared(metrics: Arc<Metrics>) -> Arc<Self> {
-        Arc::new(Self {
+        let history = Arc::new(Self {
             metrics,
             samples: Mutex::default(),
             requests: Mutex::default(),
-        })
+        });
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&history);
+            runtime.spawn(async move {
+                let mut ticks = tokio::time::interval(Duration::from_secs(1));
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticks.tick().await;
+                    match weak.upgrade() {
+                        Some(history) => history.sample(),
+                        None => return,
+                    };
+                }
+            });
+        }
+        history
     }
 
-    /// Reads the engine's counters into a sample when the last one is a second old
-    /// (called by each poll and each finished request, so charts run while traffic
-    /// flows, watched or not).
+    /// Reads the engine's counters into a sample unless the last one is under a second
+    /// old (called each second, and by each poll so the page shows the present).
     fn sample(&self) -> Counters {
         let m = &self.metrics;
         let now = Counters {
@@ -107,8 +123,7 @@ struct Counters {
 pub struct WorkerDashboard {
     /// The worker itself and its gauges now.
     pub worker: WorkerNow,
-    /// One per second or more (taken at polls and finished requests), oldest first (at
-    /// most 300).
+    /// About one per second, oldest first (at most 300).
     pub samples: Vec<WorkerSample>,
     /// The last finished generation requests, newest first (at most 50).
     pub requests: Vec<RequestRow>,
@@ -346,7 +361,6 @@ impl Pending {
                 row.outcome = outcome;
             }
             self.history.push_request(row);
-            self.history.sample();
         }
     }
 }
