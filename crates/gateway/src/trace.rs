@@ -153,6 +153,13 @@ pub fn leg_headers<'a>(
     }
 }
 
+/// A leg's answer began streaming (its span ends with the relay).
+pub fn leg_streaming(span: Option<&ChildSpan>) {
+    if let Some(span) = span {
+        span.set(KeyValue::new(sc::HTTP_RESPONSE_STATUS_CODE, 200_i64));
+    }
+}
+
 /// Ends a leg's span with its outcome.
 pub fn leg_done<T>(span: Option<ChildSpan>, result: &Result<T, LegError>) {
     let Some(span) = span else { return };

@@ -294,6 +294,7 @@ async fn one_pd_request_is_one_trace_across_gateway_prefill_and_decode() {
     for (leg, worker) in [("prefill leg", PREFILL), ("decode leg", DECODE)] {
         let leg_span = find(&trace, GATEWAY, leg);
         assert_eq!(leg_span.parent, request.span_id, "{leg}");
+        assert_eq!(leg_span.attributes["http.response.status_code"], "200");
         let served = find(&trace, worker, "POST /v1/chat/completions");
         assert_eq!(
             served.parent, leg_span.span_id,

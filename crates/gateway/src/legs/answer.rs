@@ -291,6 +291,7 @@ pub(crate) fn relay(
         decoded_elsewhere,
     } = head;
     ctx.journey.relay_takes_over();
+    crate::trace::leg_streaming(trace.as_ref());
     let relay = Relay {
         journey: Some(ctx.journey.clone()),
         first,
