@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use pdserve_kv_transfer::{ReadOutcome, ReadRequest, TransferStats};
+use pdserve_telemetry::opentelemetry::trace::SpanContext;
 use pdserve_telemetry::propagation::TraceHeaders;
 use pdserve_telemetry::semconv as sc;
 use pdserve_telemetry::{ChildSpan, Context, KeyValue, Recorded, SpanKind, Timeline};
@@ -88,6 +89,18 @@ impl GenerationTrace {
             parent,
             request: attributes,
         })
+    }
+
+    /// Its blocks were published under `id`: the read's `kv_export` links to this request.
+    pub fn published(&self, id: &str) {
+        use pdserve_telemetry::opentelemetry::trace::TraceContextExt;
+        let span = self.parent.span().span_context().clone();
+        let mut published = PUBLISHED.lock().unwrap_or_else(|e| e.into_inner());
+        published
+            .get_or_insert_with(|| {
+                lru::LruCache::new(std::num::NonZeroUsize::new(PUBLISHED_CAP).expect("not 0"))
+            })
+            .put(id.to_string(), span);
     }
 
     /// Where the scheduler notes the sequence's instants.
@@ -241,8 +254,17 @@ pub fn pull_span(read: &mut ReadRequest, addr: &str) -> Option<ChildSpan> {
     Some(span)
 }
 
-/// Reads being served whose reader sent a trace context: where and when each began.
-static EXPORTS: Mutex<Option<HashMap<String, (Context, Instant)>>> = Mutex::new(None);
+/// Reads being served whose reader sent a trace context: where and when each began, and
+/// the span of the request that published the blocks.
+type Export = (Context, Instant, Option<SpanContext>);
+static EXPORTS: Mutex<Option<HashMap<String, Export>>> = Mutex::new(None);
+
+/// The span of the traced request that published each recent publication (by its
+/// `remote_request_id`), for its `kv_export`'s link; bounded, oldest first out.
+static PUBLISHED: Mutex<Option<lru::LruCache<String, SpanContext>>> = Mutex::new(None);
+
+/// Most publications remembered for their links.
+const PUBLISHED_CAP: usize = 4096;
 
 /// The prefill side accepted a read that began at `began`: its `kv_export` span is
 /// recorded when the read ends ([`export_finished`]), under the reader's `kv_pull`.
@@ -254,10 +276,15 @@ pub fn export_accepted(request: &ReadRequest, began: Instant) {
         request.traceparent.as_deref(),
         request.tracestate.as_deref(),
     );
+    let publisher = PUBLISHED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_mut()
+        .and_then(|p| p.pop(&request.request_id));
     let mut exports = EXPORTS.lock().unwrap_or_else(|e| e.into_inner());
     exports
         .get_or_insert_with(HashMap::new)
-        .insert(request.request_id.clone(), (parent, began));
+        .insert(request.request_id.clone(), (parent, began, publisher));
 }
 
 /// A read of `request_id` ended: its `kv_export` span, if it was traced.
@@ -265,7 +292,7 @@ pub fn export_finished(request_id: &str, outcome: &ReadOutcome, stats: &Transfer
     if !pdserve_telemetry::enabled() {
         return;
     }
-    let Some((parent, began)) = EXPORTS
+    let Some((parent, began, publisher)) = EXPORTS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .as_mut()
@@ -284,6 +311,7 @@ pub fn export_finished(request_id: &str, outcome: &ReadOutcome, stats: &Transfer
         ],
     );
     span.kind = SpanKind::Server;
+    span.links = publisher.into_iter().collect();
     if let ReadOutcome::Failed(why) = outcome {
         span.error = Some(why.clone());
     }

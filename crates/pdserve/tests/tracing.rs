@@ -36,6 +36,8 @@ struct Received {
     end: u64,
     attributes: BTreeMap<String, String>,
     events: Vec<String>,
+    /// The span ids it links to.
+    links: Vec<String>,
 }
 
 type Spans = Arc<Mutex<Vec<Received>>>;
@@ -92,6 +94,7 @@ async fn receive(State(spans): State<Spans>, body: Bytes) -> &'static str {
                     end: span.end_time_unix_nano,
                     attributes: attributes(&span.attributes),
                     events: span.events.into_iter().map(|e| e.name).collect(),
+                    links: span.links.iter().map(|l| hex(&l.span_id)).collect(),
                 });
             }
         }
@@ -330,6 +333,12 @@ async fn one_pd_request_is_one_trace_across_gateway_prefill_and_decode() {
     assert!(pull.attributes["pdserve.kv.bytes"].parse::<u64>().unwrap() > 0);
     let export = find(&trace, PREFILL, "kv_export");
     assert_eq!(export.parent, pull.span_id, "the export is under the pull");
+    let published_by = find(&trace, PREFILL, "POST /v1/chat/completions");
+    assert_eq!(
+        export.links,
+        vec![published_by.span_id.clone()],
+        "the export links to the prefill request that published the blocks"
+    );
     assert_eq!(
         export.attributes["pdserve.kv.blocks"],
         pull.attributes["pdserve.kv.blocks"]

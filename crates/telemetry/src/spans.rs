@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::time::{Instant, SystemTime};
 
-use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::trace::{Link, SpanContext, SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, KeyValue};
 
 use crate::propagation::TraceHeaders;
@@ -112,6 +112,7 @@ impl Timeline {
             .with_kind(span.kind)
             .with_start_time(self.wall(start))
             .with_attributes(span.attributes)
+            .with_links(span.links.into_iter().map(Link::with_context).collect())
             .start_with_context(tracer, parent);
         let cx = parent.with_span(built);
         let live = cx.span();
@@ -141,6 +142,8 @@ pub struct Recorded {
     pub events: Vec<(&'static str, Instant)>,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// Spans of other requests (or traces) it relates to.
+    pub links: Vec<SpanContext>,
 }
 
 impl Recorded {
@@ -157,6 +160,7 @@ impl Recorded {
             attributes,
             events: Vec::new(),
             error: None,
+            links: Vec::new(),
         }
     }
 }

@@ -216,6 +216,10 @@ impl Generation {
                 // `plan` (and with it the announcement of a reader-chosen id) is dropped
                 // only after the publication is in the table.
                 let params = service.publish_as(pinned, plan.kind, id);
+                let published = params.as_ref().and_then(|p| p.remote_request_id.as_deref());
+                if let (Some(trace), Some(id)) = (&self.trace, published) {
+                    trace.published(id);
+                }
                 params.filter(|_| !self.hide_kv_params)
             }
             _ => {
