@@ -29,7 +29,12 @@ async fn the_page_is_self_contained() {
     bounded(async {
         let p = Double::start(Role::Prefill, "P").await;
         let d = Double::start(Role::Decode, "D").await;
-        let gw = Gateway::start(pd_config(&[&p], &[&d])).await;
+        // Open under --api-key, like /metrics and /instances.
+        let mut config = pd_config(&[&p], &[&d]);
+        config.api_key = Some("secret".into());
+        let gw = Gateway::start(config).await;
+        let data = client().get(gw.at("/dashboard/data")).send().await.unwrap();
+        assert_eq!(data.status(), 200);
         let response = client().get(gw.at("/dashboard")).send().await.unwrap();
         assert_eq!(response.status(), 200);
         let content_type = response.headers()["content-type"].to_str().unwrap();
