@@ -6,6 +6,57 @@ use clap::{ArgGroup, Args, FromArgMatches, Subcommand, ValueEnum};
 
 use crate::priority::{PriorityClass, PriorityMix};
 
+/// `Args` and `FromArgMatches` for `$checked`, a flag set whose values are checked
+/// together: clap parses `$flags`, then `$checked::checked` turns them into the value
+/// (or a usage error) and `$checked::flags` back, so update-from-matches re-checks.
+macro_rules! checked_args {
+    ($checked:ty, $flags:ty) => {
+        impl FromArgMatches for $checked {
+            fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+                Self::checked(<$flags>::from_arg_matches(matches)?)
+            }
+
+            fn from_arg_matches_mut(matches: &mut clap::ArgMatches) -> Result<Self, clap::Error> {
+                Self::checked(<$flags>::from_arg_matches_mut(matches)?)
+            }
+
+            fn update_from_arg_matches(
+                &mut self,
+                matches: &clap::ArgMatches,
+            ) -> Result<(), clap::Error> {
+                let mut flags = self.flags();
+                flags.update_from_arg_matches(matches)?;
+                *self = Self::checked(flags)?;
+                Ok(())
+            }
+
+            fn update_from_arg_matches_mut(
+                &mut self,
+                matches: &mut clap::ArgMatches,
+            ) -> Result<(), clap::Error> {
+                let mut flags = self.flags();
+                flags.update_from_arg_matches_mut(matches)?;
+                *self = Self::checked(flags)?;
+                Ok(())
+            }
+        }
+
+        impl Args for $checked {
+            fn group_id() -> Option<clap::Id> {
+                <$flags>::group_id()
+            }
+
+            fn augment_args(cmd: clap::Command) -> clap::Command {
+                <$flags>::augment_args(cmd)
+            }
+
+            fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+                <$flags>::augment_args_for_update(cmd)
+            }
+        }
+    };
+}
+
 /// `pdserve bench` subcommands and flags.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -304,46 +355,7 @@ impl ConversationApi {
     }
 }
 
-impl FromArgMatches for ConversationApi {
-    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        Self::checked(ConversationApiFlags::from_arg_matches(matches)?)
-    }
-
-    fn from_arg_matches_mut(matches: &mut clap::ArgMatches) -> Result<Self, clap::Error> {
-        Self::checked(ConversationApiFlags::from_arg_matches_mut(matches)?)
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
-        let mut flags = self.flags();
-        flags.update_from_arg_matches(matches)?;
-        *self = Self::checked(flags)?;
-        Ok(())
-    }
-
-    fn update_from_arg_matches_mut(
-        &mut self,
-        matches: &mut clap::ArgMatches,
-    ) -> Result<(), clap::Error> {
-        let mut flags = self.flags();
-        flags.update_from_arg_matches_mut(matches)?;
-        *self = Self::checked(flags)?;
-        Ok(())
-    }
-}
-
-impl Args for ConversationApi {
-    fn group_id() -> Option<clap::Id> {
-        ConversationApiFlags::group_id()
-    }
-
-    fn augment_args(cmd: clap::Command) -> clap::Command {
-        ConversationApiFlags::augment_args(cmd)
-    }
-
-    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
-        ConversationApiFlags::augment_args_for_update(cmd)
-    }
-}
+checked_args!(ConversationApi, ConversationApiFlags);
 
 /// The flag behind [`PriorityMix`], before the checks across its values.
 #[derive(Debug, Clone, Args)]
@@ -382,48 +394,9 @@ impl PriorityMix {
     }
 }
 
-// By hand, like `ConversationApi`: duplicates and the shares' sum are checks across
-// values, which clap's per-value parser cannot make.
-impl FromArgMatches for PriorityMix {
-    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        Self::checked(PriorityFlags::from_arg_matches(matches)?)
-    }
-
-    fn from_arg_matches_mut(matches: &mut clap::ArgMatches) -> Result<Self, clap::Error> {
-        Self::checked(PriorityFlags::from_arg_matches_mut(matches)?)
-    }
-
-    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
-        let mut flags = self.flags();
-        flags.update_from_arg_matches(matches)?;
-        *self = Self::checked(flags)?;
-        Ok(())
-    }
-
-    fn update_from_arg_matches_mut(
-        &mut self,
-        matches: &mut clap::ArgMatches,
-    ) -> Result<(), clap::Error> {
-        let mut flags = self.flags();
-        flags.update_from_arg_matches_mut(matches)?;
-        *self = Self::checked(flags)?;
-        Ok(())
-    }
-}
-
-impl Args for PriorityMix {
-    fn group_id() -> Option<clap::Id> {
-        PriorityFlags::group_id()
-    }
-
-    fn augment_args(cmd: clap::Command) -> clap::Command {
-        PriorityFlags::augment_args(cmd)
-    }
-
-    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
-        PriorityFlags::augment_args_for_update(cmd)
-    }
-}
+// Duplicates and the shares' sum are checks across values, which clap's per-value
+// parser cannot make.
+checked_args!(PriorityMix, PriorityFlags);
 
 /// `pdserve bench compare`.
 #[derive(Debug, Clone, Args)]
