@@ -7,6 +7,7 @@
 //! connections, and the same graceful drain as `axum::serve(..).with_graceful_shutdown`.
 
 mod body;
+pub mod dashboard;
 mod port;
 
 use std::convert::Infallible;

@@ -19,14 +19,15 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::StreamExt;
 use http::{header, Method};
+use pdserve_http_server::dashboard::DashboardPage;
 use serde::Serialize;
 
 use super::http_layers::REQUEST_ID_HEADER;
 use super::AppState;
 use crate::metrics::Metrics;
 
-/// The page, embedded in the binary.
-pub const PAGE: &str = include_str!("dashboard.html");
+/// The page, embedded in the binary (its script starts with the one both pages share).
+pub static PAGE: DashboardPage = DashboardPage::new(include_str!("dashboard.html"));
 
 /// Samples kept (one a second at most: five minutes of charts).
 const SAMPLES: usize = 300;
@@ -206,14 +207,7 @@ pub struct RequestRow {
 
 /// `GET /dashboard`: the page.
 pub async fn page() -> Response {
-    (
-        [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        PAGE,
-    )
-        .into_response()
+    PAGE.response()
 }
 
 /// `GET /dashboard/data`.

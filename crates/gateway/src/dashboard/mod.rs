@@ -13,22 +13,16 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::header;
+use pdserve_http_server::dashboard::DashboardPage;
 
 use crate::state::AppState;
 
-/// The page, embedded in the binary.
-pub const PAGE: &str = include_str!("page.html");
+/// The page, embedded in the binary (its script starts with the one both pages share).
+pub static PAGE: DashboardPage = DashboardPage::new(include_str!("page.html"));
 
 /// `GET /dashboard`: the page.
 pub async fn page() -> Response {
-    (
-        [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        PAGE,
-    )
-        .into_response()
+    PAGE.response()
 }
 
 /// `GET /dashboard/data`: the roster, per-second samples and recent requests.
