@@ -6,6 +6,9 @@
 # /proc) and wrk's latency percentiles.
 #
 #   scripts/bench-tokenizer-overhead.sh [--words 1500] [--conc 1] [--duration 8] [--repeat 3]
+#
+# Env: POLICY (the gateway's --policy for both runs, default round_robin; a policy that
+# reads prompts, e.g. cache_aware, makes the tokenizer run on every request).
 set -euo pipefail
 words=1500 conc=1 duration=8 repeat=3
 while [ $# -gt 0 ]; do
@@ -40,7 +43,7 @@ for rep in $(seq 1 "$repeat"); do
     extra=()
     [ "$mode" = tokenizer ] && extra=(--tokenizer "$model")
     "$bin" gateway --host 127.0.0.1 --port 18810 --prefill http://127.0.0.1:18801 \
-      --decode http://127.0.0.1:18802 --probe-interval 0 --load-scrape-interval 0 "${extra[@]}" \
+      --decode http://127.0.0.1:18802 --probe-interval 0 --load-scrape-interval 0 --policy "${POLICY:-round_robin}" "${extra[@]}" \
       >/dev/null 2>&1 &
     gw=$!
     for _ in $(seq 1 100); do curl -sf http://127.0.0.1:18810/health >/dev/null && break; sleep 0.1; done
