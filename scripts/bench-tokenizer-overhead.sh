@@ -8,7 +8,8 @@
 #   scripts/bench-tokenizer-overhead.sh [--words 1500] [--conc 1] [--duration 8] [--repeat 3]
 #
 # Env: POLICY (the gateway's --policy for both runs, default round_robin; a policy that
-# reads prompts, e.g. cache_aware, makes the tokenizer run on every request).
+# reads prompts, e.g. cache_aware, makes the tokenizer run on every request); DISTINCT=1
+# numbers each request's prompt (scripts/wrk_distinct_chat.lua), so no two are the same.
 set -euo pipefail
 words=1500 conc=1 duration=8 repeat=3
 while [ $# -gt 0 ]; do
@@ -35,6 +36,8 @@ random.seed(7)
 vocab = 'the of and to in is was for on that with as by at from his her they this which or an be had are not but have one all were we when there can been has more if will who'.split()
 text = ' '.join(random.choice(vocab) for _ in range($words))
 print(json.dumps({'model': 'fake-model', 'messages': [{'role': 'user', 'content': text}], 'max_tokens': 16}))")
+script=$peers/wrk_post.lua
+[ "${DISTINCT:-0}" = 1 ] && script=$here/scripts/wrk_distinct_chat.lua
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 echo "| gateway | run | req/s | p50 ms | p90 ms | CPU µs/req |"
 echo "|---|---|---|---|---|---|"
@@ -48,9 +51,9 @@ for rep in $(seq 1 "$repeat"); do
     gw=$!
     for _ in $(seq 1 100); do curl -sf http://127.0.0.1:18810/health >/dev/null && break; sleep 0.1; done
     # Warm-up, then the measured run.
-    WRK_BODY=$body wrk -t1 -c"$conc" -d2s -s "$peers/wrk_post.lua" http://127.0.0.1:18810/v1/chat/completions >/dev/null 2>&1
+    WRK_BODY=$body WRK_BASE=$peers/wrk_post.lua wrk -t1 -c"$conc" -d2s -s "$script" http://127.0.0.1:18810/v1/chat/completions >/dev/null 2>&1
     before=$(cpu_ticks $gw)
-    out=$(WRK_BODY=$body wrk -t1 -c"$conc" -d"${duration}s" -s "$peers/wrk_post.lua" http://127.0.0.1:18810/v1/chat/completions 2>/dev/null | tail -1)
+    out=$(WRK_BODY=$body WRK_BASE=$peers/wrk_post.lua wrk -t1 -c"$conc" -d"${duration}s" -s "$script" http://127.0.0.1:18810/v1/chat/completions 2>/dev/null | tail -1)
     after=$(cpu_ticks $gw)
     kill -INT $gw; wait $gw 2>/dev/null || true
     python3 -c "
