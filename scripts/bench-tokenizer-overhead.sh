@@ -19,16 +19,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
 done
-here=$(cd "$(dirname "$0")/.." && pwd)
-peers=$here/../shared/peers
-fake=${PEERS_SCRATCH:-${TMPDIR:-/tmp}/peers}/target/release/fakeworker
-bin=${PDSERVE:-$here/target/release/pdserve}
+source "$(dirname "$0")/fake-pair.sh"
 model=$("$bin" model fetch 2>/dev/null | tail -1)
-[ -x "$fake" ] || { echo "no fake worker at $fake: run ../shared/peers/run_peers.sh once" >&2; exit 1; }
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-"$fake" --host 127.0.0.1 --port 18801 --mode prefill --bootstrap-port 18899 >/dev/null 2>&1 & pids+=($!)
-"$fake" --host 127.0.0.1 --port 18802 --mode decode >/dev/null 2>&1 & pids+=($!)
 sleep 1
 body=$(python3 -c "
 import json, random

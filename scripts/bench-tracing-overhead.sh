@@ -17,17 +17,9 @@ while [ $# -gt 0 ]; do
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
 done
-here=$(cd "$(dirname "$0")/.." && pwd)
-peers=$here/../shared/peers
-fake=${PEERS_SCRATCH:-${TMPDIR:-/tmp}/peers}/target/release/fakeworker
-bin=${PDSERVE:-$here/target/release/pdserve}
+source "$(dirname "$0")/fake-pair.sh"
 sink_bin=${OTLP_SINK:-$here/target/release/examples/otlp_sink}
-[ -x "$fake" ] || { echo "no fake worker at $fake: run ../shared/peers/run_peers.sh once" >&2; exit 1; }
 [ -x "$sink_bin" ] || { echo "no sink at $sink_bin: cargo build --release -p pdserve-telemetry --example otlp_sink" >&2; exit 1; }
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-"$fake" --host 127.0.0.1 --port 18801 --mode prefill --bootstrap-port 18899 >/dev/null 2>&1 & pids+=($!)
-"$fake" --host 127.0.0.1 --port 18802 --mode decode >/dev/null 2>&1 & pids+=($!)
 "$sink_bin" 18818 >/dev/null 2>&1 & sink=$!; pids+=($sink)
 sleep 1
 body='{"model": "fake-model", "messages": [{"role": "user", "content": "Give me three tips for staying healthy."}], "max_tokens": 16}'
