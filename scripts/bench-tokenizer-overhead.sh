@@ -5,17 +5,23 @@
 # --conc with a chat of about --words words; the gateway's CPU per request (from
 # /proc) and wrk's latency percentiles.
 #
-#   scripts/bench-tokenizer-overhead.sh [--words 1500] [--conc 1] [--duration 8] [--repeat 3]
+#   scripts/bench-tokenizer-overhead.sh [--words 1500] [--conc 1] [--duration 8] [--repeat 3] [--shared]
+#
+# --shared puts the words in a system message and asks a short question after it, as
+# requests sharing a long system prompt do.
 #
 # Env: POLICY (the gateway's --policy for both runs, default round_robin; a policy that
 # reads prompts, e.g. cache_aware, makes the tokenizer run on every request); DISTINCT=1
-# numbers each request's prompt (scripts/wrk_distinct_chat.lua), so no two are the same.
+# numbers each request's prompt (scripts/wrk_distinct_chat.lua), so no two are the same;
+# MODES (default "plain tokenizer"; also "uncached": --tokenizer with
+# --tokenizer-cache-bytes 0) picks the gateways compared.
 set -euo pipefail
-words=1500 conc=1 duration=8 repeat=3
+words=1500 conc=1 duration=8 repeat=3 shared=0
 while [ $# -gt 0 ]; do
   case $1 in
     --words) words=$2; shift 2 ;; --conc) conc=$2; shift 2 ;;
     --duration) duration=$2; shift 2 ;; --repeat) repeat=$2; shift 2 ;;
+    --shared) shared=1; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -27,16 +33,23 @@ import json, random
 random.seed(7)
 vocab = 'the of and to in is was for on that with as by at from his her they this which or an be had are not but have one all were we when there can been has more if will who'.split()
 text = ' '.join(random.choice(vocab) for _ in range($words))
-print(json.dumps({'model': 'fake-model', 'messages': [{'role': 'user', 'content': text}], 'max_tokens': 16}))")
+messages = [{'role': 'user', 'content': text}]
+if $shared:
+    messages = [{'role': 'system', 'content': text}, {'role': 'user', 'content': 'What is this about?'}]
+print(json.dumps({'model': 'fake-model', 'messages': messages, 'max_tokens': 16}))")
 script=$peers/wrk_post.lua
 [ "${DISTINCT:-0}" = 1 ] && script=$here/scripts/wrk_distinct_chat.lua
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 echo "| gateway | run | req/s | p50 ms | p90 ms | CPU µs/req |"
 echo "|---|---|---|---|---|---|"
 for rep in $(seq 1 "$repeat"); do
-  for mode in plain tokenizer; do
-    extra=()
-    [ "$mode" = tokenizer ] && extra=(--tokenizer "$model")
+  for mode in ${MODES:-plain tokenizer}; do
+    case $mode in
+      plain) extra=() ;;
+      tokenizer) extra=(--tokenizer "$model") ;;
+      uncached) extra=(--tokenizer "$model" --tokenizer-cache-bytes 0) ;;
+      *) echo "unknown mode $mode" >&2; exit 2 ;;
+    esac
     "$bin" gateway --host 127.0.0.1 --port 18810 --prefill http://127.0.0.1:18801 \
       --decode http://127.0.0.1:18802 --probe-interval 0 --load-scrape-interval 0 --policy "${POLICY:-round_robin}" "${extra[@]}" \
       >/dev/null 2>&1 &

@@ -285,6 +285,13 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_TOKENIZER", value_name = "GGUF|DIR")]
     pub tokenizer: Option<std::path::PathBuf>,
 
+    /// With --tokenizer: approximate bytes of remembered token ids of the text between
+    /// special tokens (system prompts, earlier turns), so repeated text is not tokenized
+    /// again; least recently used first out. The ids are the same either way. 0 turns it
+    /// off; tokenizers whose special tokens are normalized or strip spaces never use it.
+    #[arg(long, env = "PDSERVE_TOKENIZER_CACHE_BYTES", default_value_t = 32 << 20, value_name = "BYTES")]
+    pub tokenizer_cache_bytes: usize,
+
     /// Seconds between reads of every worker's `/metrics` for the load it reports
     /// (vLLM's `vllm:num_requests_waiting`/`running`, SGLang's queue gauges), which
     /// `power_of_two` and `cache_aware` balance on, the same for every gateway replica;
@@ -484,6 +491,8 @@ pub struct GatewayConfig {
     pub load_scrape_interval: Duration,
     /// `--tokenizer`.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// `--tokenizer-cache-bytes`.
+    pub tokenizer_cache_bytes: usize,
     /// Whether worker URLs may answer as another pdserve gateway.
     pub allow_gateway_workers: bool,
     /// The discovery sources (file, DNS, Kubernetes).
@@ -552,6 +561,7 @@ impl GatewayConfig {
             allow_gateway_workers: false,
             load_scrape_interval: Duration::from_secs(1),
             tokenizer: None,
+            tokenizer_cache_bytes: 32 << 20,
             discovery: crate::discovery::DiscoveryConfig::default(),
             kv_events: crate::kv_events::KvEventsConfig::default(),
             max_hops: 4,
@@ -732,6 +742,7 @@ impl GatewayArgs {
             allow_gateway_workers: self.allow_gateway_workers,
             load_scrape_interval: self.load_scrape_interval,
             tokenizer: self.tokenizer.clone(),
+            tokenizer_cache_bytes: self.tokenizer_cache_bytes,
             discovery,
             kv_events: self.kv_events.to_config()?,
             max_hops: self.max_hops,

@@ -37,8 +37,9 @@ impl std::fmt::Debug for PromptTokenizer {
 impl PromptTokenizer {
     /// Reads the tokenizer and chat template of a GGUF file (its metadata, no weights),
     /// or of a Hugging Face model folder (`tokenizer.json`, `tokenizer_config.json`,
-    /// `chat_template.jinja`; the folder or its `tokenizer.json`).
-    pub fn load(path: &Path) -> Result<Self, GatewayError> {
+    /// `chat_template.jinja`; the folder or its `tokenizer.json`); up to `cache_bytes` of
+    /// token ids of text between special tokens are remembered.
+    pub fn load(path: &Path, cache_bytes: usize) -> Result<Self, GatewayError> {
         let bad = |e: pdserve_model::ModelError| {
             GatewayError::Config(format!("--tokenizer {}: {e}", path.display()))
         };
@@ -51,6 +52,9 @@ impl PromptTokenizer {
             let template = ChatTemplate::load(path, &tokenizer).map_err(bad)?;
             (tokenizer, template)
         };
+        let mut tokenizer = tokenizer;
+        let cached = tokenizer.cache_pieces(cache_bytes);
+        tracing::debug!(cached, cache_bytes, "gateway tokenizer");
         Ok(Self {
             tokenizer,
             template,

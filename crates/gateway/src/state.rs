@@ -76,7 +76,10 @@ impl AppState {
             build(&config.policy)?,
         ];
         let tokenizer = match &config.tokenizer {
-            Some(path) => Some(Arc::new(crate::prompt_tokens::PromptTokenizer::load(path)?)),
+            Some(path) => Some(Arc::new(crate::prompt_tokens::PromptTokenizer::load(
+                path,
+                config.tokenizer_cache_bytes,
+            )?)),
             None => None,
         };
         let routing_reads_tokens =

@@ -2,6 +2,7 @@
 //! from a Hugging Face `tokenizer.json` ([`hf_folder`]).
 
 pub mod hf_folder;
+mod segments;
 
 use std::collections::HashMap;
 
@@ -15,6 +16,7 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use crate::error::ModelError;
 use crate::gguf::GgufFile;
+use segments::SegmentCache;
 
 /// GGUF token type of control tokens (`<|im_start|>`): special, matched whole.
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -37,6 +39,8 @@ pub struct Tokenizer {
     post_processed: bool,
     bos_token: String,
     eos_token: String,
+    /// Ids of text pieces seen before ([`Tokenizer::cache_pieces`]); off by default.
+    pieces: Option<SegmentCache>,
 }
 
 impl Tokenizer {
@@ -147,12 +151,30 @@ impl Tokenizer {
             eos_token_ids,
             add_bos,
             post_processed: false,
+            pieces: None,
         })
     }
 
     /// Token ids of `text`; `add_special_tokens` adds BOS where the model wants one.
     /// Special tokens written in the text (`<|im_start|>`) are always recognised.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
+        if let Some(pieces) = &self.pieces {
+            // A post-processor sees the whole sequence: that case is not cut into pieces.
+            if !(add_special_tokens && self.post_processed) {
+                let mut ids = Vec::new();
+                if add_special_tokens && self.add_bos {
+                    ids.extend(self.bos_token_id);
+                }
+                let encoded = pieces
+                    .encode(&self.inner, text)
+                    .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+                if ids.is_empty() {
+                    return Ok(encoded);
+                }
+                ids.extend_from_slice(&encoded);
+                return Ok(ids);
+            }
+        }
         let encoding = self
             .inner
             .encode(text, add_special_tokens && self.post_processed)
@@ -168,6 +190,15 @@ impl Tokenizer {
         }
         ids.extend_from_slice(encoded);
         Ok(ids)
+    }
+
+    /// Remembers the ids of the text pieces between added tokens (system prompts, earlier
+    /// turns), up to about `max_bytes`, so that [`Tokenizer::encode`] encodes only pieces
+    /// it has not seen; the ids are the same. Returns whether this tokenizer can (its added
+    /// tokens match literally, as a GGUF's do) and `max_bytes` is not 0.
+    pub fn cache_pieces(&mut self, max_bytes: usize) -> bool {
+        self.pieces = SegmentCache::new(&self.inner, max_bytes);
+        self.pieces.is_some()
     }
 
     /// Text of `ids`.

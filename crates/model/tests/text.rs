@@ -208,3 +208,40 @@ fn a_hugging_face_folder_of_the_same_tokenizer_encodes_alike() {
         template.render(&turns, true).unwrap()
     );
 }
+
+/// With pieces cached, the default model encodes every reference text and rendered chat
+/// to the same ids as without, the first time and again.
+#[test]
+fn cached_pieces_encode_to_the_same_ids() {
+    let (plain, template) = tokenizer();
+    let (mut cached, _) = tokenizer();
+    assert!(cached.cache_pieces(1 << 20));
+    let turn = |role: &str, content: &str| ChatTurn {
+        role: role.into(),
+        content: content.into(),
+    };
+    let mut texts: Vec<String> = REFERENCE.iter().map(|(t, _)| t.to_string()).collect();
+    let mut turns = vec![turn("system", "You answer in one line. 2024-12-04")];
+    for (question, answer) in [
+        ("Hi there", "Hello! 👋"),
+        ("What is 2+2?", "4"),
+        ("  spaces\tand\nnewlines ", "<|im_end|> inside text"),
+        ("naïve café — 東京 🚀", ""),
+    ] {
+        turns.push(turn("user", question));
+        texts.push(template.render(&turns, true).unwrap());
+        turns.push(turn("assistant", answer));
+    }
+    texts.push("<|im_start|><|im_start|>x<|im_end|><|im_end".into());
+    for round in ["first", "again"] {
+        for text in &texts {
+            for special in [false, true] {
+                assert_eq!(
+                    cached.encode(text, special).unwrap(),
+                    plain.encode(text, special).unwrap(),
+                    "{round} {text:?}"
+                );
+            }
+        }
+    }
+}

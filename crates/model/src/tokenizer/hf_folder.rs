@@ -99,6 +99,7 @@ impl Tokenizer {
             // in their post-processor. `encode` honours both, once.
             add_bos: config.0["add_bos_token"] == Value::Bool(true),
             post_processed: true,
+            pieces: None,
             inner,
         })
     }
