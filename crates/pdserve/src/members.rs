@@ -52,7 +52,7 @@ pub fn spawn(
     cmd.stdin(Stdio::null()).kill_on_drop(true);
     let cpus = placement.cpus.clone();
     let nice = placement.nice;
-    // SAFETY: setpgid(2), prctl(2), sched_setaffinity(2) and setpriority(2) are
+    // SAFETY: setpgid(2), prctl(2), sched_setaffinity(2) and nice(2) are
     // async-signal-safe and touch only the child. Its own process group keeps a
     // terminal's Ctrl-C from reaching it directly, so `up` decides the order of the
     // drain; the death signal stops it with this process even if `up` is killed without
@@ -76,8 +76,13 @@ pub fn spawn(
                     return Err(std::io::Error::last_os_error());
                 }
             }
-            if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
-                return Err(std::io::Error::last_os_error());
+            // Relative to `up`'s own niceness (as `nice -n`), so that under a niced `up`
+            // prefill still yields to decode, and no privilege is needed to set it.
+            if nice != 0 {
+                *libc::__errno_location() = 0;
+                if libc::nice(nice) == -1 && *libc::__errno_location() != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });

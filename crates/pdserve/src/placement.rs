@@ -2,7 +2,8 @@
 
 use pdserve_protocol::WorkerRole;
 
-/// The niceness prefill workers run at under [`CoreLayout::Shared`]: at 10 a decode
+/// How much nicer than decode workers prefill workers run under [`CoreLayout::Shared`]
+/// (added to `up`'s own niceness, so it holds under `nice pdserve up` too): at 10 a decode
 /// thread outweighs a prefill thread on the same core about nine to one (CFS weights
 /// 1024 and 110), so decode steps preempt prefill almost at once.
 pub const SHARED_PREFILL_NICE: i32 = 10;
@@ -23,7 +24,7 @@ pub enum CoreLayout {
 pub struct Placement {
     /// The cores it is pinned to; its compute threads are one per core.
     pub cpus: Vec<usize>,
-    /// Its niceness (0: the default priority).
+    /// How much nicer than `up` itself it runs (0: the same priority), as `nice -n`.
     pub nice: i32,
 }
 
