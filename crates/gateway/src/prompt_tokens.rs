@@ -43,7 +43,7 @@ impl PromptTokenizer {
         let bad = |e: pdserve_model::ModelError| {
             GatewayError::Config(format!("--tokenizer {}: {e}", path.display()))
         };
-        let (tokenizer, template) = if pdserve_model::is_hf_tokenizer(path) {
+        let (mut tokenizer, template) = if pdserve_model::is_hf_tokenizer(path) {
             let tokenizer = Tokenizer::from_hf_folder(path).map_err(bad)?;
             let template = ChatTemplate::from_hf_folder(path, &tokenizer).map_err(bad)?;
             (tokenizer, template)
@@ -52,7 +52,6 @@ impl PromptTokenizer {
             let template = ChatTemplate::load(path, &tokenizer).map_err(bad)?;
             (tokenizer, template)
         };
-        let mut tokenizer = tokenizer;
         let cached = tokenizer.cache_pieces(cache_bytes);
         tracing::debug!(cached, cache_bytes, "gateway tokenizer");
         Ok(Self {
