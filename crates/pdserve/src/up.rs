@@ -47,7 +47,7 @@ pub struct UpArgs {
     #[arg(long, env = "PDSERVE_CORES")]
     cores: Option<usize>,
     /// Longest wait for a worker to load its model and answer /health.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, env = "PDSERVE_READY_TIMEOUT_SECS", default_value_t = 300)]
     ready_timeout_secs: u64,
     /// Prefill workers.
     #[arg(long, env = "PDSERVE_PREFILL_WORKERS", default_value_t = 1,
@@ -75,12 +75,26 @@ pub struct UpArgs {
           value_parser = clap::value_parser!(u16).range(1..))]
     gateway_replicas: u16,
     /// More `pdserve gateway` flags, passed through as given (repeat for each flag or
-    /// value), e.g. `--gateway-arg=--disagg-threshold --gateway-arg=64`.
-    #[arg(long = "gateway-arg", allow_hyphen_values = true)]
+    /// value), e.g. `--gateway-arg=--disagg-threshold --gateway-arg=64`. The environment
+    /// variable holds one argument per line (split at newlines only, so an argument may
+    /// contain commas and spaces).
+    #[arg(
+        long = "gateway-arg",
+        env = "PDSERVE_GATEWAY_ARGS",
+        value_delimiter = '\n',
+        allow_hyphen_values = true
+    )]
     gateway_args: Vec<String>,
     /// More `pdserve worker` flags for every worker, passed through as given (repeat for
     /// each flag or value), e.g. `--worker-arg=--scheduling-policy --worker-arg=priority`.
-    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    /// The environment variable holds one argument per line (split at newlines only, so an
+    /// argument may contain commas and spaces).
+    #[arg(
+        long = "worker-arg",
+        env = "PDSERVE_WORKER_ARGS",
+        value_delimiter = '\n',
+        allow_hyphen_values = true
+    )]
     worker_args: Vec<String>,
     /// Seconds a P/D worker keeps KV blocks pinned for a peer that never reads them.
     #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
