@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod multi_turn;
 pub mod plot;
 pub mod priority;
+pub mod priority_report;
 mod progress;
 pub mod report;
 pub mod responses_client;

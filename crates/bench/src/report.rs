@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::args::{Api, Endpoint};
 use crate::metrics::{Distribution, FailureCount, RequestRecord, Summary};
-use crate::priority::{self, PriorityClass, PrioritySummary};
+use crate::priority::PriorityClass;
+use crate::priority_report::{self, PrioritySummary};
 use crate::BenchError;
 
 /// Version of the result-file schema; bumped on any change a reader could notice.
@@ -223,7 +224,7 @@ impl BenchResult {
         let vw = if self.per_priority.is_empty() {
             vw
         } else {
-            vw.max(priority::SECTION_WIDTH - 44)
+            vw.max(priority_report::SECTION_WIDTH - 44)
         };
         let width = 44 + vw;
         let _ = writeln!(out, "{title:=^width$}");
@@ -351,7 +352,7 @@ impl BenchResult {
             }
         }
         if !self.per_priority.is_empty() {
-            priority::write_section(&mut out, &self.per_priority, width);
+            priority_report::write_section(&mut out, &self.per_priority, width);
         }
         if !self.failures.is_empty() {
             let _ = writeln!(out, "{:-^width$}", " Failures ");
