@@ -199,7 +199,13 @@ cmd_start() {
   } > "$log"
   # setsid: the server and every process it spawns (EngineCore) share one new process
   # group whose id is the pid written below, so stop kills them all.
-  (cd /tmp && exec setsid env \
+  # taskset: every process and thread of the instance on CORE. vLLM binds its OMP threads
+  # there itself but puts the worker's main thread on the other cores; with NixlConnector
+  # that thread polls without rest, and two instances on two cores then starve each other
+  # (generation at ~1 token/s). PDSERVE_VLLM_TASKSET=0 leaves affinity to vLLM.
+  local pin=()
+  if [ "${PDSERVE_VLLM_TASKSET:-1}" = 1 ] && command -v taskset >/dev/null; then pin=(taskset -c "$core"); fi
+  (cd /tmp && exec setsid "${pin[@]}" env \
       VLLM_HOST_IP=127.0.0.1 \
       VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$sp" \
       UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo \
