@@ -333,7 +333,10 @@ impl Drop for Vllm {
 }
 
 /// Starts instances together (their start-ups overlap) and waits for all of them.
-fn start_all(specs: &[(&str, &str, &[&str], &[(&str, &str)])]) -> Vec<Vllm> {
+/// One instance to start: its name, its core(s), vLLM flags and environment.
+type Spec<'a> = (&'a str, &'a str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+
+fn start_all(specs: &[Spec<'_>]) -> Vec<Vllm> {
     let started = Instant::now();
     let all: Vec<Vllm> = specs
         .iter()
