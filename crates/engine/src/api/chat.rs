@@ -41,7 +41,7 @@ async fn prepare(
     app: &Arc<AppState>,
     req: ChatCompletionRequest,
     headers: &HeaderMap,
-) -> Result<Prepared, ApiError> {
+) -> Result<Prepared<ChatFormat>, ApiError> {
     check_model(req.model.as_deref(), &app.serving.limits)?;
     check_unsupported(&req.extra)?;
     let options = output_options(&req.transport, &req.generation)?;
@@ -80,7 +80,7 @@ async fn prepare(
         choices,
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
-        reply: Reply::chat(format, &options, want_logprobs),
+        reply: Reply::new(format, &options, want_logprobs),
         stop: options.stop,
     })
 }

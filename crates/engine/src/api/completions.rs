@@ -41,7 +41,7 @@ async fn prepare(
     app: &Arc<AppState>,
     mut req: CompletionRequest,
     headers: &HeaderMap,
-) -> Result<Prepared, ApiError> {
+) -> Result<Prepared<CompletionFormat>, ApiError> {
     check_model(req.model.as_deref(), &app.serving.limits)?;
     let prompt_logprobs = match req.extra.remove("prompt_logprobs") {
         None | Some(Value::Null) => None,
@@ -152,7 +152,7 @@ async fn prepare(
         choices,
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
-        reply: Reply::completion(format, &options, logprobs.is_some()),
+        reply: Reply::new(format, &options, logprobs.is_some()),
         stop: options.stop,
     })
 }

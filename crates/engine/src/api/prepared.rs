@@ -9,11 +9,8 @@ use http::HeaderMap;
 use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::{Map, Value};
 
-use super::chat::ChatFormat;
 use super::choices::{collect_response, stream_response, Submitted};
-use super::completions::CompletionFormat;
-use super::response_format::Generation;
-use super::responses::ResponsesFormat;
+use super::response_format::{Generation, ResponseFormat};
 use super::validate::OutputOptions;
 use super::AppState;
 use crate::handoff::Handoff;
@@ -40,8 +37,9 @@ impl PromptRun {
     }
 }
 
-/// A validated request with its prompt(s) as token ids.
-pub struct Prepared {
+/// A validated request with its prompt(s) as token ids, answered in the shape of `F`
+/// (chat, completions or Responses).
+pub struct Prepared<F> {
     /// Its prompts (one, or a completions batch), answered in order.
     pub prompts: Vec<PromptRun>,
     /// Stop strings, applied to the output text.
@@ -59,51 +57,33 @@ pub struct Prepared {
     /// The request's session key (see [`session_key`]).
     pub session: Option<String>,
     /// How to answer.
-    pub reply: Reply,
+    pub reply: Reply<F>,
 }
 
 /// How a prepared request is answered: its API's shape and the output options.
-pub struct Reply {
-    format: Format,
+pub struct Reply<F> {
+    format: F,
     stream: bool,
     include_usage: bool,
     logprobs: bool,
 }
 
-enum Format {
-    Chat(ChatFormat),
-    Completion(CompletionFormat),
-    Responses(Box<ResponsesFormat>),
-}
-
-impl Reply {
-    pub(super) fn chat(format: ChatFormat, options: &OutputOptions, logprobs: bool) -> Self {
-        Self::new(Format::Chat(format), options, logprobs)
-    }
-
-    pub(super) fn completion(
-        format: CompletionFormat,
-        options: &OutputOptions,
-        logprobs: bool,
-    ) -> Self {
-        Self::new(Format::Completion(format), options, logprobs)
-    }
-
-    /// A Responses answer: its stream always ends with the completed response (usage
-    /// included).
-    pub(super) fn responses(format: ResponsesFormat, options: &OutputOptions) -> Self {
-        let mut reply = Self::new(Format::Responses(Box::new(format)), options, false);
-        reply.include_usage = true;
-        reply
-    }
-
-    fn new(format: Format, options: &OutputOptions, logprobs: bool) -> Self {
+impl<F: ResponseFormat> Reply<F> {
+    /// An answer in `format`, streamed and with usage as `options` ask.
+    pub(super) fn new(format: F, options: &OutputOptions, logprobs: bool) -> Self {
         Self {
             format,
             stream: options.stream,
             include_usage: options.include_usage,
             logprobs,
         }
+    }
+
+    /// The same answer, its stream ending with usage whatever the client asked (the
+    /// Responses API's stream always ends with the completed response).
+    pub(super) fn always_with_usage(mut self) -> Self {
+        self.include_usage = true;
+        self
     }
 
     /// Whether the answer is a server-sent event stream.
@@ -119,14 +99,10 @@ impl Reply {
 
     /// Answers with the output of every choice.
     pub async fn respond_choices(self, generations: Submitted) -> Response {
-        let (usage, logprobs) = (self.include_usage, self.logprobs);
-        match (self.format, self.stream) {
-            (Format::Chat(f), true) => stream_response(generations, f, usage),
-            (Format::Chat(f), false) => collect_response(generations, f, logprobs).await,
-            (Format::Completion(f), true) => stream_response(generations, f, usage),
-            (Format::Completion(f), false) => collect_response(generations, f, logprobs).await,
-            (Format::Responses(f), true) => stream_response(generations, *f, true),
-            (Format::Responses(f), false) => collect_response(generations, *f, false).await,
+        if self.stream {
+            stream_response(generations, self.format, self.include_usage)
+        } else {
+            collect_response(generations, self.format, self.logprobs).await
         }
     }
 }
@@ -148,7 +124,10 @@ pub fn session_key(headers: &HeaderMap, extra: &Map<String, Value>) -> Option<St
 /// orchestrator (a prefill worker computes the prompt once, this worker decodes every
 /// choice) when this worker orchestrates and the client did not run the handoff itself;
 /// otherwise on this worker, importing or publishing KV as the client's fields say.
-pub(super) async fn serve(app: &Arc<AppState>, prepared: Prepared) -> Response {
+pub(super) async fn serve<F: ResponseFormat>(
+    app: &Arc<AppState>,
+    prepared: Prepared<F>,
+) -> Response {
     let handoff = match Handoff::choose(
         &app.serving,
         app.bootstrap.role,

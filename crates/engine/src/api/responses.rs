@@ -163,7 +163,7 @@ async fn prepare(
     app: &Arc<AppState>,
     req: ResponsesRequest,
     headers: &HeaderMap,
-) -> Result<Prepared, ApiError> {
+) -> Result<Prepared<ResponsesFormat>, ApiError> {
     check_model(req.model.as_deref(), &app.serving.limits)?;
     check_responses_unsupported(&req)?;
     let options = output_options(&req.transport, &req.generation)?;
@@ -219,7 +219,7 @@ async fn prepare(
         choices: 1,
         kv_transfer_params: req.transport.kv_transfer_params,
         model: req.model,
-        reply: Reply::responses(format, &options),
+        reply: Reply::new(format, &options, false).always_with_usage(),
         stop: options.stop,
     })
 }
