@@ -5,9 +5,12 @@
 
 use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc;
+
 use super::*;
-use crate::request::{FinishReason, KvImport, TokenUsage};
+use crate::request::{FinishReason, GenerationRequest, KvImport, SeqEvent, SeqEvents, TokenUsage};
 use crate::sampling::TokenLogprobs;
+use crate::sequence::Sequence;
 use crate::step_model::fake::{next_token, FakeModel};
 
 const DEADLINE: Duration = Duration::from_secs(20);

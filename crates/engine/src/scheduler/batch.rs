@@ -1,0 +1,207 @@
+//! Running one batch: the forward pass over the scheduled sequences, sampling, streaming
+//! tokens out, and retiring (or pinning for export) the sequences that finished.
+
+use std::time::Instant;
+
+use pdserve_model::{ModelError, SequenceStep, BLOCK_SIZE};
+
+use super::thread::Scheduler;
+use crate::profile::{token_split, StepSpan};
+use crate::request::{FinishReason, PinnedKv, SeqEvent};
+use crate::sequence::Sequence;
+use crate::step_model::StepModel;
+
+impl<M: StepModel> Scheduler<M> {
+    /// Pins the blocks holding a finishing sequence's computed tokens, for a peer to read.
+    fn pin_for_export(&mut self, seq: &Sequence) -> Option<PinnedKv> {
+        let blocks = seq.blocks[..seq.num_computed.div_ceil(BLOCK_SIZE)].to_vec();
+        match self.blocks.pin(&blocks) {
+            Ok(()) => Some(PinnedKv {
+                blocks,
+                num_tokens: seq.num_computed,
+                tokens: seq.tokens[..seq.num_computed].to_vec(),
+                reused: seq.reused(),
+            }),
+            Err(e) => {
+                tracing::error!("pinning a finished sequence's blocks failed: {e}");
+                None
+            }
+        }
+    }
+
+    pub(super) fn run_batch(&mut self, scheduled: &[(usize, usize)]) {
+        let started = Instant::now();
+        let profiled = self
+            .profiler
+            .is_recording()
+            .then(|| token_split(scheduled, &self.running));
+        let all_rows: Vec<bool> = scheduled
+            .iter()
+            .map(|&(i, _)| self.running[i].needs_all_rows())
+            .collect();
+        let steps: Vec<SequenceStep<'_>> = scheduled
+            .iter()
+            .map(|&(i, n)| {
+                let seq = &self.running[i];
+                SequenceStep {
+                    tokens: &seq.tokens[seq.num_computed..seq.num_computed + n],
+                    start_pos: seq.num_computed,
+                    block_table: &seq.blocks,
+                }
+            })
+            .collect();
+        // A panicking forward (a bug in the model code) fails this batch, not the worker.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.model.forward(&steps, &all_rows)
+        }))
+        .unwrap_or_else(|_| Err(ModelError::Other("the forward pass panicked".into())));
+        drop(steps);
+        let forward = started.elapsed();
+
+        let mut finished = Vec::new();
+        match result {
+            Ok(logits) if logits.len() == scheduled.len() => {
+                for ((&(i, n), logits), &all) in scheduled.iter().zip(&logits).zip(&all_rows) {
+                    let seq = &mut self.running[i];
+                    let start = seq.num_computed;
+                    let logits = if all {
+                        seq.score_prompt_rows(logits, start, n)
+                    } else {
+                        &logits[..]
+                    };
+                    seq.num_computed += n;
+                    if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
+                        tracing::error!("prefix-cache commit failed: {e}");
+                    }
+                    if seq.num_uncomputed() > 0 {
+                        continue; // more prompt chunks to go
+                    }
+                    seq.send_prompt_logprobs();
+                    if seq.generates_nothing() {
+                        let elapsed = seq.arrived.elapsed().as_secs_f64();
+                        self.metrics.request_seconds.observe(elapsed);
+                        self.metrics.vllm.e2e_request_latency.observe(elapsed);
+                        let reason = FinishReason::Length;
+                        finished.push((
+                            i,
+                            SeqEvent::Finished {
+                                reason,
+                                usage: seq.usage(),
+                                pinned: None,
+                            },
+                        ));
+                        self.metrics.finished(reason.as_str());
+                        continue;
+                    }
+                    let reason = seq.append_sampled(logits, self.config.max_model_len);
+                    self.metrics.generation_tokens.inc();
+                    let elapsed = seq.arrived.elapsed().as_secs_f64();
+                    if seq.num_generated() == 1 {
+                        if let Some(trace) = seq.trace() {
+                            trace.first_token();
+                        }
+                        self.metrics.time_to_first_token_seconds.observe(elapsed);
+                        self.metrics.vllm.time_to_first_token.observe(elapsed);
+                    }
+                    if let Some(gap) = seq.token_gap() {
+                        let gap = gap.as_secs_f64();
+                        self.metrics.vllm.inter_token_latency.observe(gap);
+                    }
+                    if reason.is_some() {
+                        self.metrics.request_seconds.observe(elapsed);
+                        self.metrics.vllm.e2e_request_latency.observe(elapsed);
+                    }
+                    if let Some(reason) = reason {
+                        finished.push((
+                            i,
+                            SeqEvent::Finished {
+                                reason,
+                                usage: seq.usage(),
+                                pinned: None,
+                            },
+                        ));
+                        self.metrics.finished(reason.as_str());
+                    }
+                }
+            }
+            Ok(logits) => {
+                let msg = format!(
+                    "the model returned {} logit rows for {} sequences",
+                    logits.len(),
+                    scheduled.len()
+                );
+                self.fail_all(scheduled, &msg, &mut finished);
+            }
+            Err(e) => self.fail_all(
+                scheduled,
+                &format!("forward pass failed: {e}"),
+                &mut finished,
+            ),
+        }
+        // Remove from the back so earlier indices stay valid.
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        let mut done = Vec::with_capacity(finished.len());
+        for (i, mut event) in finished {
+            let mut seq = self.running.remove(i);
+            if let Some(trace) = seq.trace() {
+                trace.finished();
+            }
+            if let SeqEvent::Finished { pinned, .. } = &mut event {
+                if seq.pin_on_finish() {
+                    *pinned = self.pin_for_export(&seq);
+                }
+            }
+            self.retire(&mut seq);
+            done.push((seq, event));
+        }
+        // Gauges first: a client that has its answer and then scrapes /metrics must not
+        // still see its sequence running or its blocks in use.
+        if !done.is_empty() {
+            self.update_gauges();
+        }
+        for (seq, event) in done {
+            if let SeqEvent::Finished {
+                pinned: Some(pinned),
+                ..
+            } = &event
+            {
+                let blocks = pinned.blocks.clone();
+                if !seq.send(event) {
+                    // The requester is gone: nobody will ever publish these blocks.
+                    if let Err(e) = self.blocks.unpin(&blocks) {
+                        tracing::error!("unpinning an unclaimed export failed: {e}");
+                    }
+                }
+            } else {
+                seq.send(event);
+            }
+        }
+
+        let batch = scheduled.len();
+        if let Some((prefill_tokens, decode_tokens)) = profiled {
+            self.profiler.record(StepSpan {
+                start: started,
+                forward,
+                sampling: started.elapsed().saturating_sub(forward),
+                batch_size: batch,
+                prefill_tokens,
+                decode_tokens,
+            });
+        }
+        self.metrics
+            .step_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.batch_size.observe(batch as f64);
+        if batch as i64 > self.metrics.batch_size_max.get() {
+            self.metrics.batch_size_max.set(batch as i64);
+        }
+    }
+
+    fn fail_all(&self, scheduled: &[(usize, usize)], msg: &str, out: &mut Vec<(usize, SeqEvent)>) {
+        tracing::error!("{msg}");
+        for &(i, _) in scheduled {
+            out.push((i, SeqEvent::Failed(msg.to_string())));
+            self.metrics.finished("error");
+        }
+    }
+}
