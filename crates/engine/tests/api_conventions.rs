@@ -43,19 +43,6 @@ fn log_text() -> String {
     String::from_utf8_lossy(&logs().0.lock().unwrap()).into_owned()
 }
 
-async fn post_raw(w: &TestWorker, path: &str, body: &'static str) -> (u16, Value) {
-    let resp = w
-        .http
-        .post(format!("{}{path}", w.base))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    (status, resp.json().await.unwrap_or(Value::Null))
-}
-
 fn param(body: &Value) -> &str {
     body["error"]["param"].as_str().unwrap_or("")
 }
@@ -144,7 +131,7 @@ async fn unimplemented_fields_and_out_of_range_numbers_are_400_naming_the_field(
             ),
             (r#"{"prompt": "hi", "max_tokens": 2, "top_p": "NaN"}"#, None),
         ] {
-            let (status, answer) = post_raw(&w, "/v1/completions", body).await;
+            let (status, answer) = w.post_raw("/v1/completions", body).await;
             assert_eq!(status, 400, "{body}: {answer}");
             if let Some(field) = field {
                 assert_eq!(param(&answer), field, "{answer}");

@@ -3,187 +3,40 @@
 //! worker as the oracle. The same body goes to P and D, in either order; every test ends
 //! with no pinned KV blocks and no open rooms.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use futures::StreamExt;
-use pdserve_engine::{Worker, WorkerArgs};
-use pdserve_protocol::sse::{messages, SseMessage};
 use serde_json::{json, Value};
+use support::bootstrap::{assert_clean, bootstrap_pair, with_room, ROOM_TIMEOUT_SECS};
+use support::{completion, serial, TestWorker};
 
-/// Bounds every test, model loads included (2 slow CI cores).
-const TEST_DEADLINE: Duration = Duration::from_secs(300);
-/// What the tests give `--bootstrap-timeout-secs`.
-const ROOM_TIMEOUT_SECS: u64 = 3;
+/// One forward thread and a small cache each: these tests run three workers at once on
+/// 2 CI cores.
+const SMALL: [&str; 4] = ["--threads", "1", "--num-kv-blocks", "96"];
 
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: WorkerArgs,
-}
-
-struct TestWorker {
-    worker: Worker,
-    base: String,
-    http: reqwest::Client,
-}
-
-impl TestWorker {
-    async fn start(extra: &[&str]) -> Self {
-        let model =
-            pdserve_model::ensure_default_model(&pdserve_model::home_dir()).expect("default model");
-        let timeout = ROOM_TIMEOUT_SECS.to_string();
-        let mut argv = vec![
-            "worker",
-            "--model",
-            model.to_str().unwrap(),
-            "--served-model-name",
-            "smollm2",
-            "--threads",
-            "1",
-            "--num-kv-blocks",
-            "96",
-            "--bootstrap-timeout-secs",
-            &timeout,
-        ];
-        argv.extend(extra);
-        let args = Cli::try_parse_from(argv).expect("worker args").args;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let worker = Worker::start(listener, args).await.expect("worker starts");
-        let base = format!("http://{}", worker.local_addr());
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .unwrap();
-        Self { worker, base, http }
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let resp = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
-    }
-
-    async fn get(&self, path: &str) -> (u16, Value) {
-        let resp = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .unwrap();
-        let status = resp.status().as_u16();
-        (status, resp.json().await.unwrap_or(Value::Null))
-    }
-
-    /// The data events of a streamed request, `[DONE]` as the string "[DONE]".
-    async fn stream(&self, path: &str, body: &Value) -> Vec<Value> {
-        let resp = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        messages(resp.bytes_stream())
-            .map(|m| match m.unwrap() {
-                SseMessage::Data(d) => serde_json::from_str(&d).unwrap(),
-                SseMessage::Done => Value::String("[DONE]".into()),
-            })
-            .collect()
-            .await
-    }
-
-    /// A metric's value from `/metrics` (0 when absent).
-    async fn metric(&self, name: &str) -> f64 {
-        let text = self
-            .http
-            .get(format!("{}/metrics", self.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or(0.0)
-    }
-
-    /// Waits (bounded) until `name` reads `want`.
-    async fn wait_metric(&self, name: &str, want: f64) {
-        let start = Instant::now();
-        loop {
-            let got = self.metric(name).await;
-            if got == want {
-                return;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "{name} is {got}, expected {want}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Nothing pinned, no room open.
-    async fn assert_clean(&self) {
-        self.wait_metric("pdserve_kv_transfer_pinned_blocks", 0.0)
-            .await;
-        self.wait_metric("pdserve_bootstrap_rooms_open", 0.0).await;
-    }
-
-    async fn stop(self) {
-        self.worker.shutdown().await.expect("clean shutdown");
-    }
-}
-
-async fn serial<F: std::future::Future<Output = ()>>(body: F) {
-    let _guard = SERIAL.lock().await;
-    tokio::time::timeout(TEST_DEADLINE, body)
-        .await
-        .expect("test finished within its deadline");
+/// An aggregated worker (the oracle) sized as the pair is.
+async fn aggregated() -> TestWorker {
+    TestWorker::start(&SMALL).await
 }
 
 /// A prefill worker with a bootstrap port, a decode worker, and the bootstrap port.
 async fn pd() -> (TestWorker, TestWorker, u16) {
-    let p = TestWorker::start(&["--role", "prefill", "--bootstrap-port", "0"]).await;
-    let d = TestWorker::start(&["--role", "decode"]).await;
-    let (status, info) = p.get("/server_info").await;
-    assert_eq!(status, 200);
-    assert_eq!(info["disaggregation_mode"], "prefill");
-    let port = info["bootstrap_port"].as_u64().expect("a bootstrap port") as u16;
-    assert_eq!(info["disaggregation_bootstrap_port"], port);
-    (p, d, port)
+    bootstrap_pair(&SMALL).await
 }
 
-/// `body` with the bootstrap fields of `room` at the prefill worker's `port`.
-fn with_room(body: &Value, port: u16, room: u64) -> Value {
-    let mut body = body.clone();
-    body["bootstrap_host"] = json!("127.0.0.1");
-    body["bootstrap_port"] = json!(port);
-    body["bootstrap_room"] = json!(room);
-    body
-}
-
-fn completion(prompt: &str) -> Value {
-    json!({"prompt": prompt, "max_tokens": 8, "temperature": 0})
+/// A greedy completion of 8 tokens.
+fn short_completion(prompt: &str) -> Value {
+    completion(prompt, json!({"max_tokens": 8}))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn decode_output_equals_aggregated_whichever_side_arrives_first() {
     serial(async {
-        let agg = TestWorker::start(&[]).await;
+        let agg = aggregated().await;
         let (p, d, port) = pd().await;
-        let body = completion("The three primary colors are");
+        let body = short_completion("The three primary colors are");
         let (status, want) = agg.post("/v1/completions", &body).await;
         assert_eq!(status, 200, "{want}");
         let want_text = want["choices"][0]["text"].as_str().unwrap().to_string();
@@ -273,7 +126,7 @@ async fn decode_output_equals_aggregated_whichever_side_arrives_first() {
             7.0
         );
         for w in [&p, &d, &agg] {
-            w.assert_clean().await;
+            assert_clean(w).await;
         }
         p.stop().await;
         d.stop().await;
@@ -286,7 +139,7 @@ async fn decode_output_equals_aggregated_whichever_side_arrives_first() {
 async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
     serial(async {
         let (p, d, port) = pd().await;
-        let body = completion("A short story about a robot:");
+        let body = short_completion("A short story about a robot:");
 
         // D never comes: P answers 500 after the room timeout and frees the KV.
         let started = Instant::now();
@@ -295,7 +148,7 @@ async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
         let message = err["error"]["message"].as_str().unwrap();
         assert!(message.contains("no decode worker claimed"), "{message}");
         assert!(started.elapsed() < Duration::from_secs(ROOM_TIMEOUT_SECS + 20));
-        p.assert_clean().await;
+        assert_clean(&p).await;
         assert_eq!(
             p.metric("pdserve_bootstrap_rooms_total{outcome=\"unclaimed\"}")
                 .await,
@@ -307,8 +160,8 @@ async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
         let (status, err) = d.post("/v1/completions", &with_room(&body, port, 11)).await;
         assert!(status == 502 || status == 504, "{status} {err}");
         assert!(started.elapsed() < Duration::from_secs(ROOM_TIMEOUT_SECS + 20));
-        p.assert_clean().await;
-        d.assert_clean().await;
+        assert_clean(&p).await;
+        assert_clean(&d).await;
 
         // No bootstrap port at all on the D side: 502 at once, nothing open.
         let (status, _) = d.post("/v1/completions", &with_room(&body, 1, 12)).await;
@@ -325,7 +178,7 @@ async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
             .send()
             .await;
         assert!(gone.is_err(), "the prefill answered before any decode came");
-        p.assert_clean().await;
+        assert_clean(&p).await;
 
         // D's client leaves mid-stream: both sides end clean.
         let streamed = with_room(
@@ -350,9 +203,8 @@ async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
         };
         let ((status, _), ()) = tokio::join!(prefill, decode);
         assert_eq!(status, 200);
-        p.assert_clean().await;
-        d.assert_clean().await;
-        d.wait_metric("pdserve_num_requests_running", 0.0).await;
+        assert_clean(&p).await;
+        assert_clean(&d).await;
 
         // A room is one prefill's: a second prefill of a room in use is refused.
         let room = with_room(&body, port, 15);
@@ -362,7 +214,7 @@ async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
         });
         assert_eq!(second.0, 400, "{}", second.1);
         assert_eq!(first.0, 500);
-        p.assert_clean().await;
+        assert_clean(&p).await;
         p.stop().await;
         d.stop().await;
     })
@@ -372,7 +224,7 @@ async fn a_side_that_never_comes_or_leaves_leaves_nothing_pinned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn server_info_routes_and_generate_shapes() {
     serial(async {
-        let w = TestWorker::start(&[]).await;
+        let w = aggregated().await;
         for path in ["/server_info", "/get_server_info"] {
             let (status, info) = w.get(path).await;
             assert_eq!(status, 200);
@@ -492,7 +344,7 @@ async fn server_info_routes_and_generate_shapes() {
             .post("/generate", &with_room(&json!({"text": "x", "sampling_params": sp}), 1, 9))
             .await;
         assert_eq!(status, 200);
-        w.assert_clean().await;
+        assert_clean(&w).await;
         w.stop().await;
     })
     .await;

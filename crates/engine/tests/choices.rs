@@ -7,6 +7,7 @@
 mod support;
 
 use serde_json::{json, Value};
+use support::bootstrap::{assert_clean, bootstrap_pair};
 use support::{chat, completion, serial, TestWorker};
 
 const ROUTES: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
@@ -384,44 +385,10 @@ async fn an_orchestrator_prefills_several_choices_once() {
     .await;
 }
 
-/// A prefill worker with a bootstrap port, a decode worker, and the bootstrap port.
-async fn pd() -> (TestWorker, TestWorker, u16) {
-    let timeout = ["--bootstrap-timeout-secs", "3"];
-    let p = TestWorker::start(
-        &[
-            &["--role", "prefill", "--bootstrap-port", "0"][..],
-            &timeout,
-        ]
-        .concat(),
-    )
-    .await;
-    let d = TestWorker::start(&[&["--role", "decode"][..], &timeout].concat()).await;
-    let info: Value = p
-        .http
-        .get(format!("{}/server_info", p.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let port = info["bootstrap_port"].as_u64().expect("a bootstrap port") as u16;
-    (p, d, port)
-}
-
-/// Nothing pinned, no room open, nothing running.
-async fn assert_clean(w: &TestWorker) {
-    w.wait_metric("pdserve_kv_transfer_pinned_blocks", 0.0)
-        .await;
-    w.wait_metric("pdserve_kv_blocks_pinned", 0.0).await;
-    w.wait_metric("pdserve_bootstrap_rooms_open", 0.0).await;
-    w.wait_metric("pdserve_num_requests_running", 0.0).await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn each_choice_meets_its_own_room_and_a_failed_choice_leaves_nothing() {
     serial(async {
-        let (p, d, port) = pd().await;
+        let (p, d, port) = bootstrap_pair(&[]).await;
         let agg = TestWorker::start(&[]).await;
         let plain = chat("Name a color.", json!({"max_tokens": 6, "n": 2}));
         let (status, want) = agg.post("/v1/chat/completions", &plain).await;
@@ -694,7 +661,7 @@ async fn generate_lists_n_samples_per_input_in_sglang_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn generate_samples_meet_their_own_rooms() {
     serial(async {
-        let (p, d, port) = pd().await;
+        let (p, d, port) = bootstrap_pair(&[]).await;
         let agg = TestWorker::start(&[]).await;
         let body = json!({
             "text": ["Once upon a time", "Name a color."],

@@ -3,16 +3,17 @@
 //! names reclaimed blocks still succeeds (the prefill worker hears "gone" and computes
 //! the prompt) with the same greedy output. Real workers on 127.0.0.1:0.
 
-mod kv_support;
+mod support;
 
-use kv_support::*;
 use serde_json::json;
+use support::kv::{decode_leg, prefill_leg, PINNED};
+use support::{serial, text_of, TestWorker, TEST_DEADLINE};
 
 const PROMPT: &str = "Here is a short story about a lighthouse keeper who";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reclaimed_handback_is_recomputed_with_the_same_output() {
-    tokio::time::timeout(TEST_DEADLINE, async {
+    serial(async {
         let prefill = TestWorker::start(&["--role", "prefill"]).await;
         // 32 blocks of 16 tokens: one long request needs all of them.
         let decode = TestWorker::start(&["--role", "decode", "--num-kv-blocks", "32"]).await;
@@ -88,6 +89,5 @@ async fn reclaimed_handback_is_recomputed_with_the_same_output() {
         prefill.stop().await;
         decode.stop().await;
     })
-    .await
-    .expect("test timed out");
+    .await;
 }

@@ -3,22 +3,14 @@
 //! (`--kv-secret` / `PDSERVE_KV_SECRET`), and `POST /v1/kv/release`. Real workers with the
 //! default model on 127.0.0.1:0, one test at a time.
 
-mod kv_support;
+mod support;
 
 use std::time::Duration;
 
-use kv_support::*;
 use serde_json::{json, Value};
+use support::kv::{decode_leg, prefill_leg, PINNED};
+use support::{serial, text_of, TestWorker};
 use tokio::net::TcpListener;
-
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn serial<F: std::future::Future<Output = ()>>(body: F) {
-    let _guard = SERIAL.lock().await;
-    tokio::time::timeout(TEST_DEADLINE, body)
-        .await
-        .expect("test timed out");
-}
 
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog, and then the dog";
 const RELEASE: &str = "/v1/kv/release";

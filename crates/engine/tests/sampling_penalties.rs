@@ -121,11 +121,7 @@ fn min_p_is_ignored_by_greedy_and_penalties_apply_to_greedy() {
 mod support;
 
 use serde_json::{json, Value};
-use support::{completion, serial, TestWorker};
-
-fn text(body: &Value) -> String {
-    body["choices"][0]["text"].as_str().unwrap().to_string()
-}
+use support::{completion, serial, text_of, TestWorker};
 
 fn logprob_tokens(body: &Value) -> Vec<String> {
     body["choices"][0]["logprobs"]["tokens"]
@@ -157,7 +153,7 @@ async fn penalties_and_logit_bias_change_greedy_output_over_http() {
         let (_, same) = w
             .post("/v1/completions", &completion(prompt, neutral))
             .await;
-        assert_eq!(text(&same), text(&plain));
+        assert_eq!(text_of(&same), text_of(&plain));
 
         // The greedy continuation repeats itself; a large frequency penalty breaks that.
         let tokens = logprob_tokens(&plain);
@@ -170,8 +166,8 @@ async fn penalties_and_logit_bias_change_greedy_output_over_http() {
             .await;
         assert_eq!(status, 200, "{freq}");
         assert_ne!(
-            text(&freq),
-            text(&plain),
+            text_of(&freq),
+            text_of(&plain),
             "frequency_penalty changed nothing"
         );
         // Batched with another sequence, the penalised output is the same.
@@ -184,15 +180,15 @@ async fn penalties_and_logit_bias_change_greedy_output_over_http() {
             w.post("/v1/completions", &body),
             w.post("/v1/completions", &other)
         );
-        assert_eq!(text(&batched.1), text(&freq));
+        assert_eq!(text_of(&batched.1), text_of(&freq));
         let mut repeated = ask.clone();
         repeated["repetition_penalty"] = json!(2.0);
         let (_, rep) = w
             .post("/v1/completions", &completion(prompt, repeated))
             .await;
         assert_ne!(
-            text(&rep),
-            text(&plain),
+            text_of(&rep),
+            text_of(&plain),
             "repetition_penalty changed nothing"
         );
         // (presence_penalty is capped at 2, too little against this model's confidence

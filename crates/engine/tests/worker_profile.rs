@@ -2,57 +2,16 @@
 //! 127.0.0.1:0): with `--profile-dir` stop writes a Chrome trace of the scheduler's
 //! steps; without it both routes answer 404, as vLLM does. Media items are refused.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+mod support;
 
-use clap::Parser;
-use pdserve_engine::{Worker, WorkerArgs};
+use std::time::{SystemTime, UNIX_EPOCH};
+
 use serde_json::{json, Value};
-
-/// Bounds the test, model loads included (2 slow CI cores).
-const TEST_DEADLINE: Duration = Duration::from_secs(300);
-
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: WorkerArgs,
-}
-
-async fn start(extra: &[&str]) -> (Worker, String) {
-    let model =
-        pdserve_model::ensure_default_model(&pdserve_model::home_dir()).expect("default model");
-    let mut argv = vec![
-        "worker".to_string(),
-        "--model".into(),
-        model.display().to_string(),
-        "--served-model-name".into(),
-        "smollm2".into(),
-        "--threads".into(),
-        "2".into(),
-        "--num-kv-blocks".into(),
-        "64".into(),
-    ];
-    argv.extend(extra.iter().map(|s| s.to_string()));
-    let args = Cli::try_parse_from(argv).expect("worker args").args;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let worker = Worker::start(listener, args).await.expect("worker starts");
-    let base = format!("http://{}", worker.local_addr());
-    (worker, base)
-}
-
-async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
-    let response = reqwest::Client::new()
-        .post(format!("{base}{path}"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
+use support::{serial, TestWorker};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn profiling_writes_a_chrome_trace_and_media_items_are_refused() {
-    tokio::time::timeout(TEST_DEADLINE, async {
+    serial(async {
         let dir = std::env::temp_dir().join(format!(
             "pdserve-worker-profile-{}-{}",
             std::process::id(),
@@ -61,17 +20,17 @@ async fn profiling_writes_a_chrome_trace_and_media_items_are_refused() {
                 .unwrap()
                 .as_nanos()
         ));
-        let (worker, base) = start(&["--profile-dir", dir.to_str().unwrap()]).await;
+        let w = TestWorker::start(&["--profile-dir", dir.to_str().unwrap()]).await;
 
-        assert_eq!(post(&base, "/stop_profile", &json!({})).await.0, 400);
-        let (status, body) = post(&base, "/start_profile", &json!({})).await;
+        assert_eq!(w.post("/stop_profile", &json!({})).await.0, 400);
+        let (status, body) = w.post("/start_profile", &json!({})).await;
         assert_eq!((status, body["status"].clone()), (200, json!("started")));
         let chat = json!({"messages": [{"role": "user", "content": "Count to three."}],
                           "max_tokens": 4, "ignore_eos": true});
-        let (status, answer) = post(&base, "/v1/chat/completions", &chat).await;
+        let (status, answer) = w.post("/v1/chat/completions", &chat).await;
         assert_eq!(status, 200, "{answer}");
         let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
-        let (status, body) = post(&base, "/stop_profile", &json!({})).await;
+        let (status, body) = w.post("/stop_profile", &json!({})).await;
         assert_eq!(status, 200, "{body}");
 
         let path = body["trace"].as_str().unwrap();
@@ -102,7 +61,7 @@ async fn profiling_writes_a_chrome_trace_and_media_items_are_refused() {
         let image = json!({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is this?"},
             {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]});
-        let (status, body) = post(&base, "/v1/chat/completions", &image).await;
+        let (status, body) = w.post("/v1/chat/completions", &image).await;
         assert_eq!(status, 400, "{body}");
         assert_eq!(body["error"]["param"], "messages");
         let message = body["error"]["message"].as_str().unwrap();
@@ -110,20 +69,19 @@ async fn profiling_writes_a_chrome_trace_and_media_items_are_refused() {
             message.contains("text") && message.contains("image_url"),
             "{message}"
         );
-        worker.shutdown().await.unwrap();
+        w.stop().await;
         std::fs::remove_dir_all(&dir).unwrap();
 
-        let (worker, base) = start(&[]).await;
+        let w = TestWorker::start(&[]).await;
         for route in ["/start_profile", "/stop_profile"] {
-            let (status, body) = post(&base, route, &json!({})).await;
+            let (status, body) = w.post(route, &json!({})).await;
             assert_eq!(status, 404, "{route}: {body}");
             assert!(body["error"]["message"]
                 .as_str()
                 .unwrap()
                 .contains("--profile-dir"));
         }
-        worker.shutdown().await.unwrap();
+        w.stop().await;
     })
-    .await
-    .expect("test exceeded its time limit");
+    .await;
 }

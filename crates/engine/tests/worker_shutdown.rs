@@ -2,48 +2,26 @@
 //! open streams finish while new connections are refused, and `--shutdown-timeout`
 //! bounds how long they may take. Tests run one at a time (each starts its own worker).
 
+mod support;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
 use futures::{Stream, StreamExt};
 use pdserve_engine::health::Unhealthy;
-use pdserve_engine::{Worker, WorkerArgs};
+use pdserve_engine::Worker;
 use pdserve_protocol::sse::{messages, SseError, SseMessage};
 use serde_json::{json, Value};
+use support::{serial, TestWorker};
 
 /// What the SSE parser yields over a reqwest body.
 type Event = Result<SseMessage, SseError<reqwest::Error>>;
 
-/// Bounds every test, model load included (2 slow CI cores).
-const TEST_DEADLINE: Duration = Duration::from_secs(300);
-
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: WorkerArgs,
-}
-
+/// A worker with room in its cache for the longest stream here, and `extra` flags; the
+/// tests shut it down themselves.
 async fn start(extra: &[&str]) -> (Worker, String) {
-    let model =
-        pdserve_model::ensure_default_model(&pdserve_model::home_dir()).expect("default model");
-    let mut argv = vec![
-        "worker".to_string(),
-        "--model".into(),
-        model.display().to_string(),
-        "--threads".into(),
-        "2".into(),
-        "--num-kv-blocks".into(),
-        "256".into(),
-    ];
-    argv.extend(extra.iter().map(|s| s.to_string()));
-    let args = Cli::try_parse_from(argv).expect("worker args").args;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let worker = Worker::start(listener, args).await.expect("worker starts");
-    let base = format!("http://{}", worker.local_addr());
-    (worker, base)
+    let w = TestWorker::start(&[&["--num-kv-blocks", "256"][..], extra].concat()).await;
+    (w.worker, w.base)
 }
 
 /// Opens a streamed completion of `max_tokens` tokens and returns its events once the
@@ -92,8 +70,7 @@ async fn wait_refused(addr: SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_open_streams_finish_and_refuses_new_connections() {
-    let _serial = SERIAL.lock().await;
-    tokio::time::timeout(TEST_DEADLINE, async {
+    serial(async {
         let (worker, base) = start(&["--shutdown-timeout", "120"]).await;
         let addr = worker.local_addr();
         let health = worker.health();
@@ -120,14 +97,12 @@ async fn shutdown_lets_open_streams_finish_and_refuses_new_connections() {
             .expect("clean shutdown");
         assert_eq!(health.check(), Err(Unhealthy::SchedulerExited));
     })
-    .await
-    .expect("test timed out");
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_timeout_ends_streams_that_outlast_it() {
-    let _serial = SERIAL.lock().await;
-    tokio::time::timeout(TEST_DEADLINE, async {
+    serial(async {
         let (worker, base) = start(&["--shutdown-timeout", "1"]).await;
         let max_tokens = 3000;
         let events = open_stream(&base, max_tokens).await;
@@ -160,6 +135,5 @@ async fn shutdown_timeout_ends_streams_that_outlast_it() {
             "{took:?}"
         );
     })
-    .await
-    .expect("test timed out");
+    .await;
 }
