@@ -239,6 +239,17 @@ async fn vllm_metrics_request_ids_access_log_and_abandoned_requests() {
             assert!(lines[0].contains(needle), "{needle} missing: {}", lines[0]);
         }
         assert!(log.contains(&generated_id), "the generated id is logged too");
+        // Metrics scrapes (above) and health probes log at debug: an idle worker polled by
+        // a gateway stays quiet at info.
+        let (status, _) = w.get("/health").await;
+        assert_eq!(status, 200);
+        let log = log_text();
+        for path in ["path=/metrics", "path=/health"] {
+            assert!(
+                !log.lines().any(|l| l.contains("pdserve::access") && l.contains(path)),
+                "{path} logged at info: {log}"
+            );
+        }
 
         // A non-streaming request whose client goes away is cancelled like a stream.
         let abandoned = completion(prompt, json!({"max_tokens": 400, "ignore_eos": true}));

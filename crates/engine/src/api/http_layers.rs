@@ -1,10 +1,11 @@
 //! What every worker request passes through, as tower layers rather than code in the
 //! handlers: a request id (the caller's `X-Request-Id`, else a fresh UUID, echoed in the
-//! response), one access-log line per request at info level (target `pdserve::access`,
-//! as the gateway's), the `--api-key` check on the OpenAI routes and the
+//! response), one access-log line per request (target `pdserve::access`, as the
+//! gateway's; at info level, but debug for metrics scrapes and health probes), the
+//! `--api-key` check on the OpenAI routes and the
 //! `--max-body-bytes` limit.
 
-use std::time::Duration;
+use std::time::Instant;
 
 pub use crate::args::DEFAULT_MAX_BODY_BYTES;
 use axum::body::Body;
@@ -16,7 +17,7 @@ use http::{header, StatusCode};
 use pdserve_protocol::ApiError;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
-use tracing::Span;
+use tracing::Level;
 
 /// The header carrying a request's id.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -43,6 +44,16 @@ impl Default for HttpOptions {
 /// `/generate`. Health, metrics, server info and the profiler stay open (as vLLM's).
 pub fn is_guarded(path: &str) -> bool {
     path.starts_with("/v1/") || path == "/generate"
+}
+
+/// The level of a request's span and access-log line: debug for the paths a gateway or
+/// an orchestrator polls while the worker idles (`/metrics` every second, `/health`), so
+/// an idle worker's log stays quiet; info for everything else.
+pub fn access_level(path: &str) -> Level {
+    match path {
+        "/metrics" | "/health" => Level::DEBUG,
+        _ => Level::INFO,
+    }
 }
 
 /// `router` under the worker's layers.
@@ -73,6 +84,7 @@ pub fn apply<S: Clone + Send + Sync + 'static>(
         ));
     }
     router
+        .layer(axum::middleware::from_fn(log_access))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(
             TraceLayer::new_for_http()
@@ -82,28 +94,49 @@ pub fn apply<S: Clone + Send + Sync + 'static>(
                         .get(REQUEST_ID_HEADER)
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("");
-                    tracing::info_span!(
-                        "request",
-                        request_id = %id,
-                        method = %req.method(),
-                        path = %req.uri().path(),
-                    )
+                    let path = req.uri().path();
+                    // `span!` wants its level fixed at the call site.
+                    if access_level(path) == Level::DEBUG {
+                        tracing::debug_span!(
+                            "request",
+                            request_id = %id,
+                            method = %req.method(),
+                            path = %path,
+                        )
+                    } else {
+                        tracing::info_span!(
+                            "request",
+                            request_id = %id,
+                            method = %req.method(),
+                            path = %path,
+                        )
+                    }
                 })
+                // The access line is `log_access`'s, which knows the path.
                 .on_request(())
-                .on_response(|res: &Response, latency: Duration, _span: &Span| {
-                    // The access-log line, as the gateway's (the span adds the id, method
-                    // and path); latency to the response head (a stream may run on).
-                    tracing::info!(
-                        target: "pdserve::access",
-                        status = res.status().as_u16(),
-                        latency_ms = latency.as_secs_f64() * 1e3,
-                        "request"
-                    );
-                })
+                .on_response(())
                 .on_failure(()),
         )
         // Outermost: every request, and so its log line and response, has an id.
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+}
+
+/// Logs the access line of a request, as the gateway's (its span, entered around this,
+/// adds the id, method and path) at [`access_level`]; latency to the response head (a
+/// stream may run on).
+async fn log_access(req: Request, next: Next) -> Response {
+    let level = access_level(req.uri().path());
+    let started = Instant::now();
+    let res = next.run(req).await;
+    let status = res.status().as_u16();
+    let latency_ms = started.elapsed().as_secs_f64() * 1e3;
+    // `event!` wants its level fixed at the call site.
+    if level == Level::DEBUG {
+        tracing::debug!(target: "pdserve::access", status, latency_ms, "request");
+    } else {
+        tracing::info!(target: "pdserve::access", status, latency_ms, "request");
+    }
+    res
 }
 
 fn authorized(req: &Request, expected: &str) -> bool {
@@ -168,5 +201,25 @@ mod tests {
         assert!(!constant_time_eq(b"Bearer kk", b"Bearer k"));
         assert!(!constant_time_eq(b"Bearer ", b"Bearer k"));
         assert!(!constant_time_eq(b"", b"Bearer k"));
+    }
+
+    #[test]
+    fn scrapes_and_probes_log_at_debug_and_everything_else_at_info() {
+        // The gateway scrapes `/metrics` every second and probes `/health`: at info an
+        // idle worker would log two lines a second.
+        for path in ["/metrics", "/health"] {
+            assert_eq!(access_level(path), Level::DEBUG, "{path}");
+        }
+        for path in [
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/generate",
+            "/server_info",
+            "/dashboard/data",
+            "/metrics/extra",
+            "/healthz",
+        ] {
+            assert_eq!(access_level(path), Level::INFO, "{path}");
+        }
     }
 }
