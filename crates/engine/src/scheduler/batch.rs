@@ -6,6 +6,7 @@ use std::time::Instant;
 use pdserve_model::{ModelError, SequenceStep, BLOCK_SIZE};
 
 use super::thread::Scheduler;
+use crate::metrics::Metrics;
 use crate::profile::{token_split, StepSpan};
 use crate::request::{FinishReason, PinnedKv, SeqEvent};
 use crate::sequence::Sequence;
@@ -79,18 +80,8 @@ impl<M: StepModel> Scheduler<M> {
                     seq.send_prompt_logprobs();
                     if seq.generates_nothing() {
                         let elapsed = seq.arrived.elapsed().as_secs_f64();
-                        self.metrics.request_seconds.observe(elapsed);
-                        self.metrics.vllm.e2e_request_latency.observe(elapsed);
-                        let reason = FinishReason::Length;
-                        finished.push((
-                            i,
-                            SeqEvent::Finished {
-                                reason,
-                                usage: seq.usage(),
-                                pinned: None,
-                            },
-                        ));
-                        self.metrics.finished(reason.as_str());
+                        let length = FinishReason::Length;
+                        record_finish(&self.metrics, &mut finished, i, seq, length, elapsed);
                         continue;
                     }
                     let reason = seq.append_sampled(logits, self.config.max_model_len);
@@ -107,20 +98,8 @@ impl<M: StepModel> Scheduler<M> {
                         let gap = gap.as_secs_f64();
                         self.metrics.vllm.inter_token_latency.observe(gap);
                     }
-                    if reason.is_some() {
-                        self.metrics.request_seconds.observe(elapsed);
-                        self.metrics.vllm.e2e_request_latency.observe(elapsed);
-                    }
                     if let Some(reason) = reason {
-                        finished.push((
-                            i,
-                            SeqEvent::Finished {
-                                reason,
-                                usage: seq.usage(),
-                                pinned: None,
-                            },
-                        ));
-                        self.metrics.finished(reason.as_str());
+                        record_finish(&self.metrics, &mut finished, i, seq, reason, elapsed);
                     }
                 }
             }
@@ -204,4 +183,28 @@ impl<M: StepModel> Scheduler<M> {
             self.metrics.finished("error");
         }
     }
+}
+
+/// Counts `running[i]` as finished for `reason`, `elapsed` seconds after it arrived, and
+/// queues its event for when the batch is done (a free function: the caller holds the
+/// sequence mutably).
+fn record_finish(
+    metrics: &Metrics,
+    finished: &mut Vec<(usize, SeqEvent)>,
+    i: usize,
+    seq: &Sequence,
+    reason: FinishReason,
+    elapsed: f64,
+) {
+    metrics.request_seconds.observe(elapsed);
+    metrics.vllm.e2e_request_latency.observe(elapsed);
+    finished.push((
+        i,
+        SeqEvent::Finished {
+            reason,
+            usage: seq.usage(),
+            pinned: None,
+        },
+    ));
+    metrics.finished(reason.as_str());
 }
