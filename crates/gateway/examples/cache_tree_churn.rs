@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use http::HeaderMap;
 use pdserve_gateway::endpoint::Endpoint;
+use pdserve_gateway::fleet::registry::{Worker, WorkerSpec};
+use pdserve_gateway::ingress::request::ClientRequest;
 use pdserve_gateway::policy::{self, PolicyConfig, RouteRequest};
-use pdserve_gateway::registry::{Worker, WorkerSpec};
-use pdserve_gateway::request::ClientRequest;
 use pdserve_protocol::WorkerRole;
 use prometheus_client::metrics::gauge::Gauge;
 use rand::distr::Alphanumeric;

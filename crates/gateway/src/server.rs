@@ -18,17 +18,19 @@ use tower_http::request_id::{
 };
 use tower_http::trace::TraceLayer;
 
-use crate::args::{GatewayConfig, Protocol};
+use crate::clients::worker_client::{Exchange, ForwardHeaders, LegFault};
+use crate::config::{GatewayArgs, GatewayConfig, Protocol};
 use crate::endpoint::Endpoint;
 use crate::error::{Failure, GatewayError};
+use crate::fleet::registry::Mode;
+use crate::fleet::{identity, registry};
+use crate::handoff::prewarm;
 use crate::handoff::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use crate::handoff::{self, RequestContext};
+use crate::ingress::request::{body_rejection, ClientRequest};
 use crate::policy::RouteRequest;
-use crate::registry::Mode;
-use crate::request::{body_rejection, ClientRequest};
+use crate::routes::{admin, profile, readiness};
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegFault};
-use crate::{admin, identity, prewarm, profile, readiness, registry};
 
 /// The gateway's routes and layers over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -43,8 +45,8 @@ pub fn router(state: Arc<AppState>) -> Router {
             get(crate::responses::retrieve).delete(crate::responses::delete),
         )
         .route("/v1/models", get(models))
-        .route("/tokenize", post(crate::tokenize::tokenize))
-        .route("/detokenize", post(crate::tokenize::detokenize))
+        .route("/tokenize", post(crate::routes::tokenize::tokenize))
+        .route("/detokenize", post(crate::routes::tokenize::detokenize))
         .route("/health", get(readiness::readiness))
         .route("/readiness", get(readiness::readiness))
         .route("/liveness", get(readiness::liveness))
@@ -56,8 +58,8 @@ pub fn router(state: Arc<AppState>) -> Router {
                 .layer(DefaultBodyLimit::max(admin::MAX_ADMIN_BODY_BYTES)),
         )
         .route("/metrics", get(metrics))
-        .route("/dashboard", get(crate::dashboard::page))
-        .route("/dashboard/data", get(crate::dashboard::data))
+        .route("/dashboard", get(crate::routes::dashboard::page))
+        .route("/dashboard/data", get(crate::routes::dashboard::data))
         .route("/start_profile", post(profile::start))
         .route("/stop_profile", post(profile::stop))
         .fallback(not_found)
@@ -71,22 +73,22 @@ pub fn router(state: Arc<AppState>) -> Router {
         // --api-key on the OpenAI routes (inside the access log: 401s are logged too).
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
-            crate::auth::require_api_key,
+            crate::routes::auth::require_api_key,
         ))
         // Before anything is forwarded: a request that looped back is refused here.
         .layer(axum::middleware::from_fn_with_state(
-            Arc::new(crate::hops::HopGuard {
+            Arc::new(crate::ingress::hops::HopGuard {
                 own_id: state.instance.id().to_string(),
                 own_header: state.instance.header().clone(),
                 max_hops: state.config.max_hops,
-                metrics: state.metrics.clone(),
+                refused: state.metrics.loops.clone(),
             }),
-            crate::hops::guard,
+            crate::ingress::hops::guard,
         ))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http())
         // One access-log line per request, with the id set by the layer outside it.
-        .layer(axum::middleware::from_fn(crate::access::log))
+        .layer(axum::middleware::from_fn(crate::ingress::access::log))
         // Outermost: every request (and so both legs and the response) has an id.
         .layer(SetRequestIdLayer::x_request_id(RandomRequestId))
         .with_state(state)
@@ -136,9 +138,20 @@ pub async fn serve(
             allow_gateways: state.config.allow_gateway_workers,
         },
     ));
-    tasks.extend(crate::discovery::spawn(&state));
+    tasks.extend(crate::fleet::discovery::spawn(
+        crate::fleet::discovery::Discoverer {
+            registry: state.registry.clone(),
+            client: state.client.pooled().clone(),
+            instance: state.instance.clone(),
+            metrics: state.metrics.fleet.clone(),
+            probe_timeout: state.config.probe.timeout,
+            allow_gateway_workers: state.config.allow_gateway_workers,
+            interval: state.config.discovery.interval,
+        },
+        &state.config.discovery,
+    ));
     tasks.push(state.kv_events.spawn(state.registry.clone()));
-    tasks.extend(crate::load::spawn(
+    tasks.extend(crate::fleet::load::spawn(
         state.registry.clone(),
         state.client.pooled().clone(),
         state.config.load_scrape_interval,
@@ -184,7 +197,7 @@ pub async fn serve(
             state_for_check.config.probe.timeout,
         ) => {
             if let Some(refusal) = refused {
-                state_for_check.metrics.inc_workers_refused("static", refusal.reason());
+                state_for_check.metrics.fleet.inc_workers_refused("static", refusal.reason());
                 return Err(GatewayError::Config(format!("a static worker flag is refused: {refusal}")));
             }
         }
@@ -231,15 +244,16 @@ async fn generate(
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
-        let permit = match crate::intake::admit_and_count(&state, &mut ctx, &request).await {
+        let permit = match crate::handoff::intake::admit_and_count(&state, &mut ctx, &request).await
+        {
             Ok(permit) => permit,
             Err(refused) => return Ok(refused),
         };
         let response = handoff::generate(&state, &ctx, request, conversation_id).await?;
-        Ok(crate::admission::hold_until_sent(response, permit))
+        Ok(crate::ingress::admission::hold_until_sent(response, permit))
     }
     .await;
-    crate::intake::answer(&state, &ctx, result)
+    crate::handoff::intake::answer(&state, &ctx, result)
 }
 
 /// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D
@@ -270,13 +284,16 @@ async fn sglang_generate(
         // Only the gateway writes KV handles (the bootstrap fields are overwritten).
         body.remove("kv_transfer_params");
         let field = body.get("priority").map(Value::to_string);
-        let permit =
-            match crate::admission::admit(&state.admission, field.as_deref(), &ctx.client_headers)
-                .await
-            {
-                Ok(permit) => permit,
-                Err(refused) => return Ok(refused),
-            };
+        let permit = match crate::ingress::admission::admit(
+            &state.admission,
+            field.as_deref(),
+            &ctx.client_headers,
+        )
+        .await
+        {
+            Ok(permit) => permit,
+            Err(refused) => return Ok(refused),
+        };
         let roster = state.registry.snapshot();
         if roster.routing_mode() != Mode::Disaggregated {
             return Err(ApiError::service_unavailable(format!(
@@ -291,10 +308,10 @@ async fn sglang_generate(
         let response =
             handoff::bootstrap::serve_body(&state, &ctx, shape, body, Vec::new(), &route, None)
                 .await?;
-        Ok(crate::admission::hold_until_sent(response, permit))
+        Ok(crate::ingress::admission::hold_until_sent(response, permit))
     }
     .await;
-    crate::intake::answer(&state, &ctx, result)
+    crate::handoff::intake::answer(&state, &ctx, result)
 }
 
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -385,6 +402,71 @@ async fn method_not_allowed() -> ApiError {
         "method_not_allowed",
         "Method not allowed on this route.",
     )
+}
+
+/// Runs the gateway until SIGTERM or Ctrl-C, then drains open requests for up to
+/// `--shutdown-timeout`.
+pub async fn run(args: GatewayArgs) -> Result<(), GatewayError> {
+    let config = args.to_config()?;
+    let addr = args.listen_addr();
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| GatewayError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local = listener.local_addr()?;
+    tracing::info!(
+        addr = %local,
+        prefill = config.prefill.len(),
+        decode = config.decode.len(),
+        prefill_decode = config.worker.len(),
+        encode = config.encode.len(),
+        dynamic_registration = config.admin_api_key.is_some(),
+        policy = %config.policy,
+        prefill_policy = config.prefill_policy.as_deref().unwrap_or(&config.policy),
+        decode_policy = config.decode_policy.as_deref().unwrap_or(&config.policy),
+        "gateway listening"
+    );
+    if config.static_workers().next().is_none()
+        && config.admin_api_key.is_none()
+        && !config.discovery.any()
+    {
+        tracing::warn!(
+            "no --prefill/--decode/--worker given, no discovery source and --dynamic-registration \
+             is off: every request will get 503"
+        );
+    }
+    serve(listener, config, async {
+        shutdown_signal().await;
+        tracing::info!("shutting down: no new connections; draining open requests");
+    })
+    .await
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
 }
 
 #[cfg(test)]

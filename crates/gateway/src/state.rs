@@ -5,15 +5,15 @@ use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
 
-use crate::args::GatewayConfig;
-use crate::conversation::ConversationCache;
+use crate::clients::worker_client::{ClientSettings, LegError, LegFault, WorkerClient};
+use crate::config::GatewayConfig;
 use crate::error::GatewayError;
-use crate::identity::Instance;
-use crate::metrics::Metrics;
+use crate::fleet::identity::Instance;
+use crate::fleet::registry::{CircuitState, Registry, Worker, WorkerSource};
+use crate::observe::metrics::Metrics;
 use crate::policy::InFlight;
 use crate::policy::{self, CacheMatch, Policy, RouteRequest};
-use crate::registry::{CircuitState, Registry, Worker, WorkerSource};
-use crate::worker_client::{LegError, LegFault, WorkerClient};
+use crate::sessions::conversation::ConversationCache;
 
 /// State shared by all requests.
 #[derive(Debug)]
@@ -29,36 +29,36 @@ pub struct AppState {
     /// Decode KV handles kept for conversations' next turns.
     pub conversations: Arc<ConversationCache>,
     /// The stored Responses this gateway relayed: their workers and conversations.
-    pub responses: Arc<crate::responses::ResponseChains>,
+    pub responses: Arc<crate::sessions::response_chains::ResponseChains>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The workers' context lengths, for the length check before prefill.
-    pub model_lens: crate::model_len::ModelLens,
+    pub model_lens: crate::clients::model_len::ModelLens,
     /// This gateway process's identity (loop detection, refusing itself as a worker).
     pub instance: Instance,
     /// The workers' KV-event subscriptions and block indexes.
-    pub kv_events: Arc<crate::kv_events::KvEventsHub>,
+    pub kv_events: Arc<crate::fleet::kv_events::KvEventsHub>,
     /// The served model's tokenizer, with `--tokenizer`.
-    pub tokenizer: Option<Arc<crate::prompt_tokens::PromptTokenizer>>,
+    pub tokenizer: Option<Arc<crate::ingress::prompt_tokens::PromptTokenizer>>,
     /// Whether routing reads every prompt's token ids (a policy that matches prompts,
     /// or `--disagg-threshold`); else prompts are counted only where the context-length
     /// check could need it.
     pub routing_reads_tokens: bool,
     /// Overload control (`--max-concurrent-requests`).
-    pub admission: Arc<crate::admission::Admission>,
+    pub admission: Arc<crate::ingress::admission::Admission>,
 }
 
 impl AppState {
     /// State for `config`, with its static workers registered.
     pub fn new(config: GatewayConfig) -> Result<Self, GatewayError> {
         let metrics = Arc::new(Metrics::default());
-        let registry = Arc::new(Registry::new(metrics.clone(), config.health));
+        let registry = Arc::new(Registry::new(metrics.fleet.clone(), config.health));
         for spec in config.static_workers() {
             registry
                 .register_from(spec, WorkerSource::Static)
                 .map_err(|e| GatewayError::Config(e.to_string()))?;
         }
-        let kv_events = Arc::new(crate::kv_events::KvEventsHub::new(
+        let kv_events = Arc::new(crate::fleet::kv_events::KvEventsHub::new(
             config.kv_events.clone(),
             metrics.kv_events.clone(),
         ));
@@ -76,15 +76,17 @@ impl AppState {
             build(&config.policy)?,
         ];
         let tokenizer = match &config.tokenizer {
-            Some(path) => Some(Arc::new(crate::prompt_tokens::PromptTokenizer::load(
-                path,
-                config.tokenizer_cache_bytes,
-            )?)),
+            Some(path) => Some(Arc::new(
+                crate::ingress::prompt_tokens::PromptTokenizer::load(
+                    path,
+                    config.tokenizer_cache_bytes,
+                )?,
+            )),
             None => None,
         };
         let routing_reads_tokens =
             config.disagg_threshold.is_some() || policies.iter().any(|p| p.reads_prompt());
-        let admission = crate::admission::Admission::new(
+        let admission = crate::ingress::admission::Admission::new(
             config.max_concurrent_requests,
             config.queue_size,
             config.queue_timeout,
@@ -93,12 +95,16 @@ impl AppState {
         Ok(Self {
             admission,
             routing_reads_tokens,
-            client: WorkerClient::new(&config)?,
+            client: WorkerClient::new(ClientSettings {
+                idle_timeout: config.upstream_idle_timeout,
+                connect_timeout: config.connect_timeout,
+                worker_api_key: config.worker_api_key.clone(),
+            })?,
             conversations: Arc::new(ConversationCache::new(
                 config.max_conversations,
                 config.conversation_ttl,
             )),
-            responses: Arc::new(crate::responses::ResponseChains::new(
+            responses: Arc::new(crate::sessions::response_chains::ResponseChains::new(
                 config.max_stored_responses,
             )),
             registry,
@@ -114,7 +120,7 @@ impl AppState {
 
     /// A live worker of `role` that this request has not tried yet and whose circuit
     /// admits it, chosen by the policy; while no worker of `role` is live, an evicted
-    /// one (panic routing: see [`crate::registry::Routable`]).
+    /// one (panic routing: see [`crate::fleet::registry::Routable`]).
     pub fn pick(
         &self,
         role: WorkerRole,
@@ -135,7 +141,7 @@ impl AppState {
             log_choice(policy.name(), role, &chosen, live.len());
             if let (Some(cx), Some(began)) = (route.trace, began) {
                 let name = policy.name();
-                crate::trace::routing(cx, began, name, role, &chosen, live.len(), cache);
+                crate::observe::trace::routing(cx, began, name, role, &chosen, live.len(), cache);
             }
             return Some(chosen);
         }
@@ -153,7 +159,7 @@ impl AppState {
                 log_choice(policy.name(), role, &chosen, candidates.len());
                 if let (Some(cx), Some(began)) = (route.trace, began) {
                     let (name, n) = (policy.name(), candidates.len());
-                    crate::trace::routing(cx, began, name, role, &chosen, n, cache);
+                    crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
                 }
                 return Some(chosen);
             }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use pdserve_engine::orchestrator::HandoffMode;
-use pdserve_gateway::args::Protocol;
+use pdserve_gateway::config::Protocol;
 use pdserve_protocol::WorkerRole;
 use tokio::process::Command;
 

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use clap::Parser;
 use pdserve_engine::WorkerArgs;
-use pdserve_gateway::discovery::KubernetesDiscovery;
+use pdserve_gateway::fleet::discovery::KubernetesDiscovery;
 use pdserve_gateway::GatewayArgs;
 use pdserve_protocol::WorkerRole;
 use serde_yaml_ng::Value;

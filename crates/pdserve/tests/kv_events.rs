@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdserve_engine::Worker;
-use pdserve_gateway::kv_events::subscriber::{follow, EventEndpoints};
-use pdserve_gateway::kv_events::{KvEventMetrics, WorkerEvents};
+use pdserve_gateway::fleet::kv_events::subscriber::{follow, EventEndpoints};
+use pdserve_gateway::fleet::kv_events::{KvEventMetrics, WorkerEvents};
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use pdserve_engine::{Worker, WorkerArgs};
-use pdserve_gateway::args::Protocol;
+use pdserve_gateway::config::Protocol;
 use reqwest::Url;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;

@@ -55,6 +55,19 @@ fn mix(mut h: u64) -> u64 {
     h ^ (h >> 33)
 }
 
+/// The hash state of a rendezvous key, to score every candidate with: the same in every
+/// process, build and Rust release (unlike std's `DefaultHasher`).
+pub fn rendezvous_key(key: &[u8]) -> u64 {
+    // The 0xff separator cannot occur in UTF-8, so (key, url) pairs never collide by
+    // moving bytes from one to the other.
+    fnv1a(fnv1a(FNV_OFFSET, key), &[0xff])
+}
+
+/// A candidate's rendezvous score for a key from [`rendezvous_key`]: the highest wins.
+pub fn rendezvous_score(key: u64, url: &str) -> u64 {
+    mix(fnv1a(key, url.as_bytes()))
+}
+
 /// The candidate that owns session `key`: the highest rendezvous score of
 /// (`key`, `url(candidate)`), the first of equal scores; `None` when there are none.
 pub fn rendezvous_owner<'c, T>(
@@ -62,10 +75,8 @@ pub fn rendezvous_owner<'c, T>(
     candidates: &'c [T],
     url: impl Fn(&T) -> &str,
 ) -> Option<&'c T> {
-    // The 0xff separator cannot occur in UTF-8, so (key, url) pairs never collide by
-    // moving bytes from one to the other.
-    let key_hash = fnv1a(fnv1a(FNV_OFFSET, key.as_bytes()), &[0xff]);
-    let score = |c: &T| mix(fnv1a(key_hash, url(c).as_bytes()));
+    let key_hash = rendezvous_key(key.as_bytes());
+    let score = |c: &T| rendezvous_score(key_hash, url(c));
     let mut best: Option<(&T, u64)> = None;
     for candidate in candidates {
         let s = score(candidate);

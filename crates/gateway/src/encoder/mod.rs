@@ -25,13 +25,13 @@ use self::media::{item_uuid, MediaItem, MediaKind};
 use self::mm_rewrite::{
     match_answer, transfer_items, ItemKeys, ItemReport, MatchContext, EC_TRANSFER_PARAMS,
 };
+use crate::clients::worker_client::{Exchange, ForwardHeaders, LegFault};
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
+use crate::fleet::registry::Worker;
 use crate::legs::RequestContext;
 use crate::policy::RequestOutcome;
-use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegFault};
 
 /// Client fields an encoder needs to process the media as the consumer will.
 const PASSTHROUGH: [&str; 4] = [
@@ -267,11 +267,11 @@ async fn send(
     let url = encoder.url(Endpoint::Chat);
     // The fan-out runs on the request's task: its span is the current one.
     let cx = pdserve_telemetry::current();
-    let span = crate::trace::leg(cx.as_ref(), "encode", encoder, url.as_str());
-    let leg_headers = crate::trace::leg_headers(headers, span.as_ref());
+    let span = crate::observe::trace::leg(cx.as_ref(), "encode", encoder, url.as_str());
+    let leg_headers = crate::observe::trace::leg_headers(headers, span.as_ref());
     let request = state.client.post_json(url, body, &leg_headers);
     let result = exchange.send_and_read(request).await;
-    crate::trace::leg_done(span, &result);
+    crate::observe::trace::leg_done(span, &result);
     if result.is_ok() {
         state.registry.record_answer(encoder);
     }
@@ -320,7 +320,7 @@ fn ec_params_of(body: &[u8]) -> Map<String, Value> {
 mod tests {
     use self::media::extract;
     use super::*;
-    use crate::registry::WorkerSpec;
+    use crate::fleet::registry::WorkerSpec;
     use prometheus_client::metrics::gauge::Gauge;
 
     fn worker(port: u16) -> Arc<Worker> {

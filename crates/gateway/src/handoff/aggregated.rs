@@ -8,8 +8,8 @@ use pdserve_protocol::WorkerRole;
 
 use super::RequestContext;
 use crate::error::Failure;
+use crate::ingress::request::ClientRequest;
 use crate::legs::answer::{forward, FinalLeg};
-use crate::request::ClientRequest;
 use crate::state::AppState;
 
 /// Sends the client's request (without `conversation_id`) to one worker of `role` that

@@ -16,7 +16,7 @@ use pdserve_protocol::{Prompt, Usage};
 use serde_json::Value;
 
 use crate::error::Failure;
-use crate::request::ClientRequest;
+use crate::ingress::request::ClientRequest;
 
 /// The single-prompt requests of a completions request with more than one prompt.
 pub fn split(request: &ClientRequest) -> Option<Vec<ClientRequest>> {

@@ -35,23 +35,23 @@ use tokio::task::JoinHandle;
 use super::sglang_route::wants_input_logprobs;
 pub use super::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use super::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL};
+use crate::clients::worker_client::{Exchange, LegError, LegFault, LegRequest};
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
+use crate::fleet::registry::Worker;
+use crate::ingress::request::{append_verbatim, ClientRequest};
 use crate::legs::answer::{
     expose_worker, json_response, relay, start_answer, stream_response, AnswerStart, BodyShape,
 };
 use crate::legs::prefill::send_prefill;
 use crate::legs::prompt_logprobs::PrefillLogprobs;
-use crate::legs::relay::{
+use crate::legs::retry::{with_retries, Leg};
+use crate::legs::sse::{
     edit_response_body, split_kv_params, AnswerSink, ResponseObjects, StreamDialect,
 };
-use crate::legs::retry::{with_retries, Leg};
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::registry::Worker;
-use crate::request::{append_verbatim, ClientRequest};
 use crate::state::AppState;
-use crate::worker_client::{Exchange, LegError, LegFault, LegRequest};
 
 /// Serves a validated chat or completion request with SGLang's bootstrap handoff.
 pub async fn serve(
@@ -175,7 +175,7 @@ async fn attempt(
     };
     let mut p_leg = PrefillLeg::spawn(state, ctx, plan.route, prefill.clone(), prefill_body);
     let mut d_in_flight = state.start_request(decode.clone());
-    let d_span = crate::trace::leg(ctx.trace.as_ref(), "decode", &decode, &decode.base);
+    let d_span = crate::observe::trace::leg(ctx.trace.as_ref(), "decode", &decode, &decode.base);
     let d_leg = d_span.clone();
     let decode_start = async {
         let request = leg_request(state, ctx, plan.route, &decode, decode_body, d_leg.as_ref())
@@ -190,7 +190,7 @@ async fn attempt(
         )
         .await;
         if !matches!(started, Ok(AnswerStart::Stream(_))) {
-            crate::trace::leg_done(d_leg.clone(), &started);
+            crate::observe::trace::leg_done(d_leg.clone(), &started);
         }
         started
     };
@@ -327,7 +327,7 @@ fn leg_request(
             &generate_url
         }
     };
-    let headers = crate::trace::leg_headers(&ctx.headers, span);
+    let headers = crate::observe::trace::leg_headers(&ctx.headers, span);
     Ok(state.client.leg_request(url, body, &headers, rank))
 }
 
@@ -364,13 +364,14 @@ impl PrefillLeg {
         let leg_worker = worker.clone();
         let task = tokio::spawn(async move {
             let worker = leg_worker;
-            let span = crate::trace::leg(ctx.trace.as_ref(), "prefill", &worker, &worker.base);
+            let span =
+                crate::observe::trace::leg(ctx.trace.as_ref(), "prefill", &worker, &worker.base);
             let request = leg_request(&state, &ctx, route, &worker, body, span.as_ref());
             let result = send_prefill(&state, &worker, request, Some(head_tx), |body| {
                 check_prefill_answer(body).map(|()| body.clone())
             })
             .await;
-            crate::trace::leg_done(span, &result);
+            crate::observe::trace::leg_done(span, &result);
             if let Err(e) = &result {
                 state.report(&worker, e);
             }

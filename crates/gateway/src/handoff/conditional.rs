@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use pdserve_protocol::WorkerRole;
 
+use crate::fleet::registry::Roster;
 use crate::policy::{RoutePrompt, RouteRequest};
-use crate::registry::Roster;
 use crate::state::AppState;
 
 /// Characters per token assumed when only prompt text is known (English BPE averages

@@ -21,17 +21,17 @@ use axum::response::Response;
 use pdserve_protocol::{ApiError, ChatCompletionRequest, KvTransferParams, WorkerRole};
 
 use super::{RequestContext, X_PDSERVE_PREFILL};
+use crate::clients::worker_client::LegError;
 use crate::encoder::media::{extract, MediaItem};
 use crate::encoder::mm_rewrite::{merge_ec_params, rewrite};
 use crate::encoder::{encode, Encoded};
 use crate::error::Failure;
+use crate::fleet::registry::{Mode, Roster, Worker};
+use crate::ingress::request::ClientRequest;
 use crate::legs::answer::{expose_worker, forward_once, FinalLeg};
 use crate::legs::prefill::{prefill_body, prefill_pinned, ReleaseOnDrop};
 use crate::legs::retry::RetryBudget;
-use crate::registry::{Mode, Roster, Worker};
-use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::worker_client::LegError;
 
 /// Stage durations of one attempt.
 #[derive(Debug, Default)]
@@ -101,7 +101,7 @@ pub async fn serve(
             tracing::warn!(
                 request_id = ctx.headers.request_id(),
                 attempt,
-                reason = crate::worker_client::fault_label(previous.kind),
+                reason = crate::clients::worker_client::fault_label(previous.kind),
                 "retrying the {again}: {}",
                 previous.failure_message()
             );
@@ -239,7 +239,7 @@ pub async fn serve(
             Err(e) if e.retryable() => {
                 state
                     .metrics
-                    .inc_retries("decode", crate::worker_client::fault_label(e.kind));
+                    .inc_retries("decode", crate::clients::worker_client::fault_label(e.kind));
                 last = Some(e);
                 prefilled = Some(current);
             }
@@ -323,9 +323,9 @@ fn record(
 ) {
     let total = ctx.started.elapsed();
     ctx.journey.encoded(if stages.prefill.is_some() {
-        crate::dashboard::journey::Mode::EncodePrefillDecode
+        crate::observe::journey::Mode::EncodePrefillDecode
     } else {
-        crate::dashboard::journey::Mode::EncodePrefillDecodeTogether
+        crate::observe::journey::Mode::EncodePrefillDecodeTogether
     });
     let metrics = &state.metrics;
     metrics.observe_epd_stage("encode", stages.encode);

@@ -7,6 +7,8 @@ pub mod batch;
 pub mod bootstrap;
 pub mod conditional;
 pub mod epd;
+pub mod intake;
+pub mod prewarm;
 pub mod sequential;
 pub mod sglang_route;
 
@@ -16,8 +18,8 @@ use axum::response::Response;
 use pdserve_protocol::{ApiError, WorkerRole};
 
 use crate::error::Failure;
-use crate::registry::Mode;
-use crate::request::ClientRequest;
+use crate::fleet::registry::Mode;
+use crate::ingress::request::ClientRequest;
 use crate::state::AppState;
 
 pub use crate::legs::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL, X_PDSERVE_WORKER};
@@ -88,7 +90,7 @@ async fn disaggregated(
         return aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode).await;
     }
     state.metrics.record_disaggregation("disaggregated");
-    if state.config.protocol == crate::args::Protocol::Sglang {
+    if state.config.protocol == crate::config::Protocol::Sglang {
         return bootstrap::serve(state, ctx, request, conversation_id).await;
     }
     sequential::serve(state, ctx, request, conversation_id).await

@@ -17,10 +17,10 @@ use pdserve_protocol::{KvTransferParams, WorkerRole};
 
 use super::{RequestContext, X_PDSERVE_PREFILL};
 use crate::error::Failure;
+use crate::ingress::request::ClientRequest;
 use crate::legs::answer::{expose_worker, forward, FinalLeg};
 use crate::legs::prefill::{prefill, prefill_body, PrefillAnswer, ReleaseOnDrop};
 use crate::legs::prompt_logprobs::{request_wants_prompt_logprobs, PrefillLogprobs};
-use crate::request::ClientRequest;
 use crate::state::AppState;
 
 /// Runs the prefill leg, then the decode leg.
@@ -48,7 +48,7 @@ pub async fn serve(
     // which asks for one token and would pass, pinning blocks decode then never reads.
     if let Some(max_model_len) = context_limit(state) {
         let known = ctx.prompt_tokens.as_ref().map(|t| t.len() as u64);
-        crate::model_len::check(&mut request, max_model_len, known)?;
+        crate::clients::model_len::check(&mut request, max_model_len, known)?;
     }
     let body = prefill_body(&request, prefill_params);
     let (answer, prefill_worker) = {
@@ -123,7 +123,7 @@ async fn with_prefill_facts(
         let events = body.into_data_stream().map(move |chunk| {
             chunk.map(|mut c| {
                 if let Some(cached) = cached {
-                    c = crate::legs::relay::stream_with_cached_tokens(c, cached);
+                    c = crate::legs::sse::stream_with_cached_tokens(c, cached);
                 }
                 match &merge {
                     Some(merge) => merge.merge_events(c),
@@ -138,8 +138,7 @@ async fn with_prefill_facts(
         Ok(bytes) => bytes,
         Err(_) => return Response::from_parts(parts, axum::body::Body::empty()),
     };
-    if let Some(rewritten) = cached.and_then(|c| crate::legs::relay::with_cached_tokens(&bytes, c))
-    {
+    if let Some(rewritten) = cached.and_then(|c| crate::legs::sse::with_cached_tokens(&bytes, c)) {
         bytes = Bytes::from(rewritten);
     }
     if let Some(merge) = &merge {

@@ -31,10 +31,10 @@ impl SglangRoute {
     }
 
     /// How the route's streams end and fail.
-    pub fn dialect(self) -> crate::legs::relay::StreamDialect {
+    pub fn dialect(self) -> crate::legs::sse::StreamDialect {
         match self {
-            Self::Responses => crate::legs::relay::StreamDialect::Responses,
-            _ => crate::legs::relay::StreamDialect::Chat,
+            Self::Responses => crate::legs::sse::StreamDialect::Responses,
+            _ => crate::legs::sse::StreamDialect::Chat,
         }
     }
 }

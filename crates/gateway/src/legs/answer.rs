@@ -17,16 +17,15 @@ use super::{
     RequestContext, X_PDSERVE_DECODE, X_PDSERVE_DECODE_CACHE, X_PDSERVE_PREFILL,
     X_PDSERVE_PREFILL_CACHE, X_PDSERVE_WORKER, X_PDSERVE_WORKER_CACHE,
 };
+use crate::clients::worker_client::{Exchange, LegError, LegFault, LegRequest, LegResponse};
 use crate::error::Failure;
-use crate::legs::relay::{
-    edit_response_body, split_kv_params, AnswerSink, ByteStream, Relay, ResponseObjects,
-};
+use crate::fleet::registry::Worker;
+use crate::legs::relay::{ByteStream, Relay};
 use crate::legs::retry::{with_retries, Leg};
+use crate::legs::sse::{edit_response_body, split_kv_params, AnswerSink, ResponseObjects};
 use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, LegError, LegFault, LegRequest, LegResponse};
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -158,8 +157,9 @@ async fn send_leg(
     // URL allows: a stream's burst of events is relayed in one write to the client, and
     // no connection task is woken.
     let url = worker.url(ctx.endpoint);
-    let span = crate::trace::leg(ctx.trace.as_ref(), leg.role.as_str(), &worker, url.as_str());
-    let headers = crate::trace::leg_headers(&ctx.headers, span.as_ref());
+    let span =
+        crate::observe::trace::leg(ctx.trace.as_ref(), leg.role.as_str(), &worker, url.as_str());
+    let headers = crate::observe::trace::leg_headers(&ctx.headers, span.as_ref());
     let request = state
         .client
         .leg_request(url, leg.body.clone(), &headers, rank);
@@ -168,7 +168,7 @@ async fn send_leg(
     let started = match started {
         Ok(AnswerStart::Stream(head)) => Ok(AnswerStart::Stream(head)),
         other => {
-            crate::trace::leg_done(span.clone(), &other);
+            crate::observe::trace::leg_done(span.clone(), &other);
             other
         }
     };
@@ -291,7 +291,7 @@ pub(crate) fn relay(
         decoded_elsewhere,
     } = head;
     ctx.journey.relay_takes_over();
-    crate::trace::leg_streaming(trace.as_ref());
+    crate::observe::trace::leg_streaming(trace.as_ref());
     let relay = Relay {
         journey: Some(ctx.journey.clone()),
         first,

@@ -1,5 +1,5 @@
 //! The legs every handoff mode is made of: sending a leg to a worker and reading its
-//! answer ([`crate::worker_client::Exchange`]), the prefill leg ([`prefill`]), the leg
+//! answer ([`crate::clients::worker_client::Exchange`]), the prefill leg ([`prefill`]), the leg
 //! that answers the client ([`answer`]) and its stream relay ([`relay`]), and the retry
 //! budget ([`retry`]).
 
@@ -8,15 +8,16 @@ pub mod prefill;
 pub mod prompt_logprobs;
 pub mod relay;
 pub mod retry;
+pub mod sse;
 
 use std::time::Instant;
 
 use http::HeaderMap;
 
+use crate::clients::worker_client::ForwardHeaders;
 use crate::endpoint::Endpoint;
+use crate::ingress::request::ClientRequest;
 use crate::policy::{RouteRequest, RoutingNotes};
-use crate::request::ClientRequest;
-use crate::worker_client::ForwardHeaders;
 
 /// With `--expose-routing`: the prefill worker that served the request.
 pub const X_PDSERVE_PREFILL: &str = "x-pdserve-prefill";
@@ -50,7 +51,7 @@ pub struct RequestContext {
     /// The chosen workers' cache matches, kept with `--expose-routing` only.
     pub routing_notes: Option<std::sync::Arc<RoutingNotes>>,
     /// The workers that served the request and how it ended, for the dashboard.
-    pub journey: std::sync::Arc<crate::dashboard::journey::Journey>,
+    pub journey: std::sync::Arc<crate::observe::journey::Journey>,
     /// The request's server span, when it is traced (`--otlp-traces-endpoint`).
     pub trace: Option<pdserve_telemetry::Context>,
 }
@@ -59,10 +60,10 @@ impl RequestContext {
     /// The context of a request to `route` that arrived now with the client's `headers`.
     pub fn new(endpoint: Endpoint, route: &'static str, headers: HeaderMap) -> Self {
         let mut forward = ForwardHeaders::from_client(&headers);
-        let trace = crate::trace::request_context(&mut forward);
+        let trace = crate::observe::trace::request_context(&mut forward);
         let started = Instant::now();
         let journey =
-            crate::dashboard::journey::Journey::new(forward.request_id.clone(), route, started);
+            crate::observe::journey::Journey::new(forward.request_id.clone(), route, started);
         Self {
             endpoint,
             route,

@@ -13,12 +13,12 @@ use tokio::sync::oneshot;
 
 use super::retry::{with_retries, Leg};
 use super::RequestContext;
+use crate::clients::worker_client::{Exchange, ForwardHeaders, LegError, LegFault, LegRequest};
 use crate::error::Failure;
+use crate::fleet::registry::Worker;
+use crate::ingress::request::ClientRequest;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::registry::Worker;
-use crate::request::ClientRequest;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders, LegError, LegFault, LegRequest};
 
 /// Sends `request` to the prefill `worker` and reads the whole answer; `check` turns a
 /// 2xx body into what the mode needs, or says why the worker's KV cannot be trusted
@@ -209,8 +209,8 @@ async fn prefill_once(
     rank: Option<u32>,
 ) -> Result<PrefillAnswer, LegError> {
     let url = worker.url(ctx.endpoint);
-    let span = crate::trace::leg(ctx.trace.as_ref(), "prefill", worker, url.as_str());
-    let headers = crate::trace::leg_headers(&ctx.headers, span.as_ref());
+    let span = crate::observe::trace::leg(ctx.trace.as_ref(), "prefill", worker, url.as_str());
+    let headers = crate::observe::trace::leg_headers(&ctx.headers, span.as_ref());
     let request = state.client.leg_request(url, body, &headers, rank);
     let result = send_prefill(state, worker, Ok(request), None, |body| {
         parse_prefill_answer(body).map(|answer| PrefillAnswer {
@@ -219,7 +219,7 @@ async fn prefill_once(
         })
     })
     .await;
-    crate::trace::leg_done(span, &result);
+    crate::observe::trace::leg_done(span, &result);
     result
 }
 

@@ -14,7 +14,7 @@
 use bytes::Bytes;
 use serde_json::Value;
 
-use super::relay::rewrite_events;
+use super::sse::rewrite_events;
 
 /// Whether a completions body asks for the prompt's logprobs (`echo` with `logprobs`,
 /// or vLLM's `prompt_logprobs`), so P's answer must be merged into D's.
@@ -25,11 +25,11 @@ pub fn wants_prompt_logprobs(body: &serde_json::Map<String, Value>) -> bool {
 }
 
 /// [`wants_prompt_logprobs`] for a parsed request: only completions score prompts.
-pub fn request_wants_prompt_logprobs(request: &crate::request::ClientRequest) -> bool {
+pub fn request_wants_prompt_logprobs(request: &crate::ingress::request::ClientRequest) -> bool {
     // Both counts are numbers the gateway forwards as written (held verbatim).
     let given = |name: &str| request.verbatim_number(name).is_some();
     match request {
-        crate::request::ClientRequest::Completion(c) => {
+        crate::ingress::request::ClientRequest::Completion(c) => {
             (c.echo == Some(true) && (c.logprobs.is_some() || given("logprobs")))
                 || given("prompt_logprobs")
         }

@@ -9,12 +9,12 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use pdserve_protocol::{ApiError, WorkerRole};
 
+use crate::clients::worker_client::LegError;
 use crate::error::Failure;
+use crate::fleet::registry::Worker;
 use crate::legs::RequestContext;
 use crate::policy::RouteRequest;
-use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::LegError;
 
 /// First backoff; doubled per retry, with jitter, capped at [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(20);
@@ -114,12 +114,12 @@ where
         if let Some(previous) = &last {
             state.metrics.inc_retries(
                 leg.as_str(),
-                crate::worker_client::fault_label(previous.kind),
+                crate::clients::worker_client::fault_label(previous.kind),
             );
             tracing::warn!(
                 request_id = ctx.headers.request_id(),
                 worker = %worker.base,
-                reason = crate::worker_client::fault_label(previous.kind),
+                reason = crate::clients::worker_client::fault_label(previous.kind),
                 "retrying the {} leg on another worker",
                 leg.as_str()
             );

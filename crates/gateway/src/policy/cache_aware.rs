@@ -42,8 +42,8 @@ use super::{
     role_index, CacheMatch, Choice, EventMatcher, MatchSource, Policy, PolicyConfig, PolicyStats,
     PrefixMatch, RoutePrompt, RouteRequest,
 };
-use crate::kv_events::KvEventsHub;
-use crate::registry::Worker;
+use crate::fleet::kv_events::KvEventsHub;
+use crate::fleet::registry::Worker;
 
 /// Where `cache_aware` reads a worker's match from (`--cache-source`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

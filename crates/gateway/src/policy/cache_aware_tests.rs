@@ -5,8 +5,8 @@ use rand::{Rng, SeedableRng};
 
 use super::*;
 use crate::endpoint::Endpoint;
+use crate::ingress::request::ClientRequest;
 use crate::policy::testing::{chat, load, pick, tokens, workers};
-use crate::request::ClientRequest;
 
 const A: &str = "http://127.0.0.1:1";
 const B: &str = "http://127.0.0.1:2";

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use lru::LruCache;
 
-use crate::kv_events::{prompt_keys, BlockKey, KvEventsHub};
-use crate::registry::Worker;
+use crate::fleet::kv_events::{prompt_keys, BlockKey, KvEventsHub};
+use crate::fleet::registry::Worker;
 
 /// How long a prompt sent to a worker counts as cached there before its events say so.
 const PENDING_FOR: Duration = Duration::from_secs(10);

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{Policy, RequestOutcome};
-use crate::registry::Worker;
+use crate::fleet::registry::Worker;
 
 /// Counts one open request on a worker until dropped (so cancellation and errors count
 /// too), then tells the policy that routed it how it ended.

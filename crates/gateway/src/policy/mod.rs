@@ -29,10 +29,10 @@ use http::HeaderMap;
 use pdserve_protocol::{Prompt, WorkerRole};
 
 use crate::endpoint::Endpoint;
-use crate::kv_events::{KvEventMetrics, KvEventsHub};
-pub use crate::registry::RequestOutcome;
-use crate::registry::Worker;
-use crate::request::ClientRequest;
+use crate::fleet::kv_events::{KvEventMetrics, KvEventsHub};
+pub use crate::fleet::registry::RequestOutcome;
+use crate::fleet::registry::Worker;
+use crate::ingress::request::ClientRequest;
 pub use cache_aware::{CacheAware, CacheSource};
 pub use event_match::{EventMatcher, Held};
 pub use in_flight::InFlight;

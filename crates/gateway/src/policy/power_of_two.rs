@@ -6,7 +6,7 @@ use pdserve_protocol::WorkerRole;
 use rand::Rng;
 
 use super::{Policy, RouteRequest};
-use crate::registry::Worker;
+use crate::fleet::registry::Worker;
 
 /// Samples two distinct candidates and keeps the less loaded one — by the load the
 /// workers report (`--load-scrape-interval`), else this gateway's in-flight counts, which

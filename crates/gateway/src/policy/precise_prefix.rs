@@ -16,17 +16,17 @@
 //! Without them, or when no candidate has a trusted index (none publishes events, or
 //! every one is stale), the approximate prefix tree (`cache_aware`) decides.
 
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
+use pdserve_protocol::session::{rendezvous_key, rendezvous_score};
 use pdserve_protocol::WorkerRole;
 
 use super::{
     CacheAware, CacheMatch, Choice, EventMatcher, MatchSource, Policy, PolicyStats, PrefixMatch,
     RequestOutcome, RoutePrompt, RouteRequest,
 };
-use crate::kv_events::KvEventsHub;
-use crate::registry::Worker;
+use crate::fleet::kv_events::KvEventsHub;
+use crate::fleet::registry::Worker;
 
 /// Tokens of a prompt's start that name its prefix for rendezvous hashing: enough to tell
 /// shared system prompts apart, few enough that prompts sharing one agree.
@@ -109,7 +109,7 @@ impl PrecisePrefix {
 /// For a prompt whose `new` part (after what every candidate holds) no candidate holds:
 /// among the candidates within `NEW_PREFIX_LOAD_SLACK` of the least load, the one whose
 /// URL hashes highest with the first `AFFINITY_TOKENS` tokens of `new`. Every replica
-/// computes the same hashes (the same build's fixed-key hasher), so they agree while
+/// computes the same hashes (the protocol's fixed rendezvous hash), so they agree while
 /// their views of load roughly do.
 fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[u32]) -> Standing {
     let least = standings.iter().map(|s| s.load).min().unwrap_or(0);
@@ -121,12 +121,11 @@ fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[
         .expect("the least loaded candidate is within the slack")
 }
 
-/// The rendezvous weight of `worker` for a prompt starting with `start`.
+/// The rendezvous weight of `worker` for a prompt starting with `start`: the protocol's
+/// fixed hash, so replicas built apart agree.
 fn rendezvous(worker: &str, start: &[u32]) -> u64 {
-    let mut h = DefaultHasher::new();
-    start.hash(&mut h);
-    worker.hash(&mut h);
-    h.finish()
+    let key: Vec<u8> = start.iter().flat_map(|t| t.to_le_bytes()).collect();
+    rendezvous_score(rendezvous_key(&key), worker)
 }
 
 fn token_ids<'a>(request: &RouteRequest<'a>) -> Option<&'a [u32]> {

@@ -6,7 +6,7 @@ use pdserve_protocol::WorkerRole;
 use rand::Rng;
 
 use super::{Policy, RouteRequest};
-use crate::registry::Worker;
+use crate::fleet::registry::Worker;
 
 /// Picks each candidate with equal probability (stateless; the thread-local RNG does not
 /// allocate).

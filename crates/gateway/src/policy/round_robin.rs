@@ -6,7 +6,7 @@ use std::sync::Arc;
 use pdserve_protocol::WorkerRole;
 
 use super::{role_index, Policy, RouteRequest};
-use crate::registry::Worker;
+use crate::fleet::registry::Worker;
 
 /// One cursor per role that only ever advances, so a roster change never sends the next
 /// burst of requests to the first worker again.
@@ -38,7 +38,7 @@ impl Policy for RoundRobin {
 mod tests {
     use super::*;
     use crate::endpoint::Endpoint;
-    use crate::registry::WorkerSpec;
+    use crate::fleet::registry::WorkerSpec;
     use prometheus_client::metrics::gauge::Gauge;
 
     fn workers(ports: &[u16]) -> Vec<Arc<Worker>> {

@@ -11,8 +11,8 @@ use pdserve_protocol::WorkerRole;
 use serde_json::Value;
 
 use super::{Choice, Policy, PolicyStats, PrefixMatch, RequestOutcome, RouteRequest};
-use crate::registry::Worker;
-use crate::request::ClientRequest;
+use crate::fleet::registry::Worker;
+use crate::ingress::request::ClientRequest;
 
 /// Consistent hashing on the session key, with a fallback policy for keyless requests.
 #[derive(Debug)]

@@ -8,9 +8,9 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use super::{Policy, RoundRobin};
 use crate::endpoint::Endpoint;
+use crate::fleet::registry::{Worker, WorkerSpec};
+use crate::ingress::request::ClientRequest;
 use crate::policy::InFlight;
-use crate::registry::{Worker, WorkerSpec};
-use crate::request::ClientRequest;
 
 /// Workers of `role` at `http://127.0.0.1:{port}`.
 pub fn workers(role: WorkerRole, ports: &[u16]) -> Vec<Arc<Worker>> {

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use pdserve_protocol::KvTransferParams;
 use serde_json::{json, Value};
 
-use super::chain::{ChainRecord, Conversation, ResponseChains};
-use crate::conversation::ConversationCache;
-use crate::legs::relay::ResponseObjects;
+use crate::legs::sse::ResponseObjects;
+use crate::sessions::conversation::ConversationCache;
+use crate::sessions::response_chains::{ChainRecord, Conversation, ResponseChains};
 
 /// The edits for one Responses answer.
 #[derive(Debug)]

@@ -5,19 +5,17 @@
 //!
 //! `previous_response_id` is the conversation's handle. The worker that answered stores
 //! the response; the gateway remembers which worker that was and the conversation
-//! ([`chain`]), so a later turn goes back to that worker (routed like a
+//! ([`crate::sessions::response_chains`]), so a later turn goes back to that worker (routed like a
 //! `conversation_id`), and over P/D the prefill worker, which never saw the conversation,
 //! is sent all of it while it reads the last decode's blocks instead of recomputing them.
 //! A response this gateway does not know (another replica relayed it) is looked for on
 //! the workers; its worker alone serves the next turn. `GET` and `DELETE
 //! /v1/responses/{id}` go to the worker that holds the response.
 
-pub mod chain;
 mod edits;
 mod request;
 mod serve;
 mod stored;
 
-pub use chain::ResponseChains;
 pub use serve::create;
 pub use stored::{delete, retrieve};

@@ -11,7 +11,7 @@ use pdserve_protocol::{ApiError, KvTransferParams};
 use serde_json::{json, Map, Value};
 
 use crate::endpoint::Endpoint;
-use crate::request::{json_error, ClientRequest};
+use crate::ingress::request::{json_error, ClientRequest};
 
 /// Fields only the gateway writes: KV handles, SGLang's bootstrap address, the encoder
 /// cache's handles (each would make a worker connect where the client says).

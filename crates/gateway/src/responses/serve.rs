@@ -10,19 +10,19 @@ use http::HeaderMap;
 use pdserve_protocol::{ApiError, KvTransferParams, WorkerRole};
 use serde_json::{json, Map, Value};
 
-use super::chain::ChainRecord;
 use super::edits::ResponseEdits;
 use super::request::{encode, prefill_body, ResponsesBody};
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
+use crate::fleet::registry::{Mode, Roster, Worker};
 use crate::handoff::bootstrap::{serve_body, SglangRoute};
 use crate::handoff::sequential::context_limit;
 use crate::handoff::{conditional, RequestContext, X_PDSERVE_PREFILL};
+use crate::ingress::request::{body_rejection, ClientRequest};
 use crate::legs::answer::{expose_worker, forward, FinalLeg};
 use crate::legs::prefill::{prefill, ReleaseOnDrop};
 use crate::policy::RouteRequest;
-use crate::registry::{Mode, Roster, Worker};
-use crate::request::{body_rejection, ClientRequest};
+use crate::sessions::response_chains::ChainRecord;
 use crate::state::AppState;
 
 /// Handles `POST /v1/responses`.
@@ -49,7 +49,7 @@ pub async fn create(
             .map(|c| c.items())
             .unwrap_or_default();
         let chat = request.as_chat(&before)?;
-        let permit = match crate::intake::admit_and_count(&state, &mut ctx, &chat).await {
+        let permit = match crate::handoff::intake::admit_and_count(&state, &mut ctx, &chat).await {
             Ok(permit) => permit,
             Err(refused) => return Ok(refused),
         };
@@ -60,10 +60,10 @@ pub async fn create(
             chat: &chat,
         };
         let response = serve(&state, &ctx, turn).await?;
-        Ok(crate::admission::hold_until_sent(response, permit))
+        Ok(crate::ingress::admission::hold_until_sent(response, permit))
     }
     .await;
-    crate::intake::answer(&state, &ctx, result)
+    crate::handoff::intake::answer(&state, &ctx, result)
 }
 
 /// The stored response a request continues.
@@ -197,7 +197,7 @@ async fn serve(
     }
     let body = turn.request.expanded(turn.before);
     state.metrics.record_disaggregation("disaggregated");
-    if state.config.protocol == crate::args::Protocol::Sglang {
+    if state.config.protocol == crate::config::Protocol::Sglang {
         let edits = turn.edits(state, None);
         return serve_body(
             state,
@@ -257,7 +257,7 @@ async fn sequential(
     // which asks for one token and would pass, pinning blocks decode then never reads.
     if let Some(max_model_len) = context_limit(state) {
         let known = ctx.prompt_tokens.as_ref().map(|t| t.len() as u64);
-        crate::model_len::check(&mut turn.chat.clone(), max_model_len, known)?;
+        crate::clients::model_len::check(&mut turn.chat.clone(), max_model_len, known)?;
     }
     let handed_back = turn.previous.map(|p| {
         let kept = state.conversations.take(&p.id);

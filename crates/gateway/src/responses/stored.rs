@@ -12,12 +12,12 @@ use pdserve_protocol::{ApiError, WorkerRole};
 use reqwest::Url;
 use serde_json::{json, Value};
 
+use crate::clients::worker_client::{Exchange, ForwardHeaders};
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
+use crate::fleet::registry::Worker;
 use crate::legs::answer::json_response;
-use crate::registry::Worker;
 use crate::state::AppState;
-use crate::worker_client::{Exchange, ForwardHeaders};
 
 /// The metrics label of both routes.
 const ROUTE: &str = "/v1/responses/{id}";

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use pdserve_gateway::args::Protocol;
+use pdserve_gateway::config::Protocol;
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 
@@ -17,7 +17,7 @@ const ROOM_LIMIT: u64 = 1 << 63;
 fn config(prefill: &[&SglangDouble], decode: &[&SglangDouble]) -> GatewayConfig {
     let urls = |ds: &[&SglangDouble]| {
         ds.iter()
-            .map(|d| pdserve_gateway::args::parse_worker_url("t", &d.url).unwrap())
+            .map(|d| pdserve_gateway::fleet::registry::parse_worker_url("t", &d.url).unwrap())
             .collect()
     };
     let mut config = GatewayConfig::new(urls(prefill), urls(decode), Vec::new());

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{RData, Record, RecordType};
-use pdserve_gateway::discovery::parse_dns_target;
+use pdserve_gateway::fleet::discovery::parse_dns_target;
 use pdserve_gateway::GatewayConfig;
 
 use crate::double::{Double, Role};

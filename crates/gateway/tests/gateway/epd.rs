@@ -57,7 +57,7 @@ pub async fn epd_gateway(
     let mut config = GatewayConfig::new(urls(prefill), urls(decode), urls(worker));
     config.encode = encoders
         .iter()
-        .map(|e| pdserve_gateway::args::parse_worker_url("test", &e.url).unwrap())
+        .map(|e| pdserve_gateway::fleet::registry::parse_worker_url("test", &e.url).unwrap())
         .collect();
     tweak(&mut config);
     Gateway::start(config).await

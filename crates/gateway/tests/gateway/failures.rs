@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use pdserve_gateway::args::parse_worker_url;
+use pdserve_gateway::fleet::registry::parse_worker_url;
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 

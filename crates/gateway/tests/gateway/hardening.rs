@@ -14,7 +14,7 @@ use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use pdserve_gateway::args::parse_worker_url;
+use pdserve_gateway::fleet::registry::parse_worker_url;
 
 use super::{bounded, client, sse_data, Gateway};
 

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdserve_gateway::discovery::{KubernetesDiscovery, LabelSelector};
+use pdserve_gateway::fleet::discovery::{KubernetesDiscovery, LabelSelector};
 use pdserve_gateway::GatewayConfig;
 use pdserve_protocol::WorkerRole;
 use serde_json::{json, Value};

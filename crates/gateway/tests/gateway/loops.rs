@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_gateway::args::parse_worker_url;
+use pdserve_gateway::fleet::registry::parse_worker_url;
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 

@@ -26,7 +26,7 @@ mod sglang_double;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use pdserve_gateway::args::parse_worker_url;
+use pdserve_gateway::fleet::registry::parse_worker_url;
 use pdserve_gateway::{GatewayConfig, GatewayError};
 use reqwest::Url;
 use serde_json::Value;

@@ -129,7 +129,7 @@ async fn responses_and_sglang_generate_wait_in_the_same_queue() {
         let mut config = pd_config(&[&p], &[&d]);
         config.max_concurrent_requests = 1;
         config.queue_size = 0;
-        config.protocol = pdserve_gateway::args::Protocol::Sglang;
+        config.protocol = pdserve_gateway::config::Protocol::Sglang;
         let gateway = Gateway::start(config).await;
         d.set(Behavior::Delay(Duration::from_millis(400)));
         let busy = tokio::spawn(

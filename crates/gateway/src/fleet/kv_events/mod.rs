@@ -1,0 +1,224 @@
+//! What the workers' own KV-cache events say they cache. Every worker with an event
+//! endpoint (from `--kv-events`, its registration, its listing entry or its pod's
+//! annotations) gets a subscriber task and an index of its cached blocks; the index goes
+//! when the worker leaves the roster. Events are the same for every gateway replica, so
+//! replicas that route on them agree without sharing anything.
+//!
+//! - [`index`]: a worker's blocks under the gateway's own chained keys.
+//! - [`subscriber`]: the SUB socket, sequence checks, replays and rebuilds.
+
+mod args;
+pub mod index;
+mod metrics;
+pub mod subscriber;
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+
+pub use args::{check_endpoint, KvEventsArgs, KvEventsConfig};
+pub use index::{prompt_keys, BlockIndex, BlockKey};
+pub use metrics::KvEventMetrics;
+pub use subscriber::EventEndpoints;
+
+use crate::fleet::registry::{Registry, WorkerSpec};
+
+/// One worker's index and when its stream last said something.
+#[derive(Debug)]
+pub struct WorkerEvents {
+    index: Mutex<BlockIndex>,
+    last_heard: Mutex<Option<Instant>>,
+    /// When the gateway first sent the worker a prompt it must compute new blocks for
+    /// after the last batch arrived: events are owed since then.
+    owed_since: Mutex<Option<Instant>>,
+    /// Events were owed for longer than `--kv-events-stale-secs`: the index is not
+    /// trusted until the stream speaks again.
+    stale: AtomicBool,
+}
+
+impl WorkerEvents {
+    /// An empty index of at most `capacity` blocks.
+    pub fn new(capacity: NonZeroUsize) -> Self {
+        Self {
+            index: Mutex::new(BlockIndex::new(capacity)),
+            last_heard: Mutex::new(None),
+            owed_since: Mutex::new(None),
+            stale: AtomicBool::new(false),
+        }
+    }
+
+    /// The index, locked.
+    pub fn lock(&self) -> MutexGuard<'_, BlockIndex> {
+        // The index is rebuilt from events anyway: a panic elsewhere cannot tear it.
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Empties the index (it fills again from new events).
+    pub fn reset(&self) {
+        self.lock().clear();
+    }
+
+    /// Records that a batch arrived at `at`: the stream is alive, nothing is owed.
+    pub fn heard(&self, at: Instant) {
+        *self.last_heard.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+        *self.owed_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.stale.store(false, Ordering::Relaxed);
+    }
+
+    /// Records that the worker was just sent a prompt it will compute new blocks for, so
+    /// its stream owes events (a stream that owes them for too long goes stale).
+    pub fn expect_events(&self) {
+        self.owed_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(Instant::now);
+    }
+
+    /// Marks the index stale when events have been owed for longer than `stale_after`;
+    /// true when it just went stale.
+    pub fn check_stale(&self, stale_after: Duration) -> bool {
+        let owed = *self.owed_since.lock().unwrap_or_else(|e| e.into_inner());
+        let overdue = owed.is_some_and(|since| since.elapsed() > stale_after);
+        overdue && !self.stale.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether the index is stale (events owed too long; cleared by the next batch).
+    pub fn is_stale(&self) -> bool {
+        self.stale.load(Ordering::Relaxed)
+    }
+
+    /// When the last batch arrived.
+    pub fn last_heard(&self) -> Option<Instant> {
+        *self.last_heard.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tokens of `tokens` from the start that the worker holds, in whole blocks; `None`
+    /// before its events have said its block size, and while the index is stale.
+    pub fn cached_tokens(&self, tokens: &[u32]) -> Option<usize> {
+        if self.is_stale() {
+            return None;
+        }
+        let mut index = self.lock();
+        let block_size = index.block_size()? as usize;
+        let keys = prompt_keys(tokens, block_size);
+        Some(index.cached_prefix(&keys) * block_size)
+    }
+}
+
+/// Every worker's event subscription and index.
+#[derive(Debug)]
+pub struct KvEventsHub {
+    config: KvEventsConfig,
+    metrics: Arc<KvEventMetrics>,
+    workers: RwLock<HashMap<String, Arc<WorkerEvents>>>,
+    subscriptions: Mutex<HashMap<String, (EventEndpoints, JoinHandle<()>)>>,
+}
+
+impl Drop for KvEventsHub {
+    fn drop(&mut self) {
+        let subscriptions = self
+            .subscriptions
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner());
+        for (_, (_, task)) in subscriptions.drain() {
+            task.abort();
+        }
+    }
+}
+
+impl KvEventsHub {
+    /// No subscriptions yet.
+    pub fn new(config: KvEventsConfig, metrics: Arc<KvEventMetrics>) -> Self {
+        Self {
+            config,
+            metrics,
+            workers: RwLock::default(),
+            subscriptions: Mutex::default(),
+        }
+    }
+
+    /// The events of the worker at `url` (its registry key), if it publishes any.
+    pub fn worker(&self, url: &str) -> Option<Arc<WorkerEvents>> {
+        self.workers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(url)
+            .cloned()
+    }
+
+    /// Where `spec`'s events come from: `--kv-events` for its URL, else what it was
+    /// registered with.
+    pub fn endpoints(&self, spec: &WorkerSpec) -> Option<EventEndpoints> {
+        let key = spec.key();
+        let publisher = self
+            .config
+            .publishers
+            .get(&key)
+            .cloned()
+            .or_else(|| spec.kv_events_endpoint.clone())?;
+        let replay = self
+            .config
+            .replays
+            .get(&key)
+            .cloned()
+            .or_else(|| spec.kv_events_replay_endpoint.clone());
+        Some(EventEndpoints { publisher, replay })
+    }
+
+    /// Subscribes to every roster worker that publishes events and drops what left:
+    /// a worker that left takes its index with it; one whose endpoints changed starts
+    /// over.
+    pub fn reconcile(&self, registry: &Registry) {
+        let roster = registry.snapshot();
+        let wanted: HashMap<String, EventEndpoints> = roster
+            .members()
+            .iter()
+            .filter_map(|m| Some((m.worker.base.clone(), self.endpoints(&m.worker.spec)?)))
+            .collect();
+        let mut subscriptions = self.subscriptions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        subscriptions.retain(|url, (endpoints, task)| {
+            let keep = wanted.get(url) == Some(endpoints);
+            if !keep {
+                task.abort();
+                workers.remove(url);
+                self.metrics.forget(url);
+                tracing::info!(worker = %url, "KV events: unsubscribed");
+            }
+            keep
+        });
+        for (url, endpoints) in wanted {
+            if subscriptions.contains_key(&url) {
+                continue;
+            }
+            let events = Arc::new(WorkerEvents::new(self.config.max_indexed_blocks));
+            workers.insert(url.clone(), events.clone());
+            let task = tokio::spawn(subscriber::follow(
+                url.clone(),
+                endpoints.clone(),
+                events,
+                self.metrics.clone(),
+                self.config.stale_after,
+            ));
+            subscriptions.insert(url, (endpoints, task));
+        }
+    }
+
+    /// Keeps the subscriptions in step with the roster until aborted.
+    pub fn spawn(self: &Arc<Self>, registry: Arc<Registry>) -> JoinHandle<()> {
+        let hub = self.clone();
+        tokio::spawn(async move {
+            let mut changes = registry.subscribe();
+            loop {
+                hub.reconcile(&registry);
+                if changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,319 @@
+//! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pdserve_protocol::WorkerRole;
+use prometheus_client::metrics::gauge::Gauge;
+use reqwest::Url;
+use serde::Serialize;
+
+use super::circuit::{BreakerSettings, CircuitBreaker, CircuitState};
+use crate::endpoint::Endpoint;
+use crate::error::GatewayError;
+
+/// The largest `dp_size` a worker may declare (vLLM's largest data-parallel deployments
+/// have hundreds of ranks).
+pub const MAX_DP_SIZE: u32 = 1024;
+
+/// Checks a declared number of data-parallel replicas: from 1 to [`MAX_DP_SIZE`].
+pub fn check_dp_size(dp_size: u64) -> Result<u32, String> {
+    u32::try_from(dp_size)
+        .ok()
+        .filter(|n| (1..=MAX_DP_SIZE).contains(n))
+        .ok_or_else(|| format!("dp_size must be from 1 to {MAX_DP_SIZE}, got {dp_size}"))
+}
+
+/// Parses a worker base URL (`http://host:port`, optional path prefix, no trailing `/v1`).
+pub fn parse_worker_url(flag: &str, raw: &str) -> Result<Url, GatewayError> {
+    let trimmed = raw.trim().trim_end_matches('/');
+    let url = Url::parse(trimmed)
+        .map_err(|e| GatewayError::Config(format!("{flag} `{raw}` is not a URL: {e}")))?;
+    if url.scheme() != "http" {
+        return Err(GatewayError::Config(format!(
+            "{flag} `{raw}`: only http:// workers are supported"
+        )));
+    }
+    if url.host_str().is_none() {
+        return Err(GatewayError::Config(format!("{flag} `{raw}` has no host")));
+    }
+    Ok(url)
+}
+
+/// What a worker is registered as: the fields of a `POST /instances` body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// The worker's part in serving.
+    pub role: WorkerRole,
+    /// Its base URL (scheme, host, port, optional path prefix; no trailing `/`).
+    pub url: Url,
+    /// Data-parallel replicas behind the URL.
+    pub dp_size: u32,
+    /// SGLang bootstrap port of a prefill worker, if it has one.
+    pub bootstrap_port: Option<u16>,
+    /// An encoder-cache consumer's push-connector (Mooncake) control addresses, one per
+    /// data-parallel replica: the encoders push each embedding to the replica that will
+    /// run the request.
+    pub ec_zmq_addrs: Vec<String>,
+    /// Where the worker publishes its KV-cache events (`tcp://host:port`), if it does.
+    pub kv_events_endpoint: Option<String>,
+    /// Where the worker answers KV-event replay requests, if it does.
+    pub kv_events_replay_endpoint: Option<String>,
+}
+
+impl WorkerSpec {
+    /// A spec with one replica and no bootstrap port.
+    pub fn new(role: WorkerRole, url: Url) -> Self {
+        Self {
+            role,
+            url,
+            dp_size: 1,
+            bootstrap_port: None,
+            ec_zmq_addrs: Vec::new(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        }
+    }
+
+    /// The registry key: the base URL without a trailing `/`.
+    pub fn key(&self) -> String {
+        worker_key(&self.url)
+    }
+}
+
+/// The registry key of a base URL: its text without a trailing `/`.
+pub fn worker_key(url: &Url) -> String {
+    url.as_str().trim_end_matches('/').to_string()
+}
+
+/// Whether requests are routed to a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Receives traffic.
+    Live,
+    /// Failed `--fail-threshold` consecutive probes (or refused a connection); probed
+    /// until it answers again or `--evicted-ttl` passes.
+    Evicted,
+}
+
+/// One upstream worker as the registry knows it.
+#[derive(Debug)]
+pub struct Worker {
+    /// The worker's registration.
+    pub spec: WorkerSpec,
+    /// Its base URL as text without a trailing `/` (logs, metrics labels, registry key).
+    pub base: String,
+    chat_url: Url,
+    completions_url: Url,
+    responses_url: Url,
+    models_url: Url,
+    health_url: Url,
+    metrics_url: Url,
+    /// Open requests, exported as a metric and read for `/instances` and load balancing.
+    in_flight: Gauge,
+    /// Consecutive failed probes (or failed connections) since the last success.
+    failures: AtomicU32,
+    /// Whether routing may send requests here after recent failures.
+    pub breaker: CircuitBreaker,
+    /// The next data-parallel rank to name (round-robin over `dp_size`).
+    dp_cursor: AtomicUsize,
+    /// Mirrors the roster's health of this record (read by requests that succeed, to
+    /// re-admit it without scanning the roster).
+    evicted: AtomicBool,
+    /// What the worker's own `/metrics` said last (`--load-scrape-interval`).
+    reported: Mutex<Option<ReportedLoad>>,
+}
+
+/// A worker's load as its own metrics report it (vLLM's `vllm:num_requests_*`, SGLang's
+/// queue gauges): the same for every gateway replica, unlike in-flight counts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReportedLoad {
+    /// Requests queued on the worker.
+    pub waiting: f64,
+    /// Requests running on the worker.
+    pub running: f64,
+    /// Share of its KV cache in use (0-1), when it says.
+    pub kv_usage: Option<f64>,
+    /// Its prefix-cache hit ratio (0-1) since it started, when it says.
+    pub prefix_cache_hit_ratio: Option<f64>,
+    /// This gateway's open requests on the worker when the report came.
+    in_flight_then: i64,
+    /// When the report came.
+    at: Instant,
+    /// How long it stands for.
+    valid_for: Duration,
+}
+
+impl Worker {
+    /// A worker for `spec` whose in-flight count is `in_flight`, with a default breaker.
+    pub fn new(spec: WorkerSpec, in_flight: Gauge) -> Self {
+        Self::with_breaker(
+            spec,
+            in_flight,
+            CircuitBreaker::new(BreakerSettings::default(), Gauge::default()),
+        )
+    }
+
+    /// A worker for `spec` with its in-flight gauge and circuit breaker.
+    pub fn with_breaker(spec: WorkerSpec, in_flight: Gauge, breaker: CircuitBreaker) -> Self {
+        let root = spec.key();
+        let join = |path: &str| {
+            Url::parse(&format!("{root}{path}")).expect("a valid base URL plus a path is valid")
+        };
+        Self {
+            chat_url: join(Endpoint::Chat.path()),
+            completions_url: join(Endpoint::Completions.path()),
+            responses_url: join(Endpoint::Responses.path()),
+            models_url: join("/v1/models"),
+            health_url: join("/health"),
+            metrics_url: join("/metrics"),
+            in_flight,
+            base: root,
+            spec,
+            failures: AtomicU32::new(0),
+            breaker,
+            dp_cursor: AtomicUsize::new(0),
+            evicted: AtomicBool::new(false),
+            reported: Mutex::new(None),
+        }
+    }
+
+    /// The worker's role.
+    pub fn role(&self) -> WorkerRole {
+        self.spec.role
+    }
+
+    /// The full URL of `endpoint` on this worker.
+    pub fn url(&self, endpoint: Endpoint) -> &Url {
+        match endpoint {
+            Endpoint::Chat => &self.chat_url,
+            Endpoint::Completions => &self.completions_url,
+            Endpoint::Responses => &self.responses_url,
+        }
+    }
+
+    /// The worker's `/v1/models` URL.
+    pub fn models_url(&self) -> &Url {
+        &self.models_url
+    }
+
+    /// The worker's `/health` URL (probed by the registry).
+    pub fn health_url(&self) -> &Url {
+        &self.health_url
+    }
+
+    /// The worker's `/metrics` URL (scraped for its load).
+    pub fn metrics_url(&self) -> &Url {
+        &self.metrics_url
+    }
+
+    /// Requests this gateway has open on the worker.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.get()
+    }
+
+    /// The worker's load for routing: the requests it reported waiting and running, plus
+    /// those this gateway opened on it since the report; this gateway's in-flight count
+    /// when there is no fresh report.
+    pub fn load(&self) -> i64 {
+        let in_flight = self.in_flight();
+        match self.reported_load() {
+            Some(r) => {
+                (r.waiting + r.running).round() as i64 + (in_flight - r.in_flight_then).max(0)
+            }
+            None => in_flight,
+        }
+    }
+
+    /// The worker's last report, while it is fresh.
+    pub fn reported_load(&self) -> Option<ReportedLoad> {
+        let reported = *self.reported.lock().unwrap_or_else(|e| e.into_inner());
+        reported.filter(|r| r.at.elapsed() <= r.valid_for)
+    }
+
+    /// Records what the worker's metrics said now, standing for `valid_for`.
+    pub fn report_load(
+        &self,
+        waiting: f64,
+        running: f64,
+        kv_usage: Option<f64>,
+        prefix_cache_hit_ratio: Option<f64>,
+        valid_for: Duration,
+    ) {
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = Some(ReportedLoad {
+            waiting,
+            running,
+            kv_usage,
+            prefix_cache_hit_ratio,
+            in_flight_then: self.in_flight(),
+            at: Instant::now(),
+            valid_for,
+        });
+    }
+
+    /// Forgets the worker's report (its metrics stopped answering).
+    pub fn clear_reported_load(&self) {
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Counts a request opened on the worker (see [`crate::policy::InFlight`]).
+    pub fn request_opened(&self) {
+        self.in_flight.inc();
+    }
+
+    /// Counts a request on the worker ended.
+    pub fn request_closed(&self) {
+        self.in_flight.dec();
+    }
+
+    /// Consecutive failures since the last success.
+    pub fn failures(&self) -> u32 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Counts a failure; returns the new consecutive count.
+    pub(crate) fn record_failure(&self) -> u32 {
+        self.failures.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Clears the failure count.
+    pub(crate) fn record_success(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+    }
+
+    /// Whether the roster holds this record as evicted.
+    pub fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_evicted(&self, evicted: bool) {
+        self.evicted.store(evicted, Ordering::Relaxed);
+    }
+
+    /// Carries health counters over from the record this one replaces.
+    pub(crate) fn inherit(&self, previous: &Worker) {
+        self.failures.store(previous.failures(), Ordering::Relaxed);
+        self.set_evicted(previous.is_evicted());
+        self.breaker.inherit(&previous.breaker);
+        self.dp_cursor.store(
+            previous.dp_cursor.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) =
+            *previous.reported.lock().unwrap_or_else(|e| e.into_inner());
+    }
+
+    /// The circuit breaker's state.
+    pub fn circuit(&self) -> CircuitState {
+        self.breaker.state()
+    }
+
+    /// The data-parallel rank the next request names, round-robin; `None` for a worker
+    /// with one replica.
+    pub fn next_dp_rank(&self) -> Option<u32> {
+        let size = self.spec.dp_size.max(1) as usize;
+        (size > 1).then(|| (self.dp_cursor.fetch_add(1, Ordering::Relaxed) % size) as u32)
+    }
+}

@@ -1,0 +1,70 @@
+//! What every generation route (chat, completions, Responses, SGLang's `/generate`) does
+//! around its mode: admission and the prompt's token ids before routing, and one tail
+//! that logs and counts the answer.
+
+use axum::response::{IntoResponse, Response};
+
+use crate::error::Failure;
+use crate::ingress::request::ClientRequest;
+use crate::legs::RequestContext;
+use crate::state::AppState;
+
+/// What every generation route does before routing: admission (past
+/// `--max-concurrent-requests` the request waits, or is refused with the returned
+/// answer), then the prompt's token ids where routing or the length check reads them.
+pub async fn admit_and_count(
+    state: &AppState,
+    ctx: &mut RequestContext,
+    request: &ClientRequest,
+) -> Result<crate::ingress::admission::Permit, Response> {
+    crate::observe::trace::describe(ctx.trace.as_ref(), request);
+    let field = request.verbatim_number("priority");
+    let permit =
+        crate::ingress::admission::admit(&state.admission, field, &ctx.client_headers).await?;
+    if let Some(tokenizer) = &state.tokenizer {
+        if state.routing_reads_tokens
+            || crate::ingress::prompt_tokens::may_overflow(request, state.model_lens.smallest())
+        {
+            ctx.prompt_tokens = crate::ingress::prompt_tokens::tokenize(tokenizer, request).await;
+        }
+    }
+    Ok(permit)
+}
+
+/// The client's answer to a generation request, with its failure logged and both
+/// counted: every generation route ends here.
+pub fn answer(
+    state: &AppState,
+    ctx: &RequestContext,
+    result: Result<Response, Failure>,
+) -> Response {
+    let response = match result {
+        Ok(response) => response,
+        Err(failure) => {
+            tracing::info!(
+                request_id = ctx.headers.request_id(),
+                status = failure.status().as_u16(),
+                "request failed: {failure:?}"
+            );
+            state
+                .metrics
+                .observe_end_to_end(ctx.route, ctx.started.elapsed());
+            failure.into_response()
+        }
+    };
+    let status = response.status().as_u16();
+    state.metrics.record_request(ctx.route, status);
+    // A stream's relay files it when the stream ends; a body is complete here.
+    if !ctx.journey.relayed() {
+        let finished = crate::observe::history::Finished {
+            status,
+            outcome: if status < 400 { "ok" } else { "error" },
+            stream: false,
+            ttft: None,
+            itl: None,
+            duration: ctx.started.elapsed(),
+        };
+        ctx.journey.file(&state.metrics.history, finished);
+    }
+    response
+}

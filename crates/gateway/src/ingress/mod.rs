@@ -1,0 +1,8 @@
+//! What a client's request is before it is routed: its parsed body, its place in the
+//! admission queue, its access-log line, the gateways it already passed and its tokens.
+
+pub mod access;
+pub mod admission;
+pub mod hops;
+pub mod prompt_tokens;
+pub mod request;

@@ -1,0 +1,10 @@
+//! The HTTP routes besides generation: the admin roster, tokenize, profiling,
+//! readiness, the dashboard, and the API-key layer in front of them.
+
+pub mod admin;
+pub mod auth;
+pub mod dashboard;
+pub mod dashboard_data;
+pub mod profile;
+pub mod readiness;
+pub mod tokenize;
