@@ -64,7 +64,7 @@ enum ModelCommand {
 }
 
 /// mimalloc: 7% more non-streaming gateway req/s than glibc malloc at 12% less CPU per
-/// request (README, "Gateway vs peers"); engine speed unchanged. Built with `no_thp`:
+/// request (docs/benchmarks.md, "Gateway vs peers"); engine speed unchanged. Built with `no_thp`:
 /// with transparent huge pages its arenas are backed by 2 MiB pages and the gateway's
 /// RSS goes from 22 to 34 MiB.
 #[global_allocator]

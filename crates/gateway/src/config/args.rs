@@ -332,8 +332,15 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_PD_DISAGGREGATION")]
     pub pd_disaggregation: bool,
 
-    /// SGLang router flag: aggregated worker URLs, space-separated (like --worker).
-    #[arg(long = "worker-urls", num_args = 1.., value_name = "URL")]
+    /// SGLang router flag: aggregated worker URLs, space-separated (like --worker); the
+    /// environment variable takes them comma-separated.
+    #[arg(
+        long = "worker-urls",
+        env = "PDSERVE_WORKER_URLS",
+        num_args = 1..,
+        value_delimiter = ',',
+        value_name = "URL"
+    )]
     pub worker_urls: Vec<String>,
 
     /// `--protocol sglang`: hold the decode worker's first byte until the prefill worker's

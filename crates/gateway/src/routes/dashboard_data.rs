@@ -1,5 +1,5 @@
 //! `GET /dashboard/data`: what the page draws, as JSON. The shape is documented field by
-//! field in the README ("Dashboard") and kept stable: fields are added, never renamed.
+//! field in docs/operations.md ("Dashboard") and kept stable: fields are added, never renamed.
 
 use std::time::UNIX_EPOCH;
 
