@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::HeaderMap;
-use pdserve_model::ChatTurn;
+use pdserve_model::{chat_turns, ChatTurn};
 use pdserve_protocol::{
     sse, unix_now, ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
     ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatMessage,
@@ -106,38 +106,6 @@ pub(super) async fn chat_prompt(
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
     app.serving.metrics.prompts_tokenized.inc();
     Ok(prompt)
-}
-
-/// The messages as the template sees them; only text content is accepted.
-pub(super) fn chat_turns(messages: &[ChatMessage]) -> Result<Vec<ChatTurn>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::bad_request("messages must not be empty").with_param("messages"));
-    }
-    messages
-        .iter()
-        .map(|m| {
-            if let Some(MessageContent::Parts(parts)) = &m.content {
-                if let Some(p) = parts
-                    .iter()
-                    .find(|p| p.get("type").and_then(|t| t.as_str()) != Some("text"))
-                {
-                    return Err(ApiError::bad_request(format!(
-                        "this model accepts only text content parts, got {}",
-                        p.get("type").unwrap_or(&serde_json::Value::Null)
-                    ))
-                    .with_param("messages"));
-                }
-            }
-            Ok(ChatTurn {
-                role: m.role.clone(),
-                content: m
-                    .content
-                    .as_ref()
-                    .map(MessageContent::text)
-                    .unwrap_or_default(),
-            })
-        })
-        .collect()
 }
 
 fn token_logprob(lp: ResolvedLogprob) -> TokenLogprob {

@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::Json;
-use pdserve_model::{Model, PromptInput};
+use pdserve_model::tokenize_request;
 use pdserve_protocol::tokenize::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
 };
@@ -16,7 +16,6 @@ use pdserve_protocol::ApiError;
 use serde_json::Value;
 
 use super::body::parse_json;
-use super::chat::chat_turns;
 use super::validate::check_model;
 use super::AppState;
 
@@ -30,53 +29,17 @@ pub async fn tokenize(
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))?;
     check_model(request.model(), &app.serving.limits)?;
     let model = app.serving.model.clone();
-    let (tokens, token_strs) = tokio::task::spawn_blocking(move || tokens_of(&model, &request))
-        .await
-        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let (tokens, token_strs) = tokio::task::spawn_blocking(move || {
+        tokenize_request(model.tokenizer(), model.chat_template(), &request)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
     Ok(Json(TokenizeResponse {
         count: tokens.len(),
         max_model_len: app.serving.limits.max_model_len,
         tokens,
         token_strs,
     }))
-}
-
-/// The ids of `request`'s prompt, and their spellings when asked for.
-fn tokens_of(
-    model: &Model,
-    request: &TokenizeRequest,
-) -> Result<(Vec<u32>, Option<Vec<String>>), ApiError> {
-    let turns;
-    let (input, param) = match request {
-        TokenizeRequest::Completion(r) => (
-            PromptInput::Text {
-                text: &r.prompt,
-                add_special_tokens: r.add_special_tokens,
-            },
-            "prompt",
-        ),
-        TokenizeRequest::Chat(r) => {
-            turns = chat_turns(&r.messages)?;
-            (
-                PromptInput::Chat {
-                    turns: &turns,
-                    add_generation_prompt: r.add_generation_prompt,
-                    continue_final_message: r.continue_final_message,
-                    add_special_tokens: r.add_special_tokens,
-                },
-                "messages",
-            )
-        }
-    };
-    let tokens = pdserve_model::tokenize(model.tokenizer(), model.chat_template(), input)
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}")).with_param(param))?;
-    let strs = request.return_token_strs().then(|| {
-        tokens
-            .iter()
-            .map(|&id| model.tokenizer().id_to_token(id).unwrap_or_default())
-            .collect()
-    });
-    Ok((tokens, strs))
 }
 
 /// The text of token ids (special tokens kept, as vLLM does).

@@ -9,8 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use pdserve_model::{ChatTemplate, ChatTurn, Tokenizer};
-use pdserve_protocol::{ChatMessage, MessageContent, Prompt};
+use pdserve_model::{ChatTemplate, Tokenizer};
+use pdserve_protocol::Prompt;
 
 use crate::error::GatewayError;
 use crate::ingress::request::ClientRequest;
@@ -77,7 +77,7 @@ impl PromptTokenizer {
     pub fn tokens(&self, request: &ClientRequest) -> Option<Vec<u32>> {
         match request {
             ClientRequest::Chat(chat) => {
-                let turns = chat_turns(&chat.messages);
+                let turns = pdserve_model::chat_turns(&chat.messages).ok()?;
                 let text = self.template.render(&turns, true).ok()?;
                 self.tokenizer.encode(&text, false).ok()
             }
@@ -88,21 +88,6 @@ impl PromptTokenizer {
             },
         }
     }
-}
-
-/// The messages as the template sees them (their text), as the worker renders them.
-pub fn chat_turns(messages: &[ChatMessage]) -> Vec<ChatTurn> {
-    messages
-        .iter()
-        .map(|m| ChatTurn {
-            role: m.role.clone(),
-            content: m
-                .content
-                .as_ref()
-                .map(MessageContent::text)
-                .unwrap_or_default(),
-        })
-        .collect()
 }
 
 /// Tokens a chat template may add around the messages (its markers and a default system

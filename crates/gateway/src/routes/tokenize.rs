@@ -14,11 +14,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use http::HeaderMap;
-use pdserve_model::{ChatTurn, PromptInput};
+use pdserve_model::{chat_turns, tokenize_request};
 use pdserve_protocol::tokenize::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
 };
-use pdserve_protocol::{ApiError, ChatMessage, MessageContent};
+use pdserve_protocol::ApiError;
 use serde_json::Value;
 
 use crate::clients::worker_client::{Exchange, ForwardHeaders};
@@ -104,15 +104,18 @@ async fn answer_tokenize(
     let request = TokenizeRequest::from_value(parse::<Value>(&body)?)
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))?;
     served.check_model(request.model())?;
+    // Media parts render differently on a multimodal worker: let it answer.
     if let TokenizeRequest::Chat(chat) = &request {
-        if !text_only(&chat.messages) {
+        if chat_turns(&chat.messages).is_err() && !chat.messages.is_empty() {
             return forward(state, headers, &worker, "/tokenize", body).await;
         }
     }
     let tokenizer = served.tokenizer.clone();
-    let (tokens, token_strs) = tokio::task::spawn_blocking(move || tokens_of(&tokenizer, &request))
-        .await
-        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let (tokens, token_strs) = tokio::task::spawn_blocking(move || {
+        tokenize_request(tokenizer.tokenizer(), tokenizer.template(), &request)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
     Ok(Json(TokenizeResponse {
         count: tokens.len(),
         max_model_len: served.max_model_len as usize,
@@ -120,58 +123,6 @@ async fn answer_tokenize(
         token_strs,
     })
     .into_response())
-}
-
-/// Whether every message is plain text (what the gateway's template renders alike).
-fn text_only(messages: &[ChatMessage]) -> bool {
-    messages.iter().all(|m| match &m.content {
-        Some(MessageContent::Parts(parts)) => parts
-            .iter()
-            .all(|p| p.get("type").and_then(Value::as_str) == Some("text")),
-        _ => true,
-    })
-}
-
-fn tokens_of(
-    tokenizer: &PromptTokenizer,
-    request: &TokenizeRequest,
-) -> Result<(Vec<u32>, Option<Vec<String>>), ApiError> {
-    let turns: Vec<ChatTurn>;
-    let (input, param) = match request {
-        TokenizeRequest::Completion(r) => (
-            PromptInput::Text {
-                text: &r.prompt,
-                add_special_tokens: r.add_special_tokens,
-            },
-            "prompt",
-        ),
-        TokenizeRequest::Chat(r) => {
-            if r.messages.is_empty() {
-                return Err(
-                    ApiError::bad_request("messages must not be empty").with_param("messages")
-                );
-            }
-            turns = crate::ingress::prompt_tokens::chat_turns(&r.messages);
-            (
-                PromptInput::Chat {
-                    turns: &turns,
-                    add_generation_prompt: r.add_generation_prompt,
-                    continue_final_message: r.continue_final_message,
-                    add_special_tokens: r.add_special_tokens,
-                },
-                "messages",
-            )
-        }
-    };
-    let tokens = pdserve_model::tokenize(tokenizer.tokenizer(), tokenizer.template(), input)
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize: {e}")).with_param(param))?;
-    let strs = request.return_token_strs().then(|| {
-        tokens
-            .iter()
-            .map(|&id| tokenizer.tokenizer().id_to_token(id).unwrap_or_default())
-            .collect()
-    });
-    Ok((tokens, strs))
 }
 
 /// `POST /detokenize`.
