@@ -75,20 +75,36 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))
 }
 
+/// The response for `route`, counted in the request metrics.
+fn counted(state: &AppState, route: &str, answer: Result<Response, Failure>) -> Response {
+    let response = answer.unwrap_or_else(IntoResponse::into_response);
+    state
+        .metrics
+        .record_request(route, response.status().as_u16());
+    response
+}
+
+/// The body, the worker that would answer, and what the gateway needs to answer itself
+/// (`None`: forward to the worker).
+fn intake(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Bytes, Arc<Worker>, Option<Served>), Failure> {
+    let body = read_body(state, body)?;
+    let worker = any_worker(state, headers)?;
+    let served = served(state, &worker);
+    Ok((body, worker, served))
+}
+
 /// `POST /tokenize`.
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let response = match answer_tokenize(&state, &headers, body).await {
-        Ok(response) => response,
-        Err(failure) => failure.into_response(),
-    };
-    state
-        .metrics
-        .record_request("/tokenize", response.status().as_u16());
-    response
+    let answer = answer_tokenize(&state, &headers, body).await;
+    counted(&state, "/tokenize", answer)
 }
 
 async fn answer_tokenize(
@@ -96,9 +112,8 @@ async fn answer_tokenize(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Failure> {
-    let body = read_body(state, body)?;
-    let worker = any_worker(state, headers)?;
-    let Some(served) = served(state, &worker) else {
+    let (body, worker, served) = intake(state, headers, body)?;
+    let Some(served) = served else {
         return forward(state, headers, &worker, "/tokenize", body).await;
     };
     let request = TokenizeRequest::from_value(parse::<Value>(&body)?)
@@ -131,14 +146,8 @@ pub async fn detokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let response = match answer_detokenize(&state, &headers, body).await {
-        Ok(response) => response,
-        Err(failure) => failure.into_response(),
-    };
-    state
-        .metrics
-        .record_request("/detokenize", response.status().as_u16());
-    response
+    let answer = answer_detokenize(&state, &headers, body).await;
+    counted(&state, "/detokenize", answer)
 }
 
 async fn answer_detokenize(
@@ -146,9 +155,8 @@ async fn answer_detokenize(
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Failure> {
-    let body = read_body(state, body)?;
-    let worker = any_worker(state, headers)?;
-    let Some(served) = served(state, &worker) else {
+    let (body, worker, served) = intake(state, headers, body)?;
+    let Some(served) = served else {
         return forward(state, headers, &worker, "/detokenize", body).await;
     };
     let request: DetokenizeRequest = parse(&body)?;

@@ -23,6 +23,15 @@ async fn metrics(gw: &Gateway) -> String {
         .unwrap()
 }
 
+async fn post_chat(gw: &Gateway, stream: bool) -> reqwest::Response {
+    client()
+        .post(gw.at("/v1/chat/completions"))
+        .json(&chat(stream))
+        .send()
+        .await
+        .unwrap()
+}
+
 async fn circuit_of(gw: &Gateway, url: &str) -> String {
     let instances = gw.instances().await;
     instances["workers"]
@@ -54,12 +63,7 @@ async fn a_failing_worker_is_routed_around_and_its_breaker_opens_then_closes() {
         // Every request succeeds (retried on GOOD) while BAD fails; after two failures
         // BAD's circuit opens and it stops receiving requests.
         for i in 0..10 {
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(i % 2 == 0))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, i % 2 == 0).await;
             assert_eq!(resp.status(), 200);
             assert!(resp.text().await.unwrap().contains("tok2"));
         }
@@ -87,12 +91,7 @@ async fn a_failing_worker_is_routed_around_and_its_breaker_opens_then_closes() {
                 start.elapsed() < Duration::from_secs(5),
                 "the circuit never closed"
             );
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(false))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, false).await;
             assert_eq!(resp.status(), 200);
         }
         assert_eq!(bad.requests().len(), 3, "exactly one trial request");
@@ -115,12 +114,7 @@ async fn a_role_whose_every_breaker_is_open_is_still_tried_and_a_recovered_worke
         config.health.breaker.cooldown = Duration::from_secs(600);
         let gw = Gateway::start(config).await;
         for _ in 0..2 {
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(false))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, false).await;
             assert_eq!(resp.status(), 502);
         }
         assert_eq!(circuit_of(&gw, &only.url).await, "open");
@@ -137,12 +131,7 @@ async fn a_role_whose_every_breaker_is_open_is_still_tried_and_a_recovered_worke
         // runs), and its success closes the circuit.
         only.set(Behavior::Normal);
         for stream in [false, true] {
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(stream))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, stream).await;
             assert_eq!(resp.status(), 200);
             assert!(resp.text().await.unwrap().contains("tok2"));
         }
@@ -187,12 +176,7 @@ async fn a_refusal_says_which_state_kept_the_workers_out_and_is_counted() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let before = d.requests().len();
-        let resp = client()
-            .post(gw.at("/v1/chat/completions"))
-            .json(&chat(false))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_chat(&gw, false).await;
         assert_eq!(resp.status(), 503);
         let body: Value = resp.json().await.unwrap();
         let message = body["error"]["message"].as_str().unwrap();
@@ -218,12 +202,7 @@ async fn a_refusal_says_which_state_kept_the_workers_out_and_is_counted() {
         d.set_draining(false);
         let start = Instant::now();
         loop {
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(false))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, false).await;
             if resp.status() == 200 {
                 break;
             }
@@ -278,12 +257,7 @@ async fn retries_never_resend_after_the_first_byte_and_never_a_4xx() {
         d1.set(Behavior::FailMidStream);
         d2.set(Behavior::FailMidStream);
         let gw = Gateway::start(pd_config(&[&p], &[&d1, &d2])).await;
-        let resp = client()
-            .post(gw.at("/v1/chat/completions"))
-            .json(&chat(true))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_chat(&gw, true).await;
         assert_eq!(resp.status(), 200);
         let data = sse_data(&resp.text().await.unwrap());
         assert!(data.iter().any(|e| e.contains("\"error\"")), "{data:?}");
@@ -295,12 +269,7 @@ async fn retries_never_resend_after_the_first_byte_and_never_a_4xx() {
 
         d1.set(Behavior::Status(400, r#"{"error":{"message":"bad"}}"#));
         d2.set(Behavior::Status(400, r#"{"error":{"message":"bad"}}"#));
-        let resp = client()
-            .post(gw.at("/v1/chat/completions"))
-            .json(&chat(false))
-            .send()
-            .await
-            .unwrap();
+        let resp = post_chat(&gw, false).await;
         assert_eq!(resp.status(), 400);
         assert_eq!(
             d1.requests().len() + d2.requests().len(),
@@ -320,12 +289,7 @@ async fn prefill_failures_are_retried_on_a_fresh_prefill_worker() {
         p1.set(Behavior::Status(503, "overloaded"));
         let gw = Gateway::start(pd_config(&[&p1, &p2], &[&d])).await;
         for _ in 0..4 {
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(false))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, false).await;
             assert_eq!(resp.status(), 200);
         }
         assert_eq!(p2.requests().len(), 4);
@@ -364,12 +328,7 @@ async fn data_parallel_ranks_rotate_and_routing_headers_name_the_workers() {
             .unwrap();
         assert_eq!(resp.status(), 200);
         for _ in 0..4 {
-            let resp = client()
-                .post(gw.at("/v1/chat/completions"))
-                .json(&chat(false))
-                .send()
-                .await
-                .unwrap();
+            let resp = post_chat(&gw, false).await;
             assert_eq!(resp.status(), 200);
             assert_eq!(resp.headers()["x-pdserve-prefill"], p.url.as_str());
             assert_eq!(resp.headers()["x-pdserve-decode"], d.url.as_str());
