@@ -116,6 +116,11 @@ impl Collector {
                     }
                 },
                 _ = stale_check.tick() => {
+                    // Workers that left the roster take their streams with them.
+                    let hub = &self.hub;
+                    self.streams.retain(|url, s| {
+                        hub.worker(url).is_some_and(|e| Arc::ptr_eq(s.events(), &e))
+                    });
                     for stream in self.streams.values() {
                         stream.check_stale();
                     }
@@ -171,10 +176,6 @@ impl Collector {
             );
             self.streams.insert(worker.clone(), stream);
         }
-        // Workers that left the roster take their streams with them.
-        let hub = &self.hub;
-        self.streams
-            .retain(|url, s| hub.worker(url).is_some_and(|e| Arc::ptr_eq(s.events(), &e)));
         if let Some(stream) = self.streams.get_mut(&worker) {
             stream.receive_frames(frames).await;
         }

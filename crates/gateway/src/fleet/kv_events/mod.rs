@@ -187,6 +187,10 @@ impl KvEventsHub {
         if subscriptions.contains_key(url) {
             return None;
         }
+        // Every collected message asks: the read lock, unless the index is new.
+        if let Some(events) = self.worker(url) {
+            return Some(events);
+        }
         let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
         Some(
             workers
