@@ -35,6 +35,12 @@ impl Drop for FakePublisher {
 
 impl FakePublisher {
     pub async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// With `topic_in_replay`, replay answers are vLLM 0.32's: `["", topic, seq, payload]`
+    /// and the end marker `["", "", -1, ""]`.
+    pub async fn start_with(topic_in_replay: bool) -> Self {
         let mut socket = PubSocket::new();
         let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         let mut router = RouterSocket::new();
@@ -49,12 +55,18 @@ impl FakePublisher {
                 for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= start) {
                     let mut reply = ZmqMessage::from(frames[0].clone());
                     reply.push_back(Bytes::new());
+                    if topic_in_replay {
+                        reply.push_back(Bytes::from_static(b"kv"));
+                    }
                     reply.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
                     reply.push_back(Bytes::from(payload));
                     router.send(reply).await.unwrap();
                 }
                 let mut end = ZmqMessage::from(frames[0].clone());
                 end.push_back(Bytes::new());
+                if topic_in_replay {
+                    end.push_back(Bytes::new());
+                }
                 end.push_back(Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
                 end.push_back(Bytes::new());
                 router.send(end).await.unwrap();
@@ -481,6 +493,43 @@ async fn a_collector_that_cannot_bind_stops_the_gateway_with_the_reason() {
         assert!(
             err.contains("--kv-events-bind") && err.contains(&endpoint),
             "{err}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_gap_is_filled_from_a_vllm_0_32_replay_socket_that_sends_the_topic() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut publisher = FakePublisher::start_with(true).await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config
+            .kv_events
+            .publishers
+            .insert(p.url.clone(), publisher.endpoint.clone());
+        config
+            .kv_events
+            .replays
+            .insert(p.url.clone(), publisher.replay_endpoint.clone());
+        let gw = Gateway::start(config).await;
+        let blocks = format!(r#"pdserve_gateway_kv_index_blocks{{worker="{}"}}"#, p.url);
+        let seq = publisher.until_heard(&gw).await;
+        // A batch lost on the way, then the next: the gap is replayed, not rebuilt.
+        let filled = format!(
+            r#"pdserve_gateway_kv_event_replays_total{{worker="{}",outcome="filled"}}"#,
+            p.url
+        );
+        let before = metric(&gw, &filled).await;
+        publisher.lose(seq, vec![stored(1, 3, 4)]);
+        publisher.publish(seq + 1, vec![stored(10, 2, 4)]).await;
+        // The lost batch's 3 blocks came from the replay.
+        wait_metric(&gw, &blocks, 5.0).await;
+        assert_eq!(metric(&gw, &filled).await, before + 1.0);
+        assert_eq!(
+            metric(&gw, "pdserve_gateway_kv_index_rebuilds_total").await,
+            0.0
         );
     })
     .await;
