@@ -126,6 +126,10 @@ pub struct WorkerArgs {
     /// "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}`: a ZeroMQ PUB socket sends
     /// every block entering the prefix cache (computed or imported) and every block
     /// reclaimed, in vLLM's wire format; the ROUTER replay socket re-sends missed batches.
+    /// vLLM's rule decides bind or connect: an `endpoint` with `*` or `::`, or `ipc://`,
+    /// binds (`*` is every interface); any other `tcp://host:port` connects, to a
+    /// collector such as a gateway's `--kv-events-bind` (set `"topic":
+    /// "kv@HOST:PORT@MODEL"`, this worker's address and model); the replay socket binds.
     #[arg(long, env = "PDSERVE_KV_EVENTS_CONFIG", value_name = "JSON")]
     pub kv_events_config: Option<String>,
 

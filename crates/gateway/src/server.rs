@@ -129,6 +129,16 @@ pub async fn serve(
     let drain_limit = config.shutdown_timeout;
     let state = Arc::new(AppState::new(config)?);
     let mut tasks = Vec::new();
+    // First, so a collector that cannot bind stops the gateway before anything runs.
+    if let Some(endpoint) = &state.config.kv_events.bind {
+        let (_, task) = crate::fleet::kv_events::collector::start(
+            endpoint,
+            state.kv_events.clone(),
+            state.registry.clone(),
+        )
+        .await?;
+        tasks.push(task);
+    }
     tasks.extend(registry::probe::spawn(
         &state.registry,
         state.client.pooled().clone(),

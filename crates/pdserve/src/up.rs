@@ -151,8 +151,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // Listening from the start, so a stop during start-up also drains the members.
     let mut signals = StopSignals::new()?;
     let mut members = Vec::new();
+    let sockets = socket_folder()?;
     let result = tokio::select! {
-        result = start_and_supervise(&args, &mut members) => result,
+        result = start_and_supervise(&args, &mut members, &sockets) => result,
         signal = signals.recv() => {
             eprintln!("stopping pdserve ({signal})…");
             Ok(())
@@ -164,11 +165,16 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         &mut signals,
     )
     .await;
+    let _ = std::fs::remove_dir_all(&sockets);
     result
 }
 
 /// Starts the members and returns only if one of them exits (or cannot start).
-async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow::Result<()> {
+async fn start_and_supervise(
+    args: &UpArgs,
+    members: &mut Vec<Member>,
+    sockets: &std::path::Path,
+) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("cannot locate the pdserve executable")?;
     let model = match args.model.clone() {
         Some(p) => p,
@@ -189,6 +195,7 @@ async fn start_and_supervise(args: &UpArgs, members: &mut Vec<Member>) -> anyhow
         model: &model,
         args,
         kv_secret: &kv_secret,
+        sockets,
     };
     let (entry, summary) = match args.topology {
         Topology::Gateway => stack.start_with_gateway(members, cores).await?,
@@ -215,6 +222,22 @@ struct Stack<'a> {
     args: &'a UpArgs,
     /// The KV transfer secret every member gets (`PDSERVE_KV_SECRET`).
     kv_secret: &'a str,
+    /// The stack's private folder for its members' Unix sockets (KV events).
+    sockets: &'a std::path::Path,
+}
+
+/// A folder only this user can enter, for the stack's Unix sockets; removed by
+/// [`run`] when the stack stops.
+fn socket_folder() -> anyhow::Result<std::path::PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = std::env::temp_dir().join(format!("pdserve-up-{}", std::process::id()));
+    // One left by an earlier process with this pid holds nothing alive.
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir)
 }
 
 /// `PDSERVE_KV_SECRET` when the user set one, else 32 random bytes (hex): the stack's
@@ -235,6 +258,11 @@ fn kv_secret() -> anyhow::Result<String> {
 }
 
 impl Stack<'_> {
+    /// `ipc://` endpoint of the socket `name` in the stack's folder.
+    fn socket(&self, name: &str) -> String {
+        format!("ipc://{}", self.sockets.join(name).display())
+    }
+
     /// `--otlp-traces-endpoint` for a member, when the stack exports traces.
     fn trace_to(&self, member: &mut Command) {
         if let Some(url) = &self.args.otlp_traces_endpoint {
@@ -329,11 +357,14 @@ impl Stack<'_> {
                 gateway.push(bootstrap.clone());
                 line.push_str(&format!(", bootstrap port {bootstrap}"));
             }
-            // Every worker publishes its KV-cache events; the gateway indexes them. (After
-            // the bootstrap port: SGLang's `--prefill URL PORT` must stay together.)
+            // Every worker publishes its KV-cache events; every gateway replica subscribes
+            // and indexes them. (After the bootstrap port: SGLang's `--prefill URL PORT`
+            // must stay together.) By vLLM's rule an ipc:// endpoint binds, and a Unix
+            // socket in the stack's private folder is reachable from this machine only.
+            let index = worker_urls.len();
             let (events, replay) = (
-                format!("tcp://127.0.0.1:{}", free_port()?),
-                format!("tcp://127.0.0.1:{}", free_port()?),
+                self.socket(&format!("w{index}-events.sock")),
+                self.socket(&format!("w{index}-replay.sock")),
             );
             worker.args([
                 "--kv-events-config",

@@ -1,8 +1,15 @@
-//! KV events end to end: prefill and decode workers publish their prefix caches
-//! (`--kv-events-config`), the gateway and a test subscriber follow them. After a P/D
-//! request both indexes hold the prompt's full blocks — the prefill worker's computed,
-//! the decode worker's imported over KV transfer — and blocks the pool reclaims leave
-//! the index again.
+//! KV events end to end, in both layouts vLLM is deployed with:
+//!
+//! - subscription: prefill and decode workers bind their publishers (`ipc://`, which
+//!   binds by vLLM's rule), the gateway and a test subscriber follow them. After a P/D
+//!   request both indexes hold the prompt's full blocks — the prefill worker's computed,
+//!   the decode worker's imported over KV transfer — and blocks the pool reclaims leave
+//!   the index again.
+//! - both layouts, with two aggregated workers under `precise_prefix`: the gateway
+//!   subscribes (`--kv-events`), or binds a collector (`--kv-events-bind
+//!   tcp://127.0.0.1:PORT`) that the workers' concrete endpoints connect to, with topics
+//!   `kv@127.0.0.1:PORT@MODEL`; either way it counts the workers' events and sends
+//!   prompts warmed on one worker to that worker, on what its events say.
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
@@ -18,7 +25,30 @@ use tokio::net::TcpListener;
 #[path = "support/worker.rs"]
 mod worker;
 
-use worker::start_worker;
+use worker::{start_worker, start_worker_on};
+
+/// A fresh folder for socket files, removed when dropped.
+struct SocketDir(std::path::PathBuf);
+
+impl SocketDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("pdserve-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    /// `ipc://` endpoint of `name` in the folder.
+    fn ipc(&self, name: &str) -> String {
+        format!("ipc://{}", self.0.join(name).display())
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 const BLOCK: usize = 16;
 
@@ -77,12 +107,13 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 async fn indexes_follow_computed_imported_and_reclaimed_blocks() {
     tokio::time::timeout(Duration::from_secs(300), async {
         let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+        let sockets = SocketDir::new("kvev-pd");
         let events = |role: &str| {
             json!({
                 "enable_kv_cache_events": true,
                 "publisher": "zmq",
-                "endpoint": "tcp://127.0.0.1:0",
-                "replay_endpoint": "tcp://127.0.0.1:0",
+                "endpoint": sockets.ipc(&format!("{role}.sock")),
+                "replay_endpoint": sockets.ipc(&format!("{role}-replay.sock")),
                 "topic": format!("kv@{role}"),
             })
             .to_string()
@@ -191,6 +222,179 @@ async fn indexes_follow_computed_imported_and_reclaimed_blocks() {
         let _ = prefill.shutdown().await;
         let _ = decode.shutdown().await;
     })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+/// How the gateway hears the workers' events.
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    /// Each worker binds (`ipc://`); the gateway subscribes with `--kv-events`.
+    Subscription,
+    /// The gateway binds `--kv-events-bind tcp://127.0.0.1:PORT`; each worker's concrete
+    /// endpoint connects to it, with topic `kv@127.0.0.1:HTTP_PORT@MODEL`.
+    Collector,
+}
+
+/// Two aggregated workers under `precise_prefix`: prompts sent straight to one of them
+/// warm its cache, its events say so, and the gateway sends those prompts to it.
+async fn warmed_prompts_go_to_the_warm_worker(layout: Layout) {
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let sockets = SocketDir::new(&format!("kvev-{layout:?}"));
+    let collector = {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        format!("tcp://127.0.0.1:{port}")
+    };
+    let mut workers = Vec::new();
+    let mut urls = Vec::new();
+    for name in ["a", "b"] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let config = match layout {
+            Layout::Subscription => json!({
+                "enable_kv_cache_events": true,
+                "endpoint": sockets.ipc(&format!("{name}.sock")),
+            }),
+            Layout::Collector => json!({
+                "enable_kv_cache_events": true,
+                "endpoint": collector,
+                "topic": format!("kv@{address}@model"),
+            }),
+        }
+        .to_string();
+        let (worker, url) = start_worker_on(
+            listener,
+            "prefill_decode",
+            &model,
+            &["--kv-events-config", &config],
+        )
+        .await;
+        workers.push(worker);
+        urls.push(url);
+    }
+    let mut config = GatewayConfig::new(
+        Vec::new(),
+        Vec::new(),
+        urls.iter().map(|u| u.parse().unwrap()).collect(),
+    );
+    config.policy = "precise_prefix".into();
+    config.expose_routing = true;
+    match layout {
+        Layout::Subscription => {
+            for (url, worker) in urls.iter().zip(&workers) {
+                let (endpoint, _) = worker.kv_events_endpoints().unwrap();
+                config
+                    .kv_events
+                    .publishers
+                    .insert(url.clone(), endpoint.to_string());
+            }
+        }
+        Layout::Collector => config.kv_events.bind = Some(collector.clone()),
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let events_of = |url: &str| format!(r#"pdserve_gateway_kv_events_total{{worker="{url}""#);
+    let blocks_of = |url: &str| format!(r#"pdserve_gateway_kv_index_blocks{{worker="{url}"}}"#);
+
+    // Until the gateway hears both workers (a PUB socket drops what it sends before the
+    // subscription reaches it).
+    let mut salt = 5000;
+    loop {
+        for url in &urls {
+            complete(&http, url, &prompt(20, salt)).await;
+            salt += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut heard = true;
+        for url in &urls {
+            heard &= metric(&http, &gateway, &events_of(url)).await > 0.0;
+        }
+        if heard {
+            break;
+        }
+    }
+
+    // Warm six prompts on worker b (the second: no tie-break favours it), straight to it; its index holds them all.
+    let warm: Vec<Vec<u32>> = (0..6).map(|i| prompt(100, 300 + i)).collect();
+    let before = metric(&http, &gateway, &blocks_of(&urls[1])).await;
+    for tokens in &warm {
+        complete(&http, &urls[1], tokens).await;
+    }
+    let full = (warm.len() * (100 / BLOCK)) as f64;
+    for _ in 0..300 {
+        if metric(&http, &gateway, &blocks_of(&urls[1])).await >= before + full {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        metric(&http, &gateway, &blocks_of(&urls[1])).await >= before + full,
+        "{layout:?}: worker b's index holds the warmed prompts"
+    );
+
+    // Through the gateway, every warmed prompt goes to worker b, on what its events say.
+    for tokens in &warm {
+        let response = http
+            .post(format!("{gateway}/v1/completions"))
+            .json(&json!({"prompt": tokens, "max_tokens": 2, "temperature": 0}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let chosen = response.headers()["x-pdserve-worker"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            chosen, urls[1],
+            "{layout:?}: a warmed prompt went elsewhere"
+        );
+    }
+    if let Layout::Collector = layout {
+        assert_eq!(
+            metric(
+                &http,
+                &gateway,
+                "pdserve_gateway_kv_events_unknown_topic_total"
+            )
+            .await,
+            0.0,
+            "every topic named a worker"
+        );
+    }
+
+    let _ = stop.send(());
+    let _ = served.await;
+    for worker in workers {
+        let _ = worker.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribed_events_steer_precise_prefix() {
+    tokio::time::timeout(
+        Duration::from_secs(300),
+        warmed_prompts_go_to_the_warm_worker(Layout::Subscription),
+    )
+    .await
+    .expect("test exceeded its time limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collected_events_steer_precise_prefix() {
+    tokio::time::timeout(
+        Duration::from_secs(300),
+        warmed_prompts_go_to_the_warm_worker(Layout::Collector),
+    )
     .await
     .expect("test exceeded its time limit");
 }

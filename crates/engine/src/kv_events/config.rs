@@ -11,11 +11,12 @@ pub struct KvEventsConfig {
     pub enable_kv_cache_events: bool,
     /// `"zmq"` or `"null"`; unset: `"zmq"` when enabled.
     pub publisher: Option<String>,
-    /// The PUB socket: `tcp://*:5557` (a wildcard) binds, as vLLM does, and so does a
-    /// loopback address (`tcp://127.0.0.1:5557`: only this machine may listen); any other
-    /// `tcp://host:port` connects (to a collector that binds).
+    /// The PUB socket, by vLLM's rule ([`KvEventsConfig::binds`]): `tcp://*:5557` (a
+    /// wildcard: every interface), an IPv6 address with `::`, or `ipc:///path` binds; any
+    /// other `tcp://host:port` connects, to a collector that binds there (a gateway's
+    /// `--kv-events-bind`).
     pub endpoint: String,
-    /// The ROUTER socket that answers replay requests (bound); none: no replay.
+    /// The ROUTER socket that answers replay requests (always bound); none: no replay.
     pub replay_endpoint: Option<String>,
     /// Batches kept for replay.
     pub buffer_steps: usize,
@@ -24,7 +25,9 @@ pub struct KvEventsConfig {
     /// Batches waiting to be published, at most; past it new ones are dropped (and
     /// counted), so a stalled publisher never stalls the scheduler.
     pub max_queue_size: usize,
-    /// The first frame of every message.
+    /// The first frame of every message. A gateway collecting many workers' events on
+    /// one socket attributes them by llm-d's convention `kv@HOST:PORT@MODEL` (the
+    /// worker's HTTP address and served model).
     pub topic: String,
 }
 
@@ -75,12 +78,7 @@ impl KvEventsConfig {
             ("replay_endpoint", config.replay_endpoint.as_ref()),
         ] {
             if let Some(endpoint) = endpoint {
-                if !endpoint.starts_with("tcp://") {
-                    return Err(format!(
-                        "--kv-events-config: {key} `{endpoint}` must be tcp://host:port \
-                         (ipc:// and inproc:// are not supported)"
-                    ));
-                }
+                check_endpoint(endpoint).map_err(|e| format!("--kv-events-config: {key} {e}"))?;
             }
         }
         if config.buffer_steps == 0 && config.replay_endpoint.is_some() {
@@ -92,21 +90,56 @@ impl KvEventsConfig {
         Ok(Some(config))
     }
 
-    /// Whether the PUB socket binds: vLLM's rule (a wildcard address binds), and a
-    /// loopback address, which no collector elsewhere could be listening on.
+    /// Whether the PUB socket binds, by vLLM's rule (`ZmqEventPublisher._is_bind_endpoint`):
+    /// an endpoint containing `*` or `::`, or an `ipc://` or `inproc://` endpoint, binds;
+    /// any other connects. (The replay socket always binds.)
     pub fn binds(&self) -> bool {
-        let host = self
-            .endpoint
-            .trim_start_matches("tcp://")
-            .rsplit_once(':')
-            .map_or("", |(host, _)| host)
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        let loopback = host == "localhost"
-            || host
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified());
-        self.endpoint.contains('*') || self.endpoint.contains("::") || loopback
+        is_bind_endpoint(&self.endpoint)
+    }
+}
+
+/// vLLM's `_is_bind_endpoint`: wildcards, IPv6 `::` addresses and local transports bind.
+pub fn is_bind_endpoint(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// A `tcp://host:port` or `ipc:///path` endpoint; `inproc://` (the same process only) and
+/// other schemes say why not.
+fn check_endpoint(endpoint: &str) -> Result<(), String> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        if path.is_empty() || path == "*" {
+            return Err(format!("`{endpoint}` needs a socket path (ipc:///path)"));
+        }
+        return Ok(());
+    }
+    if endpoint.starts_with("inproc://") {
+        return Err(format!(
+            "`{endpoint}`: inproc:// reaches only sockets of the same process, and no \
+             subscriber lives in the worker's (use ipc:///path or tcp://host:port)"
+        ));
+    }
+    let Some(address) = endpoint.strip_prefix("tcp://") else {
+        return Err(format!(
+            "`{endpoint}` must be tcp://host:port or ipc:///path"
+        ));
+    };
+    match address.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(format!(
+            "`{endpoint}` must be tcp://host:port or ipc:///path"
+        )),
+    }
+}
+
+/// The address to bind for `endpoint`: ZeroMQ's wildcard host `*` is every IPv4
+/// interface (`0.0.0.0`), which the socket library needs spelled out.
+pub fn bind_address(endpoint: &str) -> String {
+    match endpoint.strip_prefix("tcp://*:") {
+        Some(port) => format!("tcp://0.0.0.0:{port}"),
+        None => endpoint.to_string(),
     }
 }
 
@@ -137,24 +170,37 @@ mod tests {
         assert!(KvEventsConfig::parse(r#"{"publisher": "null"}"#)
             .unwrap()
             .is_none());
-        let connects = KvEventsConfig::parse(
-            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://10.0.0.1:5557"}"#,
+        // vLLM's rule, case by case: wildcards, `::` and local transports bind; every
+        // other endpoint connects, loopback included.
+        for (endpoint, binds) in [
+            ("tcp://*:5557", true),
+            ("tcp://*:0", true),
+            ("tcp://[::]:5557", true),
+            ("tcp://[::1]:5557", true),
+            ("ipc:///tmp/kv.sock", true),
+            ("inproc://kv", true),
+            ("tcp://127.0.0.1:5557", false),
+            ("tcp://localhost:5557", false),
+            ("tcp://0.0.0.0:5557", false),
+            ("tcp://10.0.0.1:5557", false),
+            ("tcp://gateway.example:5557", false),
+        ] {
+            let c = KvEventsConfig {
+                endpoint: endpoint.into(),
+                ..KvEventsConfig::default()
+            };
+            assert_eq!(c.binds(), binds, "{endpoint}");
+        }
+        assert_eq!(bind_address("tcp://*:5557"), "tcp://0.0.0.0:5557");
+        assert_eq!(bind_address("tcp://[::]:5557"), "tcp://[::]:5557");
+        assert_eq!(bind_address("ipc:///tmp/x"), "ipc:///tmp/x");
+        let ipc = KvEventsConfig::parse(
+            r#"{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/kv.sock",
+                "replay_endpoint": "ipc:///tmp/kv-replay.sock"}"#,
         )
         .unwrap()
         .unwrap();
-        assert!(!connects.binds());
-        for local in [
-            "tcp://127.0.0.1:5557",
-            "tcp://[::1]:5557",
-            "tcp://localhost:1",
-            "tcp://0.0.0.0:2",
-        ] {
-            let c = KvEventsConfig {
-                endpoint: local.into(),
-                ..KvEventsConfig::default()
-            };
-            assert!(c.binds(), "{local}");
-        }
+        assert!(ipc.binds());
         for (bad, says) in [
             ("{", "KVEventsConfig"),
             (
@@ -163,8 +209,16 @@ mod tests {
             ),
             (r#"{"publisher": "zmq"}"#, "enable_kv_cache_events"),
             (
-                r#"{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/x"}"#,
-                "ipc",
+                r#"{"enable_kv_cache_events": true, "endpoint": "inproc://kv"}"#,
+                "inproc",
+            ),
+            (
+                r#"{"enable_kv_cache_events": true, "endpoint": "udp://h:1"}"#,
+                "tcp://host:port or ipc",
+            ),
+            (
+                r#"{"enable_kv_cache_events": true, "replay_endpoint": "tcp://h"}"#,
+                "replay_endpoint",
             ),
             (
                 r#"{"enable_kv_cache_events": true, "bufer_steps": 3}"#,

@@ -35,6 +35,12 @@ impl Drop for FakePublisher {
 
 impl FakePublisher {
     pub async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// With `topic_in_replay`, replay answers are vLLM 0.32's: `["", topic, seq, payload]`
+    /// and the end marker `["", "", -1, ""]`.
+    pub async fn start_with(topic_in_replay: bool) -> Self {
         let mut socket = PubSocket::new();
         let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         let mut router = RouterSocket::new();
@@ -49,12 +55,18 @@ impl FakePublisher {
                 for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= start) {
                     let mut reply = ZmqMessage::from(frames[0].clone());
                     reply.push_back(Bytes::new());
+                    if topic_in_replay {
+                        reply.push_back(Bytes::from_static(b"kv"));
+                    }
                     reply.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
                     reply.push_back(Bytes::from(payload));
                     router.send(reply).await.unwrap();
                 }
                 let mut end = ZmqMessage::from(frames[0].clone());
                 end.push_back(Bytes::new());
+                if topic_in_replay {
+                    end.push_back(Bytes::new());
+                }
                 end.push_back(Bytes::copy_from_slice(&(-1i64).to_be_bytes()));
                 end.push_back(Bytes::new());
                 router.send(end).await.unwrap();
@@ -325,6 +337,200 @@ async fn a_million_blocks_stay_under_the_cap_and_a_removed_worker_takes_its_inde
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("the removed worker's index is still exported");
+    })
+    .await;
+}
+
+/// A publisher that connects to the gateway's collector, as vLLM's does when its endpoint
+/// is concrete, and sends under `topic`.
+struct ConnectingPublisher {
+    socket: PubSocket,
+    topic: Bytes,
+}
+
+impl ConnectingPublisher {
+    async fn connect(collector: &str, topic: &str) -> Self {
+        let mut socket = PubSocket::new();
+        socket.connect(collector).await.unwrap();
+        Self {
+            socket,
+            topic: Bytes::from(topic.to_string()),
+        }
+    }
+
+    async fn publish(&mut self, seq: u64, events: Vec<KvCacheEvent>) {
+        let mut message = ZmqMessage::from(self.topic.clone());
+        message.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+        message.push_back(Bytes::from(batch(events)));
+        self.socket.send(message).await.unwrap();
+    }
+}
+
+/// A loopback port nothing listens on (for the collector to bind).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `kv@HOST:PORT@MODEL` for a worker URL `http://HOST:PORT`.
+fn topic_of(url: &str) -> String {
+    format!("kv@{}@m", url.trim_start_matches("http://"))
+}
+
+#[tokio::test]
+async fn a_bound_collector_attributes_events_by_topic_and_counts_unknown_ones() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let collector = format!("tcp://127.0.0.1:{}", free_port());
+        let mut config = pd_config(&[&p], &[&d]);
+        config.kv_events.bind = Some(collector.clone());
+        config.admin_api_key = Some("admin".into());
+        let gw = Gateway::start(config).await;
+        let total = |url: &str, kind: &str| {
+            format!(r#"pdserve_gateway_kv_events_total{{worker="{url}",kind="{kind}"}}"#)
+        };
+        let blocks = |url: &str| format!(r#"pdserve_gateway_kv_index_blocks{{worker="{url}"}}"#);
+        let unknown = "pdserve_gateway_kv_events_unknown_topic_total";
+
+        let mut from_p = ConnectingPublisher::connect(&collector, &topic_of(&p.url)).await;
+        let mut from_d = ConnectingPublisher::connect(&collector, &topic_of(&d.url)).await;
+        let mut stranger = ConnectingPublisher::connect(&collector, "kv@127.0.0.1:1@m").await;
+        let mut untagged = ConnectingPublisher::connect(&collector, "").await;
+        // Until the collector's subscription reached every publisher.
+        let mut seq = 0;
+        loop {
+            for publisher in [&mut from_p, &mut from_d] {
+                publisher
+                    .publish(seq, vec![KvCacheEvent::AllBlocksCleared])
+                    .await;
+            }
+            seq += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if metric(&gw, &total(&p.url, "all_blocks_cleared")).await > 0.0
+                && metric(&gw, &total(&d.url, "all_blocks_cleared")).await > 0.0
+            {
+                break;
+            }
+            assert!(seq < 200, "the collector never heard both workers");
+        }
+        // Each worker's blocks land in its own index.
+        from_p.publish(seq, vec![stored(1, 3, 16)]).await;
+        from_d.publish(seq, vec![stored(100, 5, 16)]).await;
+        seq += 1;
+        wait_metric(&gw, &blocks(&p.url), 3.0).await;
+        wait_metric(&gw, &blocks(&d.url), 5.0).await;
+
+        // Topics naming no registered worker are counted and dropped.
+        let before = metric(&gw, unknown).await;
+        for n in 0..200u64 {
+            stranger.publish(n, vec![stored(500, 2, 16)]).await;
+            untagged.publish(n, vec![stored(600, 2, 16)]).await;
+            if metric(&gw, unknown).await >= before + 2.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(metric(&gw, unknown).await >= before + 2.0);
+        assert_eq!(metric(&gw, &blocks(&p.url)).await, 3.0);
+        assert_eq!(metric(&gw, &blocks(&d.url)).await, 5.0);
+
+        // A gap with no replay endpoint: that worker's index starts over; the other's
+        // stays.
+        from_p.publish(seq + 5, vec![stored(200, 1, 16)]).await;
+        wait_metric(
+            &gw,
+            &format!(
+                r#"pdserve_gateway_kv_index_rebuilds_total{{worker="{}",reason="gap"}}"#,
+                p.url
+            ),
+            1.0,
+        )
+        .await;
+        wait_metric(&gw, &blocks(&p.url), 1.0).await;
+        assert_eq!(metric(&gw, &blocks(&d.url)).await, 5.0);
+
+        // A worker that leaves takes its collected index with it; its events are then
+        // from an unknown topic.
+        let removed = client()
+            .delete(gw.at(&format!("/instances?url={}", d.url)))
+            .header("x-api-key", "admin")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(removed.status(), 200);
+        for _ in 0..200 {
+            let text = client().get(gw.at("/metrics")).send().await.unwrap();
+            if !text.text().await.unwrap().contains(&blocks(&d.url)) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let before = metric(&gw, unknown).await;
+        from_d.publish(seq, vec![stored(300, 1, 16)]).await;
+        wait_metric(&gw, unknown, before + 1.0).await;
+        assert_eq!(metric(&gw, &blocks(&d.url)).await, 0.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_collector_that_cannot_bind_stops_the_gateway_with_the_reason() {
+    bounded(async {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("tcp://{}", taken.local_addr().unwrap());
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[], &[&d]);
+        config.kv_events.bind = Some(endpoint.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let err = pdserve_gateway::serve(listener, config, std::future::pending())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--kv-events-bind") && err.contains(&endpoint),
+            "{err}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_gap_is_filled_from_a_vllm_0_32_replay_socket_that_sends_the_topic() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut publisher = FakePublisher::start_with(true).await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config
+            .kv_events
+            .publishers
+            .insert(p.url.clone(), publisher.endpoint.clone());
+        config
+            .kv_events
+            .replays
+            .insert(p.url.clone(), publisher.replay_endpoint.clone());
+        let gw = Gateway::start(config).await;
+        let blocks = format!(r#"pdserve_gateway_kv_index_blocks{{worker="{}"}}"#, p.url);
+        let seq = publisher.until_heard(&gw).await;
+        // A batch lost on the way, then the next: the gap is replayed, not rebuilt.
+        let filled = format!(
+            r#"pdserve_gateway_kv_event_replays_total{{worker="{}",outcome="filled"}}"#,
+            p.url
+        );
+        let before = metric(&gw, &filled).await;
+        publisher.lose(seq, vec![stored(1, 3, 4)]);
+        publisher.publish(seq + 1, vec![stored(10, 2, 4)]).await;
+        // The lost batch's 3 blocks came from the replay.
+        wait_metric(&gw, &blocks, 5.0).await;
+        assert_eq!(metric(&gw, &filled).await, before + 1.0);
+        assert_eq!(
+            metric(&gw, "pdserve_gateway_kv_index_rebuilds_total").await,
+            0.0
+        );
     })
     .await;
 }

@@ -15,6 +15,16 @@ struct Cli {
 /// flags; returns it and its base URL.
 pub async fn start_worker(role: &str, model: &std::path::Path, extra: &[&str]) -> (Worker, String) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    start_worker_on(listener, role, model, extra).await
+}
+
+/// [`start_worker`] on a listener the caller bound (so flags may name its port).
+pub async fn start_worker_on(
+    listener: TcpListener,
+    role: &str,
+    model: &std::path::Path,
+    extra: &[&str],
+) -> (Worker, String) {
     let model = model.display().to_string();
     let argv = [
         "worker",

@@ -22,6 +22,21 @@ pub struct KvEventsArgs {
     )]
     pub kv_events: Vec<String>,
 
+    /// Collect KV-cache events on one ZeroMQ SUB socket bound here (llm-d's central
+    /// collector): `tcp://HOST:PORT` (`tcp://*:PORT`: every interface) or `ipc:///PATH`.
+    /// Every worker's publisher connects to it (vLLM and pdserve workers: a concrete
+    /// `endpoint` in `--kv-events-config`, e.g. `tcp://GATEWAY_HOST:5557`) and sets the
+    /// `topic` `kv@HOST:PORT@MODEL`: its events then go to the registered worker whose URL
+    /// has that host and port. Messages of other topics are counted
+    /// (pdserve_gateway_kv_events_unknown_topic_total) and dropped. Works alongside
+    /// --kv-events (a subscribed worker's stream is its subscription).
+    #[arg(
+        long = "kv-events-bind",
+        env = "PDSERVE_KV_EVENTS_BIND",
+        value_name = "ENDPOINT"
+    )]
+    pub kv_events_bind: Option<String>,
+
     /// A worker's replay endpoint (vLLM's `replay_endpoint`), asked for missed batches
     /// after a sequence gap: `WORKER_URL=tcp://host:port`.
     #[arg(
@@ -57,6 +72,8 @@ fn positive_secs(raw: &str) -> Result<f64, String> {
 pub struct KvEventsConfig {
     /// Publisher endpoints by worker key.
     pub publishers: HashMap<String, String>,
+    /// Where the collector binds (`--kv-events-bind`), if there is one.
+    pub bind: Option<String>,
     /// Replay endpoints by worker key.
     pub replays: HashMap<String, String>,
     /// Blocks per worker index.
@@ -69,6 +86,7 @@ impl Default for KvEventsConfig {
     fn default() -> Self {
         Self {
             publishers: HashMap::new(),
+            bind: None,
             replays: HashMap::new(),
             max_indexed_blocks: NonZeroUsize::new(262_144).expect("non-zero"),
             stale_after: Duration::from_secs(60),
@@ -81,6 +99,14 @@ impl KvEventsArgs {
     pub fn to_config(&self) -> Result<KvEventsConfig, GatewayError> {
         Ok(KvEventsConfig {
             publishers: pairs("--kv-events", &self.kv_events)?,
+            bind: match self.kv_events_bind.as_deref().map(str::trim) {
+                None | Some("") => None,
+                Some(endpoint) => {
+                    check_endpoint(endpoint)
+                        .map_err(|e| GatewayError::Config(format!("--kv-events-bind: {e}")))?;
+                    Some(endpoint.to_string())
+                }
+            },
             replays: pairs("--kv-events-replay", &self.kv_events_replay)?,
             max_indexed_blocks: self.max_indexed_blocks,
             stale_after: Duration::from_secs_f64(self.kv_events_stale_secs),
@@ -105,16 +131,21 @@ fn pairs(flag: &str, raw: &[String]) -> Result<HashMap<String, String>, GatewayE
     Ok(out)
 }
 
-/// Checks a KV-event publisher address: `tcp://host:port`, as vLLM's ZMQ endpoints are
-/// written.
+/// Checks a KV-event publisher address: `tcp://host:port` or `ipc:///path` (a worker on
+/// this machine), as vLLM's ZMQ endpoints are written.
 pub fn check_endpoint(endpoint: &str) -> Result<(), String> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        if !path.is_empty() && path != "*" {
+            return Ok(());
+        }
+    }
     let parsed = reqwest::Url::parse(endpoint).ok();
     match parsed {
         Some(url) if url.scheme() == "tcp" && url.host_str().is_some() && url.port().is_some() => {
             Ok(())
         }
         _ => Err(format!(
-            "`kv_events_endpoint` must be tcp://host:port, got `{endpoint}`"
+            "`kv_events_endpoint` must be tcp://host:port or ipc:///path, got `{endpoint}`"
         )),
     }
 }
@@ -154,9 +185,16 @@ mod tests {
         assert_eq!(c.replays["http://10.0.0.1:8000"], "tcp://10.0.0.1:5558");
         assert_eq!(c.max_indexed_blocks.get(), 1000);
         assert_eq!(c.stale_after, Duration::from_millis(2500));
+        assert_eq!(c.bind, None);
+        let c = config(&["--kv-events-bind", "tcp://*:5557"]).unwrap();
+        assert_eq!(c.bind.as_deref(), Some("tcp://*:5557"));
+        let c = config(&["--kv-events-bind", "ipc:///run/kv.sock"]).unwrap();
+        assert_eq!(c.bind.as_deref(), Some("ipc:///run/kv.sock"));
         for (bad, says) in [
             (&["--kv-events", "http://h:1"][..], "WORKER_URL="),
             (&["--kv-events", "http://h:1=h:5557"][..], "tcp://"),
+            (&["--kv-events-bind", "tcp://h"][..], "--kv-events-bind"),
+            (&["--kv-events-bind", "ipc://"][..], "ipc:///path"),
             (&["--kv-events", "ftp://h:1=tcp://h:5557"][..], "http://"),
             (&["--max-indexed-blocks", "0"][..], "0"),
             (&["--kv-events-stale-secs", "0"][..], "positive"),

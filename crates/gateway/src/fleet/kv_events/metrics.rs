@@ -39,6 +39,7 @@ pub struct KvEventMetrics {
     replays: Family<OutcomeLabels, Counter>,
     rebuilds: Family<ReasonLabels, Counter>,
     errors: Family<KindLabels, Counter>,
+    unknown_topics: Counter,
 }
 
 impl KvEventMetrics {
@@ -52,6 +53,7 @@ impl KvEventMetrics {
             replays: Family::default(),
             rebuilds: Family::default(),
             errors: Family::default(),
+            unknown_topics: Counter::default(),
         };
         registry.register(
             "kv_events",
@@ -88,8 +90,15 @@ impl KvEventMetrics {
             metrics.rebuilds.clone(),
         );
         registry.register(
+            "kv_events_unknown_topic",
+            "Messages on the --kv-events-bind collector whose topic names no registered \
+             worker (llm-d's kv@HOST:PORT@MODEL, the worker's URL host and port); dropped",
+            metrics.unknown_topics.clone(),
+        );
+        registry.register(
             "kv_event_errors",
-            "Event-stream failures, by kind (connect, receive, frames, payload)",
+            "Event-stream failures, by kind (connect, receive, frames, payload; duplicate: \
+             collected events of a worker that is subscribed to as well, dropped)",
             metrics.errors.clone(),
         );
         metrics
@@ -155,6 +164,11 @@ impl KvEventMetrics {
     /// A stream failure.
     pub fn error(&self, worker: &str, kind: &str) {
         self.errors.get_or_create(&Self::kind(worker, kind)).inc();
+    }
+
+    /// A collected message whose topic names no registered worker.
+    pub fn unknown_topic(&self) {
+        self.unknown_topics.inc();
     }
 
     /// Drops a removed worker's index gauge (its counters stay, as totals do).

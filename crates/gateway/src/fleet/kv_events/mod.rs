@@ -1,13 +1,24 @@
-//! What the workers' own KV-cache events say they cache. Every worker with an event
-//! endpoint (from `--kv-events`, its registration, its listing entry or its pod's
-//! annotations) gets a subscriber task and an index of its cached blocks; the index goes
-//! when the worker leaves the roster. Events are the same for every gateway replica, so
+//! What the workers' own KV-cache events say they cache, in either of the layouts vLLM
+//! is deployed with:
+//!
+//! - subscription: every worker with an event endpoint (from `--kv-events`, its
+//!   registration, its listing entry or its pod's annotations) binds it, and gets a
+//!   subscriber task here;
+//! - central collector (llm-d's, `--kv-events-bind`): this gateway binds one socket,
+//!   every worker's publisher connects to it, and each message's topic
+//!   (`kv@HOST:PORT@MODEL`) names the worker it belongs to.
+//!
+//! Either way each worker gets an index of its cached blocks, which goes when the worker
+//! leaves the roster. Events are the same for every gateway replica that hears them, so
 //! replicas that route on them agree without sharing anything.
 //!
 //! - [`index`]: a worker's blocks under the gateway's own chained keys.
-//! - [`subscriber`]: the SUB socket, sequence checks, replays and rebuilds.
+//! - [`subscriber`]: a worker's stream: the SUB socket, sequence checks, replays and
+//!   rebuilds.
+//! - [`collector`]: the bound socket and the topic convention.
 
 mod args;
+pub mod collector;
 pub mod index;
 mod metrics;
 pub mod subscriber;
@@ -169,11 +180,36 @@ impl KvEventsHub {
         Some(EventEndpoints { publisher, replay })
     }
 
+    /// The index the collector fills for the worker at `url` (made on first use);
+    /// `None` when the worker is subscribed to, whose subscription fills its index.
+    pub fn collected(&self, url: &str) -> Option<Arc<WorkerEvents>> {
+        let subscriptions = self.subscriptions.lock().unwrap_or_else(|e| e.into_inner());
+        if subscriptions.contains_key(url) {
+            return None;
+        }
+        // Every collected message asks: the read lock, unless the index is new.
+        if let Some(events) = self.worker(url) {
+            return Some(events);
+        }
+        let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        Some(
+            workers
+                .entry(url.to_string())
+                .or_insert_with(|| Arc::new(WorkerEvents::new(self.config.max_indexed_blocks)))
+                .clone(),
+        )
+    }
+
     /// Subscribes to every roster worker that publishes events and drops what left:
-    /// a worker that left takes its index with it; one whose endpoints changed starts
-    /// over.
+    /// a worker that left takes its index with it (subscribed or collected); one whose
+    /// endpoints changed starts over.
     pub fn reconcile(&self, registry: &Registry) {
         let roster = registry.snapshot();
+        let members: std::collections::HashSet<&str> = roster
+            .members()
+            .iter()
+            .map(|m| m.worker.base.as_str())
+            .collect();
         let wanted: HashMap<String, EventEndpoints> = roster
             .members()
             .iter()
@@ -188,6 +224,14 @@ impl KvEventsHub {
                 workers.remove(url);
                 self.metrics.forget(url);
                 tracing::info!(worker = %url, "KV events: unsubscribed");
+            }
+            keep
+        });
+        // Collected indexes (no subscription) of workers that left the roster.
+        workers.retain(|url, _| {
+            let keep = subscriptions.contains_key(url) || members.contains(url.as_str());
+            if !keep {
+                self.metrics.forget(url);
             }
             keep
         });

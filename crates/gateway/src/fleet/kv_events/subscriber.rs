@@ -42,15 +42,7 @@ pub async fn follow(
     metrics: Arc<KvEventMetrics>,
     stale_after: Duration,
 ) {
-    let mut stream = Stream {
-        worker,
-        endpoints,
-        events,
-        metrics,
-        expected: None,
-        stale_after,
-    };
-    stream.metrics.set_stale(&stream.worker, false);
+    let mut stream = Stream::new(worker, endpoints, events, metrics, stale_after);
     let check_every = (stale_after / STALE_CHECKS_PER_PERIOD).min(Duration::from_secs(1));
     let mut stale_check = tokio::time::interval(check_every);
     stale_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -87,7 +79,8 @@ pub async fn follow(
     }
 }
 
-struct Stream {
+/// One worker's stream state: the sequence it is at, and its index.
+pub(super) struct Stream {
     worker: String,
     endpoints: EventEndpoints,
     events: Arc<WorkerEvents>,
@@ -98,8 +91,32 @@ struct Stream {
 }
 
 impl Stream {
+    /// A stream not heard from yet.
+    pub(super) fn new(
+        worker: String,
+        endpoints: EventEndpoints,
+        events: Arc<WorkerEvents>,
+        metrics: Arc<KvEventMetrics>,
+        stale_after: Duration,
+    ) -> Self {
+        metrics.set_stale(&worker, false);
+        Self {
+            worker,
+            endpoints,
+            events,
+            metrics,
+            expected: None,
+            stale_after,
+        }
+    }
+
+    /// The index this stream fills.
+    pub(super) fn events(&self) -> &Arc<WorkerEvents> {
+        &self.events
+    }
+
     /// Clears the index when its events have been owed too long.
-    fn check_stale(&self) {
+    pub(super) fn check_stale(&self) {
         if self.events.check_stale(self.stale_after) {
             self.rebuild(
                 "stale",
@@ -113,7 +130,11 @@ impl Stream {
     }
 
     async fn receive(&mut self, message: ZmqMessage) {
-        let frames = message.into_vec();
+        self.receive_frames(message.into_vec()).await;
+    }
+
+    /// Applies one `[topic, seq, payload]` message.
+    pub(super) async fn receive_frames(&mut self, frames: Vec<Bytes>) {
         let [_topic, seq, payload] = frames.as_slice() else {
             self.metrics.error(&self.worker, "frames");
             tracing::warn!(worker = %self.worker, frames = frames.len(), "KV events: a message is [topic, seq, payload]; skipped");
@@ -260,8 +281,10 @@ async fn replay_range(endpoint: &str, from: u64) -> zeromq::ZmqResult<Vec<(u64, 
     let mut batches = Vec::new();
     loop {
         let frames = dealer.recv().await?.into_vec();
-        // ["", seq, payload] (the ROUTER keeps the delimiter it was sent).
+        // ["", seq, payload] (the ROUTER keeps the delimiter it was sent); vLLM 0.32 puts
+        // the topic before the sequence: ["", topic, seq, payload].
         let (seq, payload) = match frames.as_slice() {
+            [empty, _topic, seq, payload] if empty.is_empty() => (seq, payload),
             [empty, seq, payload] if empty.is_empty() => (seq, payload),
             [seq, payload] => (seq, payload),
             _ => continue,
