@@ -65,8 +65,10 @@ pub struct UpArgs {
     #[arg(long, env = "PDSERVE_AGGREGATED_WORKERS", default_value_t = 1, requires = "aggregated",
           value_parser = clap::value_parser!(u16).range(1..))]
     workers: u16,
-    /// The gateway's routing policy for every role (see `pdserve gateway --help`).
-    #[arg(long, env = "PDSERVE_POLICY", default_value = "round_robin")]
+    /// The gateway's routing policy for every role (see `pdserve gateway --help`). The
+    /// default routes on the workers' own KV events, which `up` always wires up with the
+    /// served model's tokenizer: a prompt goes where most of it is cached, net of load.
+    #[arg(long, env = "PDSERVE_POLICY", default_value = "precise_prefix")]
     policy: String,
     /// Gateway replicas, on --port, --port + 1, …: each with the same flags, workers and
     /// event subscriptions (as replicas behind a load balancer; spread clients over them
