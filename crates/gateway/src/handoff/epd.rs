@@ -316,9 +316,9 @@ fn record(
 ) {
     let total = ctx.started.elapsed();
     ctx.journey.encoded(if stages.prefill.is_some() {
-        crate::observe::journey::Mode::EncodePrefillDecode
+        crate::observe::request_record::Mode::EncodePrefillDecode
     } else {
-        crate::observe::journey::Mode::EncodePrefillDecodeTogether
+        crate::observe::request_record::Mode::EncodePrefillDecodeTogether
     });
     let metrics = &state.metrics;
     metrics.observe_epd_stage("encode", stages.encode);

@@ -56,7 +56,7 @@ pub fn answer(
     state.metrics.record_request(ctx.route, status);
     // A stream's relay files it when the stream ends; a body is complete here.
     if !ctx.journey.relayed() {
-        let finished = crate::observe::history::Finished {
+        let finished = crate::observe::request_record::Finished {
             status,
             outcome: if status < 400 { "ok" } else { "error" },
             stream: false,

@@ -13,9 +13,9 @@ use futures::{FutureExt, Stream, StreamExt};
 use pdserve_protocol::ApiError;
 
 use crate::error::error_chain;
-use crate::observe::history::Finished;
 use crate::observe::journey::Journey;
 use crate::observe::metrics::Metrics;
+use crate::observe::request_record::Finished;
 use crate::policy::InFlight;
 use crate::policy::RequestOutcome;
 

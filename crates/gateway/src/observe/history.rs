@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use super::journey::{Hop, Mode};
+use super::request_record::RequestRecord;
 
 /// Seconds of per-second samples kept (the charts' span).
 pub const SAMPLE_SECONDS: usize = 300;
@@ -151,46 +151,6 @@ struct Window {
     requests: AtomicU32,
     errors: AtomicU32,
     series: [Buckets; SERIES],
-}
-
-/// How a finished request went, for the request table and the second's counts.
-#[derive(Debug, Clone)]
-pub struct Finished {
-    /// The HTTP status the client got; for a stream that failed after its head, the
-    /// status of the error event it ended with (499: the client left).
-    pub status: u16,
-    /// `ok`, `error` (a status ≥ 400), `stream_error` (failed after the first byte) or
-    /// `client_left` (the client closed the connection mid-stream).
-    pub outcome: &'static str,
-    /// Whether the answer was streamed.
-    pub stream: bool,
-    /// A stream's time from arrival to its first byte to the client.
-    pub ttft: Option<Duration>,
-    /// A stream's mean gap between upstream chunks after the first.
-    pub itl: Option<Duration>,
-    /// Arrival to the end of the answer.
-    pub duration: Duration,
-}
-
-/// One finished request as the request table shows it.
-#[derive(Debug, Clone)]
-pub struct RequestRecord {
-    /// When it finished.
-    pub finished_at: SystemTime,
-    /// Its `X-Request-Id`.
-    pub request_id: http::HeaderValue,
-    /// The client route (`/v1/chat/completions`, ...).
-    pub endpoint: &'static str,
-    /// How it crossed the workers.
-    pub mode: Mode,
-    /// The prefill worker that served it.
-    pub prefill: Option<Hop>,
-    /// The decode worker that answered.
-    pub decode: Option<Hop>,
-    /// The prefill_decode worker that answered.
-    pub worker: Option<Hop>,
-    /// How it ended.
-    pub finished: Finished,
 }
 
 /// Per-second samples and recent requests (see the module documentation).
@@ -336,6 +296,7 @@ fn push_bounded(samples: &mut VecDeque<Sample>, sample: Sample) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::observe::request_record::{Finished, Mode};
 
     #[test]
     fn percentiles_land_within_a_bucket_of_the_truth() {

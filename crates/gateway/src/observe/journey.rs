@@ -10,37 +10,10 @@ use std::time::{Instant, SystemTime};
 use http::HeaderValue;
 use pdserve_protocol::WorkerRole;
 
-use super::history::{Finished, History, RequestRecord};
+use super::history::History;
+use super::request_record::{Finished, Hop, Mode, RequestRecord};
 use crate::fleet::registry::Worker;
 use crate::policy::CacheMatch;
-
-/// How a request crossed the workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// No worker answered (refused, failed before routing, or every leg failed).
-    Unrouted,
-    /// One prefill_decode worker.
-    Aggregated,
-    /// A prefill worker, then a decode worker (vLLM's or SGLang's handoff: the gateway's
-    /// `--protocol` says which).
-    Disaggregated,
-    /// A short uncached prompt sent straight to a decode worker (`--disagg-threshold`).
-    PrefillSkipped,
-    /// Encoders, then prefill and decode workers.
-    EncodePrefillDecode,
-    /// Encoders, then a prefill_decode worker.
-    EncodePrefillDecodeTogether,
-}
-
-/// A worker that served one part of a request, and what it held of the prompt when
-/// chosen (known with `--expose-routing`, which keeps the policies' notes).
-#[derive(Debug, Clone)]
-pub struct Hop {
-    /// The worker.
-    pub worker: Arc<Worker>,
-    /// Its cached share of the prompt when chosen.
-    pub cache: Option<CacheMatch>,
-}
 
 #[derive(Debug, Default)]
 struct Route {

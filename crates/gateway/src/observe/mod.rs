@@ -4,4 +4,5 @@
 pub mod history;
 pub mod journey;
 pub mod metrics;
+pub mod request_record;
 pub mod trace;

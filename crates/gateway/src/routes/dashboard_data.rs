@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use crate::config::Protocol;
 use crate::fleet::registry::{CircuitState, Health, Member, WorkerSource};
-use crate::observe::history::{RequestRecord, Sample};
-use crate::observe::journey::{Hop, Mode};
+use crate::observe::history::Sample;
+use crate::observe::request_record::{Hop, Mode, RequestRecord};
 use crate::state::AppState;
 
 /// The whole answer of `/dashboard/data`.
