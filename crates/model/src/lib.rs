@@ -30,6 +30,7 @@
 //! move a block as bytes; the layout is documented on the `kv_store` module and named by
 //! [`KvStore::layout`], which two processes should compare before exchanging blocks.
 
+mod act_block;
 mod attention;
 mod chat_template;
 mod config;

@@ -10,7 +10,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::quant_matmul::ActBlock;
+use crate::act_block::ActBlock;
 
 /// Products of one panel (8 rows, `nb` blocks, Q8_0 when `Q8`, Q4_1 otherwise) with `G`
 /// activation rows (`nb` blocks apart in `acts`): `[act][row]`.

@@ -14,10 +14,9 @@ use std::sync::Arc;
 use half::f16;
 use rayon::prelude::*;
 
+pub(crate) use crate::act_block::{ActBlock, QK};
 use crate::takeover::{RegionJob, TakeoverPool};
 
-/// Values per quantized block.
-pub(crate) const QK: usize = 32;
 /// Bytes of one Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
 const Q4_1_BYTES: usize = 20;
 /// Bytes of one Q8_0 block: f16 scale, 32 signed bytes.
@@ -47,18 +46,6 @@ impl BlockFormat {
             BlockFormat::Q8_0 => 2,
         }
     }
-}
-
-/// One block of 8-bit activations.
-#[derive(Clone, Copy)]
-#[repr(C, align(32))]
-pub(crate) struct ActBlock {
-    /// Quantized values.
-    pub(crate) qs: [i8; QK],
-    /// Scale.
-    pub(crate) d: f32,
-    /// `d · Σ qs`.
-    pub(crate) s: f32,
 }
 
 /// Weight rows interleaved per panel.
