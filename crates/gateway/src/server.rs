@@ -296,11 +296,10 @@ async fn sglang_generate(
         };
         let roster = state.registry.snapshot();
         if roster.routing_mode() != Mode::Disaggregated {
-            return Err(ApiError::service_unavailable(format!(
-                "/generate needs prefill and decode workers: {}",
-                roster.missing().join("; ")
-            ))
-            .into());
+            return Err(state
+                .registry
+                .refuse_unservable("/generate needs prefill and decode workers")
+                .into());
         }
         state.metrics.record_disaggregation("disaggregated");
         let route = RouteRequest::bodyless(Endpoint::Completions, &ctx.client_headers);
@@ -336,14 +335,7 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
 /// `/v1/models` of a live decode (or prefill_decode, or prefill) worker, passed through.
 async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Failure> {
     let route = RouteRequest::bodyless(Endpoint::Chat, headers);
-    let worker = [
-        WorkerRole::Decode,
-        WorkerRole::PrefillDecode,
-        WorkerRole::Prefill,
-    ]
-    .into_iter()
-    .find_map(|role| state.pick(role, &[], &route))
-    .ok_or_else(|| ApiError::service_unavailable("no healthy worker is available"))?;
+    let worker = state.pick_any(&route).ok_or_else(|| state.refuse_any())?;
     let exchange = Exchange::new(&worker, "worker", state.config.decode_timeout);
     let request = state
         .client

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use pdserve_protocol::WorkerRole;
+use pdserve_protocol::{ApiError, WorkerRole};
 
 use crate::clients::worker_client::{ClientSettings, LegError, LegFault, WorkerClient};
 use crate::config::GatewayConfig;
@@ -119,8 +119,10 @@ impl AppState {
     }
 
     /// A live worker of `role` that this request has not tried yet and whose circuit
-    /// admits it, chosen by the policy; while no worker of `role` is live, an evicted
-    /// one (panic routing: see [`crate::fleet::registry::Routable`]).
+    /// admits it, chosen by the policy. Panic routing, rather than refusing: while no
+    /// worker of `role` is live, an evicted one (see [`crate::fleet::registry::Routable`]);
+    /// while every live one's breaker is open, one of those. `None` only when every
+    /// routable worker was tried or none is routable (none registered, or all draining).
     pub fn pick(
         &self,
         role: WorkerRole,
@@ -131,7 +133,7 @@ impl AppState {
         let routable = roster.routable(role);
         let live = routable.workers;
         if routable.panic && !live.iter().all(|w| tried.iter().any(|t| t.base == w.base)) {
-            self.registry.note_panic(role, 1);
+            self.registry.note_panic(role, 1, "all are evicted");
         }
         let policy = self.policy(role);
         let began = route.trace.map(|_| std::time::Instant::now());
@@ -152,6 +154,9 @@ impl AppState {
                 .filter(|w| !passed_over.contains(&w.base.as_str()) && w.breaker.is_candidate())
                 .cloned()
                 .collect();
+            if candidates.is_empty() {
+                break;
+            }
             let (chosen, cache) = choose(policy.as_ref(), role, &candidates, route)?;
             // An open circuit past its cooldown admits one trial request; if another
             // request claimed it first, choose again without this worker.
@@ -166,6 +171,47 @@ impl AppState {
             let base = live.iter().find(|w| w.base == chosen.base)?;
             passed_over.push(base.base.as_str());
         }
+        // Every untried worker is kept out by its breaker (open within its cooldown, or
+        // its trial already on the way). Trying beats refusing, as for evicted workers:
+        // a worker that recovered serves at once, and the outcome closes or reopens it.
+        let untried: Vec<_> = live
+            .iter()
+            .filter(|w| !tried.iter().any(|t| t.base == w.base))
+            .cloned()
+            .collect();
+        if untried.is_empty() {
+            return None;
+        }
+        self.registry
+            .note_panic(role, 1, "every one's circuit breaker is open");
+        let (chosen, cache) = choose(policy.as_ref(), role, &untried, route)?;
+        // Claims the trial when none is on its way, so its outcome decides the circuit.
+        chosen.breaker.admit();
+        log_choice(policy.name(), role, &chosen, untried.len());
+        if let (Some(cx), Some(began)) = (route.trace, began) {
+            let (name, n) = (policy.name(), untried.len());
+            crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
+        }
+        Some(chosen)
+    }
+
+    /// A worker for a request any worker can answer (`/v1/models`, `/tokenize`): decode,
+    /// else `prefill_decode`, else prefill ([`Self::refuse_any`] when there is none).
+    pub fn pick_any(&self, route: &RouteRequest<'_>) -> Option<Arc<Worker>> {
+        ANY_ROLE
+            .into_iter()
+            .find_map(|role| self.pick(role, &[], route))
+    }
+
+    /// The 503 when [`Self::pick_any`] found no worker.
+    pub fn refuse_any(&self) -> ApiError {
+        self.registry.refuse_any(&ANY_ROLE)
+    }
+
+    /// The 503 for a request that no worker of `role` can take (see [`Self::pick`]),
+    /// naming the state that kept them out and counted in `refused_total`.
+    pub fn refuse(&self, role: WorkerRole) -> ApiError {
+        self.registry.refuse(role)
     }
 
     /// The policy that chooses workers of `role`.
@@ -195,6 +241,13 @@ impl AppState {
         }
     }
 }
+
+/// The roles that can answer a request any worker can answer, in the order tried.
+const ANY_ROLE: [WorkerRole; 3] = [
+    WorkerRole::Decode,
+    WorkerRole::PrefillDecode,
+    WorkerRole::Prefill,
+];
 
 /// The policy's choice and its cache match, noted for the response headers where the
 /// request keeps notes (`--expose-routing`); the match is looked for only then and for a

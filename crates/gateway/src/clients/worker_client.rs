@@ -12,7 +12,7 @@ use tokio::time::timeout_at;
 
 use crate::clients::direct::{DirectClient, DirectError, DirectResponse};
 use crate::error::{error_chain, truncate, Failure};
-use crate::fleet::registry::Worker;
+use crate::fleet::registry::{Worker, WorkerState};
 use crate::ingress::hops::X_PDSERVE_HOPS;
 use pdserve_telemetry::propagation::{TRACEPARENT, TRACESTATE};
 
@@ -495,16 +495,23 @@ impl<'a> Exchange<'a> {
         self.transport_failed(e.is_connect(), error_chain(e))
     }
 
-    /// A 502, or a 503 when an evicted worker (tried because none of its role is
-    /// healthy) refused the connection: then no worker could take the request.
+    /// A 502, or a 503 when a worker that panic routing tried (evicted, or its breaker
+    /// open: none of its role was healthy) refused the connection: then no worker could
+    /// take the request.
     fn transport_failed(&self, connect: bool, why: String) -> LegError {
         if !connect {
             return self.error(LegFault::Broken, format!("failed: {why}"));
         }
-        if self.worker.is_evicted() {
+        let kept_out = match self.worker.state() {
+            WorkerState::Live => None,
+            WorkerState::Evicted => Some("is evicted after failed health probes"),
+            WorkerState::BreakerOpen => Some("has its circuit breaker open"),
+            WorkerState::Draining => Some("is draining for shutdown"),
+        };
+        if let Some(kept_out) = kept_out {
             return LegError {
                 failure: ApiError::service_unavailable(format!(
-                    "no healthy {role} worker: {} {} is evicted and refused the connection: {why}",
+                    "no healthy {role} worker: {} {} {kept_out} and refused the connection: {why}",
                     self.label,
                     self.worker.base,
                     role = self.worker.role(),

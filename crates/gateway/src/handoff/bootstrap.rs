@@ -135,9 +135,7 @@ async fn attempt(
 ) -> Result<Response, LegError> {
     let tried = failed_decode.lock().expect("not poisoned").clone();
     let Some(decode) = state.pick(WorkerRole::Decode, &tried, routing) else {
-        return Err(final_error(ApiError::service_unavailable(
-            "no healthy decode worker is available",
-        )));
+        return Err(final_error(state.refuse(WorkerRole::Decode)));
     };
     let mut body = plan.body.clone();
     let host = prefill.spec.url.host_str().unwrap_or_default();

@@ -58,11 +58,10 @@ pub async fn serve(
         Mode::Disaggregated => WorkerRole::Prefill,
         Mode::Aggregated => WorkerRole::PrefillDecode,
         Mode::Unavailable => {
-            return Err(ApiError::service_unavailable(format!(
-                "no worker can serve this request: {}",
-                roster.missing().join("; ")
-            ))
-            .into())
+            return Err(state
+                .registry
+                .refuse_unservable("no worker can serve this request")
+                .into())
         }
     };
     if roster.routable(WorkerRole::Encode).workers.is_empty() {
@@ -117,11 +116,7 @@ pub async fn serve(
                 let consumer = state
                     .pick(consumer_role, &consumers, &route)
                     .or_else(|| state.pick(consumer_role, &[], &route))
-                    .ok_or_else(|| {
-                        ApiError::service_unavailable(format!(
-                            "no healthy {consumer_role} worker is available"
-                        ))
-                    })?;
+                    .ok_or_else(|| state.refuse(consumer_role))?;
                 consumers.push(consumer.clone());
                 let rank = consumer.next_dp_rank();
                 let consumer_zmq = consumer
@@ -201,9 +196,7 @@ pub async fn serve(
         let Some(decode) = state.pick(WorkerRole::Decode, &current.decode_tried, &route) else {
             return Err(match last {
                 Some(e) => e.failure,
-                None => {
-                    ApiError::service_unavailable("no healthy decode worker is available").into()
-                }
+                None => state.refuse(WorkerRole::Decode).into(),
             });
         };
         current.decode_tried.push(decode.clone());

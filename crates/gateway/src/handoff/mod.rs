@@ -15,7 +15,7 @@ pub mod sglang_route;
 use std::sync::Arc;
 
 use axum::response::Response;
-use pdserve_protocol::{ApiError, WorkerRole};
+use pdserve_protocol::WorkerRole;
 
 use crate::error::Failure;
 use crate::fleet::registry::Mode;
@@ -65,11 +65,10 @@ pub async fn generate(
             )
             .await
         }
-        Mode::Unavailable => Err(ApiError::service_unavailable(format!(
-            "no worker can serve this request: {}",
-            roster.missing().join("; ")
-        ))
-        .into()),
+        Mode::Unavailable => Err(state
+            .registry
+            .refuse_unservable("no worker can serve this request")
+            .into()),
     }
 }
 

@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use pdserve_protocol::{ApiError, WorkerRole};
+use pdserve_protocol::WorkerRole;
 
 use crate::clients::worker_client::LegError;
+use crate::clients::worker_client::LegFault;
 use crate::error::Failure;
-use crate::fleet::registry::Worker;
+use crate::fleet::registry::{RefusedReason, Worker, WorkerState};
 use crate::legs::RequestContext;
 use crate::policy::RouteRequest;
 use crate::state::AppState;
@@ -107,6 +108,8 @@ where
     let mut budget = RetryBudget::new(state);
     let mut tried: Vec<Arc<Worker>> = Vec::new();
     let mut last: Option<LegError> = None;
+    // What kept the last worker tried out of routing (panic routing tried it anyway).
+    let mut last_state = WorkerState::Live;
     while budget.left() {
         let Some(worker) = state.pick(role, &tried, route) else {
             break;
@@ -126,6 +129,7 @@ where
         }
         budget.take().await;
         tried.push(worker.clone());
+        last_state = worker.state();
         match attempt(worker.clone()).await {
             Ok(value) => {
                 state.registry.record_answer(&worker);
@@ -141,10 +145,15 @@ where
         }
     }
     Err(match last {
-        Some(e) => e.failure,
-        None if tried.is_empty() => {
-            ApiError::service_unavailable(format!("no healthy {role} worker is available")).into()
+        Some(e) => {
+            // A worker that panic routing tried refused the connection: no worker of the
+            // role could take the request.
+            if let (LegFault::Unreachable, Some(reason)) = (e.kind, RefusedReason::of(last_state)) {
+                state.registry.count_refused(role, reason);
+            }
+            e.failure
         }
+        None if tried.is_empty() => state.refuse(role).into(),
         None => unreachable!("an attempt that failed is recorded"),
     })
 }

@@ -156,11 +156,10 @@ async fn serve(
         Mode::Aggregated => WorkerRole::PrefillDecode,
         Mode::Disaggregated => WorkerRole::Decode,
         Mode::Unavailable => {
-            return Err(ApiError::service_unavailable(format!(
-                "no worker can serve this request: {}",
-                roster.missing().join("; ")
-            ))
-            .into())
+            return Err(state
+                .registry
+                .refuse_unservable("no worker can serve this request")
+                .into())
         }
     };
     let owner = turn.owner(&roster, role);

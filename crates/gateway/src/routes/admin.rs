@@ -66,6 +66,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
                 "url": w.base,
                 "role": w.role(),
                 "health": m.health,
+                "state": w.state(),
                 "source": m.source,
                 "in_flight": w.in_flight(),
                 "load": w.load(),

@@ -18,7 +18,7 @@ use pdserve_model::{ChatTurn, PromptInput};
 use pdserve_protocol::tokenize::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
 };
-use pdserve_protocol::{ApiError, ChatMessage, MessageContent, WorkerRole};
+use pdserve_protocol::{ApiError, ChatMessage, MessageContent};
 use serde_json::Value;
 
 use crate::clients::worker_client::{Exchange, ForwardHeaders};
@@ -48,15 +48,10 @@ impl Served {
 }
 
 /// A live worker to ask (decode first, as for `/v1/models`).
-fn any_worker(state: &AppState, headers: &HeaderMap) -> Option<Arc<Worker>> {
-    let route = RouteRequest::bodyless(Endpoint::Chat, headers);
-    [
-        WorkerRole::Decode,
-        WorkerRole::PrefillDecode,
-        WorkerRole::Prefill,
-    ]
-    .into_iter()
-    .find_map(|role| state.pick(role, &[], &route))
+fn any_worker(state: &AppState, headers: &HeaderMap) -> Result<Arc<Worker>, Failure> {
+    state
+        .pick_any(&RouteRequest::bodyless(Endpoint::Chat, headers))
+        .ok_or_else(|| state.refuse_any().into())
 }
 
 /// The gateway's tokenizer and what a worker said of the model, when it has both.
@@ -102,8 +97,7 @@ async fn answer_tokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Failure> {
     let body = read_body(state, body)?;
-    let worker = any_worker(state, headers)
-        .ok_or_else(|| ApiError::service_unavailable("no healthy worker is available"))?;
+    let worker = any_worker(state, headers)?;
     let Some(served) = served(state, &worker) else {
         return forward(state, headers, &worker, "/tokenize", body).await;
     };
@@ -202,8 +196,7 @@ async fn answer_detokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Failure> {
     let body = read_body(state, body)?;
-    let worker = any_worker(state, headers)
-        .ok_or_else(|| ApiError::service_unavailable("no healthy worker is available"))?;
+    let worker = any_worker(state, headers)?;
     let Some(served) = served(state, &worker) else {
         return forward(state, headers, &worker, "/detokenize", body).await;
     };

@@ -262,7 +262,7 @@ async fn readiness_says_what_is_missing() {
         .await;
         assert_eq!(
             gw.health().await["missing"],
-            json!(["no healthy decode worker (all are evicted)"])
+            json!(["no healthy decode worker is available: 1 evicted after failed health probes"])
         );
         assert_eq!(status_of(&gw, "/liveness").await, 200);
         d.set_healthy(true);

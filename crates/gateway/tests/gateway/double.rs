@@ -61,6 +61,7 @@ pub struct Recorded {
 struct Shared {
     role: Role,
     healthy: std::sync::atomic::AtomicBool,
+    draining: std::sync::atomic::AtomicBool,
     name: String,
     behavior: Mutex<Behavior>,
     requests: Mutex<Vec<Recorded>>,
@@ -117,6 +118,7 @@ impl Double {
         let shared = Arc::new(Shared {
             role,
             healthy: std::sync::atomic::AtomicBool::new(true),
+            draining: std::sync::atomic::AtomicBool::new(false),
             name: name.to_string(),
             behavior: Mutex::new(Behavior::Normal),
             requests: Mutex::new(Vec::new()),
@@ -147,6 +149,11 @@ impl Double {
         assert!(self.runtime.is_none(), "kill the double first");
         let (runtime, _) = serve(&self.shared, self.addr);
         self.runtime = Some(runtime);
+    }
+
+    /// Whether `GET /health` answers 503 with a pdserve worker's draining body.
+    pub fn set_draining(&self, draining: bool) {
+        self.shared.draining.store(draining, Ordering::SeqCst);
     }
 
     /// Whether `GET /health` answers 200 (else 503).
@@ -269,11 +276,14 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     }
 }
 
-async fn health(State(shared): State<Arc<Shared>>) -> StatusCode {
-    if shared.healthy.load(Ordering::SeqCst) {
-        StatusCode::OK
+async fn health(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.draining.load(Ordering::SeqCst) {
+        let body = r#"{"status":"unavailable","reason":"draining","message":"shutting down"}"#;
+        (StatusCode::SERVICE_UNAVAILABLE, body).into_response()
+    } else if shared.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK.into_response()
     } else {
-        StatusCode::SERVICE_UNAVAILABLE
+        StatusCode::SERVICE_UNAVAILABLE.into_response()
     }
 }
 

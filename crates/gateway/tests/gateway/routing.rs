@@ -101,6 +101,175 @@ async fn a_failing_worker_is_routed_around_and_its_breaker_opens_then_closes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_whose_every_breaker_is_open_is_still_tried_and_a_recovered_worker_serves() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let only = Double::start(Role::Decode, "ONLY").await;
+        only.set(Behavior::Status(
+            500,
+            r#"{"error":{"message":"engine restarting"}}"#,
+        ));
+        let mut config = pd_config(&[&p], &[&only]);
+        config.health.breaker.failure_threshold = 2;
+        // A cooldown far longer than the test: only panic routing can reach the worker.
+        config.health.breaker.cooldown = Duration::from_secs(600);
+        let gw = Gateway::start(config).await;
+        for _ in 0..2 {
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 502);
+        }
+        assert_eq!(circuit_of(&gw, &only.url).await, "open");
+        let instances = gw.instances().await;
+        let state = &instances["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["url"] == only.url)
+            .unwrap()["state"];
+        assert_eq!(state, "breaker_open");
+
+        // The worker is back: the next request reaches it (no 503 while the cooldown
+        // runs), and its success closes the circuit.
+        only.set(Behavior::Normal);
+        for stream in [false, true] {
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(stream))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            assert!(resp.text().await.unwrap().contains("tok2"));
+        }
+        assert_eq!(circuit_of(&gw, &only.url).await, "closed");
+        assert_eq!(only.requests().len(), 4);
+        assert!(
+            crate::metric(&gw, "pdserve_gateway_panic_routed_total{role=\"decode\"}").await >= 1.0
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_says_which_state_kept_the_workers_out_and_is_counted() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.probe.interval = Duration::from_millis(100);
+        let gw = Gateway::start(config).await;
+
+        // A draining worker is evicted at its next probe and never tried.
+        d.set_draining(true);
+        let start = Instant::now();
+        loop {
+            let instances = gw.instances().await;
+            let w = instances["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|w| w["url"] == d.url)
+                .unwrap()
+                .clone();
+            if w["state"] == "draining" {
+                assert_eq!(w["health"], "evicted");
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "never seen draining: {w}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let before = d.requests().len();
+        let resp = client()
+            .post(gw.at("/v1/chat/completions"))
+            .json(&chat(false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 503);
+        let body: Value = resp.json().await.unwrap();
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("no healthy decode worker") && message.contains("1 draining"),
+            "{message}"
+        );
+        assert_eq!(
+            d.requests().len(),
+            before,
+            "a draining worker gets no request"
+        );
+        assert_eq!(
+            crate::metric(
+                &gw,
+                r#"pdserve_gateway_refused_total{role="decode",reason="draining"}"#
+            )
+            .await,
+            1.0
+        );
+
+        // Back from draining: a passing probe re-admits it.
+        d.set_draining(false);
+        let start = Instant::now();
+        loop {
+            let resp = client()
+                .post(gw.at("/v1/chat/completions"))
+                .json(&chat(false))
+                .send()
+                .await
+                .unwrap();
+            if resp.status() == 200 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "never re-admitted"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_with_no_worker_registered_is_refused_as_no_worker() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let gw = Gateway::start(pd_config(&[&p], &[])).await;
+        let resp = client()
+            .post(gw.at("/v1/completions"))
+            .json(&json!({"prompt": "hi", "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 503);
+        let body: Value = resp.json().await.unwrap();
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("no decode worker is registered"),
+            "{body}"
+        );
+        assert_eq!(
+            crate::metric(
+                &gw,
+                r#"pdserve_gateway_refused_total{role="decode",reason="no_worker"}"#
+            )
+            .await,
+            1.0
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_never_resend_after_the_first_byte_and_never_a_4xx() {
     bounded(async {
         let p = Double::start(Role::Prefill, "P").await;

@@ -1,5 +1,6 @@
 //! The fleet's own metrics: the roster by health, evictions and re-admissions, each
-//! worker's in-flight and circuit gauges, and the worker URLs refused. The registry is
+//! worker's in-flight and circuit gauges, the requests refused for want of a worker, and
+//! the worker URLs refused. The registry is
 //! handed these families; it knows nothing else of the gateway's metrics.
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -35,6 +36,13 @@ struct RefusedWorkerLabels {
     reason: String,
 }
 
+/// Labels of `refused_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RoleReasonLabels {
+    role: String,
+    reason: String,
+}
+
 /// Labels of `discovery_errors_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct SourceLabels {
@@ -50,6 +58,7 @@ pub struct FleetMetrics {
     evictions: Family<RoleLabels, Counter>,
     readmissions: Family<RoleLabels, Counter>,
     panic_routed: Family<RoleLabels, Counter>,
+    refused: Family<RoleReasonLabels, Counter>,
     workers_refused: Family<RefusedWorkerLabels, Counter>,
     discovery_errors: Family<SourceLabels, Counter>,
 }
@@ -85,9 +94,17 @@ impl FleetMetrics {
         );
         registry.register(
             "panic_routed",
-            "Requests routed to an evicted worker because no worker of the role was healthy \
-             (panic routing: trying beats refusing; a success re-admits the worker)",
+            "Requests routed to an evicted worker, or to one whose circuit breaker is open, \
+             because no worker of the role was healthy (panic routing: trying beats \
+             refusing; a success re-admits the worker or closes its breaker)",
             m.panic_routed.clone(),
+        );
+        registry.register(
+            "refused",
+            "Requests answered 503 because no worker of the role could take them, by the \
+             state that kept them out: no_worker (none registered), evicted, breaker_open \
+             or draining",
+            m.refused.clone(),
         );
         registry.register(
             "workers_refused",
@@ -152,6 +169,16 @@ impl FleetMetrics {
     /// Counts a request routed to an evicted worker (no worker of `role` was healthy).
     pub fn inc_panic_routed(&self, role: &str) {
         self.panic_routed.get_or_create(&role_labels(role)).inc();
+    }
+
+    /// Counts a request refused because no worker of `role` could take it.
+    pub fn inc_refused(&self, role: &str, reason: &str) {
+        self.refused
+            .get_or_create(&RoleReasonLabels {
+                role: role.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Counts a worker URL refused for answering as a gateway (`self` or `gateway`),

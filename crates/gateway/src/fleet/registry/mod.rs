@@ -7,6 +7,7 @@
 pub mod circuit;
 mod metrics;
 pub mod probe;
+mod refusal;
 mod source;
 mod worker;
 
@@ -20,9 +21,11 @@ use tokio::sync::watch;
 
 pub use circuit::{BreakerSettings, CircuitBreaker, CircuitState, RequestOutcome};
 pub use metrics::FleetMetrics;
+pub use refusal::RefusedReason;
 pub use source::{SyncReport, WorkerSource};
 pub use worker::{
-    check_dp_size, parse_worker_url, worker_key, Health, Worker, WorkerSpec, MAX_DP_SIZE,
+    check_dp_size, parse_worker_url, worker_key, Health, Worker, WorkerSpec, WorkerState,
+    MAX_DP_SIZE,
 };
 
 /// Why a registration was refused.
@@ -131,7 +134,8 @@ pub struct Roster {
     members: Vec<Member>,
     /// Live workers per role, indexed by [`role_index`].
     live: [Vec<Arc<Worker>>; 4],
-    /// Evicted workers per role, routed to only while the role has no live worker.
+    /// Evicted workers per role that are not draining, routed to only while the role has
+    /// no live worker.
     evicted: [Vec<Arc<Worker>>; 4],
 }
 
@@ -162,6 +166,8 @@ impl Roster {
         for m in &members {
             let by_health = match m.health {
                 Health::Live => &mut live,
+                // A draining worker refuses new requests: not worth a panic try.
+                Health::Evicted if m.worker.is_draining() => continue,
                 Health::Evicted => &mut evicted,
             };
             by_health[role_index(m.worker.role())].push(m.worker.clone());
@@ -236,36 +242,6 @@ impl Roster {
             Mode::Unavailable
         }
     }
-
-    /// What keeps the gateway from serving, in words (empty when it can serve).
-    pub fn missing(&self) -> Vec<String> {
-        if self.mode() != Mode::Unavailable {
-            return Vec::new();
-        }
-        let registered = |role| self.members.iter().any(|m| m.worker.role() == role);
-        let describe = |role: WorkerRole| {
-            if registered(role) {
-                format!("no healthy {role} worker (all are evicted)")
-            } else {
-                format!("no {role} worker is registered")
-            }
-        };
-        let split = registered(WorkerRole::Prefill) || registered(WorkerRole::Decode);
-        if split || !registered(WorkerRole::PrefillDecode) {
-            let mut out = Vec::new();
-            for role in [WorkerRole::Prefill, WorkerRole::Decode] {
-                if self.live(role).is_empty() {
-                    out.push(describe(role));
-                }
-            }
-            if !split {
-                out.push(describe(WorkerRole::PrefillDecode));
-            }
-            out
-        } else {
-            vec![describe(WorkerRole::PrefillDecode)]
-        }
-    }
 }
 
 /// The live worker set, shared by requests, the admin API and the prober.
@@ -309,7 +285,7 @@ impl Registry {
         let roster = self.snapshot();
         let routable = roster.routable(role);
         if routable.panic && count > 0 {
-            self.note_panic(role, count);
+            self.note_panic(role, count, "all are evicted");
         }
         let live = routable.workers;
         let open: Vec<Arc<Worker>> = live
@@ -463,6 +439,9 @@ impl Registry {
     /// Ignored when `worker` is no longer the registered record for its URL.
     pub fn record_success(&self, worker: &Arc<Worker>) {
         worker.record_success();
+        if worker.is_draining() {
+            self.record_draining(worker, false);
+        }
         if self.set_health(worker, Health::Evicted, Health::Live) {
             tracing::info!(role = %worker.role(), url = %worker.base, "worker is healthy again; routing to it resumes");
             self.metrics.inc_readmissions(worker.role().as_str());
@@ -483,6 +462,24 @@ impl Registry {
         }
     }
 
+    /// A probe found the worker draining for shutdown (`draining: true`): it is evicted
+    /// at once and kept out of panic routing; a later passing probe clears it.
+    pub fn record_draining(&self, worker: &Arc<Worker>, draining: bool) {
+        if !worker.set_draining(draining) {
+            return;
+        }
+        if draining {
+            tracing::info!(role = %worker.role(), url = %worker.base, "worker is draining for shutdown; no new requests go to it");
+            self.record_failure(worker, true, "its /health says it is draining");
+        }
+        // Rebuild the roster so that panic routing sees the change.
+        let _guard = self.lock();
+        let roster = self.roster.load();
+        if roster.holds(worker).is_some() {
+            self.publish(roster.members().to_vec());
+        }
+    }
+
     /// A worker answered a request: an evicted one (tried in panic, or evicted while the
     /// request ran) is re-admitted at once rather than at its next probe. Costs one
     /// atomic load when the worker is live.
@@ -492,13 +489,14 @@ impl Registry {
         }
     }
 
-    /// Counts and logs requests routed to evicted workers of `role` (none is live).
-    pub(crate) fn note_panic(&self, role: WorkerRole, requests: usize) {
+    /// Counts and logs requests routed to workers of `role` that health or their breaker
+    /// keeps out (`why`), because no worker of the role is routable otherwise.
+    pub(crate) fn note_panic(&self, role: WorkerRole, requests: usize, why: &str) {
         self.metrics.inc_panic_routed(role.as_str());
         tracing::warn!(
             %role,
             requests,
-            "no healthy {role} worker: routing to evicted workers (panic routing) rather than refusing"
+            "no healthy {role} worker ({why}): routing to them anyway (panic routing) rather than refusing"
         );
     }
 

@@ -71,6 +71,7 @@ pub async fn round(
     for (worker, outcome) in join_all(probes).await {
         match outcome {
             Ok(()) => registry.record_probe_passed(&worker),
+            Err(ProbeFailure::Draining) => registry.record_draining(&worker, true),
             Err(ProbeFailure::Unhealthy(why)) => {
                 tracing::debug!(url = %worker.base, "health probe failed: {why}");
                 registry.record_failure(&worker, false, &why);
@@ -91,6 +92,8 @@ pub async fn round(
 enum ProbeFailure {
     /// No healthy answer.
     Unhealthy(String),
+    /// A 503 whose body says `"reason": "draining"` (a pdserve worker shutting down).
+    Draining,
     /// The URL answers as a gateway this one must not route to.
     Refused(Refusal),
 }
@@ -116,8 +119,41 @@ async fn probe(
         ) {
             Err(refusal) => Err(ProbeFailure::Refused(refusal)),
             Ok(()) if r.status().is_success() => Ok(()),
-            Ok(()) => unhealthy(format!("/health answered {}", r.status())),
+            Ok(()) => {
+                let status = r.status();
+                match tokio::time::timeout(timeout, r.bytes()).await {
+                    Ok(Ok(body)) if says_draining(&body) => Err(ProbeFailure::Draining),
+                    _ => unhealthy(format!("/health answered {status}")),
+                }
+            }
         },
     };
     (worker, outcome)
+}
+
+/// Whether a failed `/health` body is a pdserve worker's `{"reason": "draining"}`.
+fn says_draining(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Unhealthy<'a> {
+        #[serde(borrow)]
+        reason: Option<&'a str>,
+    }
+    serde_json::from_slice::<Unhealthy<'_>>(body).is_ok_and(|u| u.reason == Some("draining"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::says_draining;
+
+    #[test]
+    fn only_a_draining_reason_is_draining() {
+        assert!(says_draining(
+            br#"{"status":"unavailable","reason":"draining","message":"m"}"#
+        ));
+        assert!(!says_draining(
+            br#"{"status":"unavailable","reason":"scheduler_wedged"}"#
+        ));
+        assert!(!says_draining(b"draining"));
+        assert!(!says_draining(b""));
+    }
 }

@@ -91,7 +91,10 @@ fn eviction_readmission_and_mode() {
     assert_eq!(r.snapshot().mode(), Mode::Unavailable);
     assert_eq!(
         r.snapshot().missing(),
-        vec!["no healthy decode worker (all are evicted)".to_string()]
+        vec![
+            "no healthy decode worker is available: 1 evicted after failed health probes"
+                .to_string()
+        ]
     );
     r.record_success(&d);
     assert_eq!(r.snapshot().mode(), Mode::Disaggregated);

@@ -98,6 +98,33 @@ pub enum Health {
     Evicted,
 }
 
+/// Whether a worker takes requests now, and if not, which state keeps it out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// Routed to.
+    Live,
+    /// Failed its health probes or refused a connection; tried only in panic routing.
+    Evicted,
+    /// Its circuit breaker is open (or half-open, a trial on its way) after failed
+    /// requests; tried only when no worker of its role has a closed breaker.
+    BreakerOpen,
+    /// Shutting down: its `/health` says `draining`. Never routed to.
+    Draining,
+}
+
+impl WorkerState {
+    /// The state's name in `/instances`, 503 messages and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Live => "live",
+            Self::Evicted => "evicted",
+            Self::BreakerOpen => "breaker_open",
+            Self::Draining => "draining",
+        }
+    }
+}
+
 /// One upstream worker as the registry knows it.
 #[derive(Debug)]
 pub struct Worker {
@@ -122,6 +149,9 @@ pub struct Worker {
     /// Mirrors the roster's health of this record (read by requests that succeed, to
     /// re-admit it without scanning the roster).
     evicted: AtomicBool,
+    /// Its `/health` said it is draining for shutdown: it takes no new requests, not even
+    /// in panic routing, until a probe passes again.
+    draining: AtomicBool,
     /// What the worker's own `/metrics` said last (`--load-scrape-interval`).
     reported: Mutex<Option<ReportedLoad>>,
 }
@@ -176,6 +206,7 @@ impl Worker {
             breaker,
             dp_cursor: AtomicUsize::new(0),
             evicted: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             reported: Mutex::new(None),
         }
     }
@@ -292,10 +323,35 @@ impl Worker {
         self.evicted.store(evicted, Ordering::Relaxed);
     }
 
+    /// Whether its last `/health` said it is draining for shutdown.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Notes whether it is draining; returns whether that changed.
+    pub(crate) fn set_draining(&self, draining: bool) -> bool {
+        self.draining.swap(draining, Ordering::Relaxed) != draining
+    }
+
+    /// What keeps routing from this worker, if anything: draining, evicted or its
+    /// breaker open (`/instances`' `state`; a refusal's reason).
+    pub fn state(&self) -> WorkerState {
+        if self.is_draining() {
+            WorkerState::Draining
+        } else if self.is_evicted() {
+            WorkerState::Evicted
+        } else if self.circuit() != CircuitState::Closed {
+            WorkerState::BreakerOpen
+        } else {
+            WorkerState::Live
+        }
+    }
+
     /// Carries health counters over from the record this one replaces.
     pub(crate) fn inherit(&self, previous: &Worker) {
         self.failures.store(previous.failures(), Ordering::Relaxed);
         self.set_evicted(previous.is_evicted());
+        self.set_draining(previous.is_draining());
         self.breaker.inherit(&previous.breaker);
         self.dp_cursor.store(
             previous.dp_cursor.load(Ordering::Relaxed),
