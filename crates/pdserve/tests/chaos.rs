@@ -87,6 +87,17 @@ fn free_port() -> u16 {
     pdserve_http_server::free_local_port().unwrap()
 }
 
+/// The `pdserve` binary every process of the run starts from: a private copy, taken
+/// once at the start, so that a build that replaces `target/*/pdserve` meanwhile (a
+/// target directory shared between checkouts) cannot mix versions within a run.
+static BINARY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+fn pin_binary(dir: &Path) {
+    let copy = dir.join("pdserve");
+    std::fs::copy(env!("CARGO_BIN_EXE_pdserve"), &copy).unwrap();
+    BINARY.set(copy).unwrap();
+}
+
 /// A `pdserve` child in its own process group, SIGKILLed (group and all) when dropped.
 struct Proc {
     child: Child,
@@ -100,7 +111,7 @@ impl Proc {
             .append(true)
             .open(log)
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        let child = Command::new(BINARY.get().expect("pin_binary first"))
             .args(args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -991,6 +1002,9 @@ impl Cluster {
                 "0.5",
                 "--probe-interval",
                 "1",
+                // Below the workers' --kv-abort-timeout, as the flag's help asks.
+                "--conversation-ttl-secs",
+                "3",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -1275,6 +1289,28 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// What the gateways refused for want of a worker, by role and reason (a restarted
+    /// replica counts from its restart).
+    async fn refusals(&self) -> BTreeMap<String, f64> {
+        let name = "pdserve_gateway_refused_total{";
+        let mut refused = BTreeMap::new();
+        for g in &self.gateways {
+            let Ok(response) = self.http.get(format!("{}/metrics", g.url())).send().await else {
+                continue;
+            };
+            let text = response.text().await.unwrap_or_default();
+            for line in text.lines().filter(|l| l.starts_with(name)) {
+                if let Some((labels, value)) = line[name.len()..].rsplit_once("} ") {
+                    *refused.entry(labels.to_string()).or_default() +=
+                        value.parse::<f64>().unwrap_or(0.0);
+                }
+            }
+        }
+        refused
+    }
+}
+
 /// The sum of the samples named `name` (any labels); `None` when there is none.
 fn metric_sum(text: &str, name: &str) -> Option<f64> {
     let values: Vec<f64> = text
@@ -1348,6 +1384,8 @@ struct TopologyRun {
     leaks: Vec<String>,
     unexpected_exits: Vec<String>,
     kv_cuts: u64,
+    /// The gateways' `pdserve_gateway_refused_total` samples (summed over replicas).
+    refused: BTreeMap<String, f64>,
     seconds: f64,
 }
 
@@ -1449,6 +1487,7 @@ async fn run_topology(env: &Env, topology: Topology, secs: f64) -> TopologyRun {
     cluster.check_alive();
     let leaks = cluster.leaks().await;
     cluster.check_alive();
+    let refused = cluster.refusals().await;
     let records = load.records.lock().unwrap().clone();
     TopologyRun {
         topology,
@@ -1461,6 +1500,7 @@ async fn run_topology(env: &Env, topology: Topology, secs: f64) -> TopologyRun {
             .proxy
             .as_ref()
             .map_or(0, |p| p.cuts.load(Ordering::SeqCst)),
+        refused,
         seconds: t0.elapsed().as_secs_f64(),
     }
 }
@@ -1574,6 +1614,7 @@ fn summarize(seed: u64, long: bool, runs: &[TopologyRun]) -> Value {
                 "wrong": counts[Outcome::Wrong as usize] + run.wrong_probes.len(),
                 "faults": run.faults.len(),
                 "kv_connections_cut": run.kv_cuts,
+                "gateway_refused": run.refused,
                 "leaks": run.leaks,
                 "unexpected_exits": run.unexpected_exits,
             }),
@@ -1712,6 +1753,7 @@ async fn chaos_under_load_nothing_hangs_leaks_or_lies() {
     let bound = Duration::from_secs_f64(plan.iter().map(|p| p.1).sum::<f64>() + 400.0);
     let logs = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("chaos-{seed}"));
     std::fs::create_dir_all(&logs).unwrap();
+    pin_binary(&logs);
     let summary = tokio::time::timeout(bound, async {
         let http = reqwest::Client::builder().no_proxy().build().unwrap();
         let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
@@ -1753,6 +1795,8 @@ async fn chaos_under_load_nothing_hangs_leaks_or_lies() {
         )
     });
 
+    // Every process is gone (the clusters dropped): the private binary can go too.
+    let _ = std::fs::remove_file(BINARY.get().unwrap());
     print_summary(&summary);
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("chaos-summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary).unwrap()).unwrap();
