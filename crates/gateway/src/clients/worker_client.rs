@@ -310,6 +310,20 @@ impl LegError {
     pub fn is_worker_fault(&self) -> bool {
         self.kind.is_server_fault()
     }
+
+    /// Whether the failure counts against the worker's circuit breaker: a worker fault,
+    /// unless the worker answered 502 or 504, which say that a peer it depends on failed
+    /// (a decode worker's KV pull from the prefill worker cut or refused, an
+    /// orchestrator's prefill leg), not the worker itself. Charging those to the worker
+    /// opened the only decode worker's breaker when one prefill worker's KV transfers
+    /// broke, refusing every request, those through healthy prefill workers too.
+    pub fn blames_worker(&self) -> bool {
+        self.is_worker_fault()
+            && !matches!(
+                self.status,
+                Some(StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT)
+            )
+    }
 }
 
 /// One request/response exchange with a worker under a time limit, with the failure
@@ -520,5 +534,44 @@ impl<'a> Exchange<'a> {
             status: None,
             escalated: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(status: u16) -> LegError {
+        let status = StatusCode::from_u16(status).unwrap();
+        LegError {
+            failure: Failure::Upstream {
+                status,
+                body: Bytes::new(),
+            },
+            kind: LegFault::of_status(status).unwrap_or(LegFault::Failed),
+            status: Some(status),
+            escalated: false,
+        }
+    }
+
+    #[test]
+    fn a_workers_502_or_504_blames_its_peer_not_the_worker() {
+        assert!(answered(500).blames_worker());
+        assert!(answered(503).blames_worker());
+        assert!(!answered(502).blames_worker(), "its KV peer failed");
+        assert!(!answered(504).blames_worker(), "its peer timed out");
+        assert!(!answered(400).blames_worker(), "the request was at fault");
+        // Retried all the same: another decode worker may pull the KV.
+        assert!(answered(502).retryable());
+        let unreachable = LegError {
+            failure: Failure::Upstream {
+                status: StatusCode::BAD_GATEWAY,
+                body: Bytes::new(),
+            },
+            kind: LegFault::Unreachable,
+            status: None,
+            escalated: false,
+        };
+        assert!(unreachable.blames_worker(), "no answer at all: the worker");
     }
 }

@@ -120,7 +120,8 @@ pub fn expose_worker(
     }
 }
 
-/// One attempt on `worker`; the policy hears a failure when the worker was at fault.
+/// One attempt on `worker`; the policy hears a failure when the worker was at fault
+/// (not when it answered that a peer of it failed: [`LegError::blames_worker`]).
 async fn attempt(
     state: &Arc<AppState>,
     ctx: &RequestContext,
@@ -130,7 +131,7 @@ async fn attempt(
     let mut in_flight = Some(state.start_request(worker.clone()));
     let mut result = send_leg(state, ctx, leg, worker, &mut in_flight).await;
     if let (Err(e), Some(in_flight)) = (&result, in_flight.as_mut()) {
-        if e.is_worker_fault() {
+        if e.blames_worker() {
             in_flight.set_outcome(RequestOutcome::Failure);
         }
     }
