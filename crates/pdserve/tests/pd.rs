@@ -203,6 +203,7 @@ async fn suite() {
     // First: its leak check must not be masked by other scenarios' expiring exports.
     parallel_choices(&stack).await;
     oracle(&stack).await;
+    first_token_from_prefill(&stack).await;
     conditional_disaggregation(&stack).await;
     multi_turn_through_the_gateway(&stack).await;
     multi_turn_by_hand(&stack).await;
@@ -413,6 +414,111 @@ async fn oracle(stack: &Stack) {
     assert!(imported > 100.0, "decode imported only {imported} tokens");
 }
 
+/// One raw SSE answer: per choice its text and its tokens (completions' logprobs), the
+/// usage event's `usage`, and the first event's text of choice 0.
+struct Streamed {
+    texts: Vec<String>,
+    tokens: Vec<Vec<Value>>,
+    usage: Value,
+    first_text: String,
+}
+
+async fn streamed(stack: &Stack, base: &str, path: &str, body: &Value, n: usize) -> Streamed {
+    let raw = stack
+        .http
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(raw.ends_with("data: [DONE]\n\n"), "{raw}");
+    let mut out = Streamed {
+        texts: vec![String::new(); n],
+        tokens: vec![Vec::new(); n],
+        usage: Value::Null,
+        first_text: String::new(),
+    };
+    let mut first = true;
+    for data in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert!(chunk.get("error").is_none(), "{raw}");
+        if !chunk["usage"].is_null() {
+            out.usage = chunk["usage"].clone();
+        }
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            let t = c["delta"]["content"].as_str().or(c["text"].as_str());
+            let t = t.unwrap_or("");
+            if first && i == 0 && !t.is_empty() {
+                out.first_text = t.to_string();
+                first = false;
+            }
+            out.texts[i].push_str(t);
+            if let Some(tokens) = c["logprobs"]["tokens"].as_array() {
+                out.tokens[i].extend(tokens.iter().cloned());
+            }
+        }
+    }
+    out
+}
+
+/// Streamed P/D answers take their first token from the prefill leg (on by default for
+/// pdserve workers): the first event carries the prefill answer's token, and the whole
+/// answer equals the aggregated stream token for token, with the same usage, for greedy
+/// and for seeded sampling with `n` = 2; a request's `"first_token_from_prefill": false`
+/// turns it off.
+async fn first_token_from_prefill(stack: &Stack) {
+    let counted = || {
+        stack.metric(
+            &stack.gateway,
+            "pdserve_gateway_first_token_from_prefill_total",
+        )
+    };
+    let mut greedy = completion(LONG, true);
+    greedy["logprobs"] = json!(0);
+    greedy["ignore_eos"] = json!(true);
+    greedy["stream_options"] = json!({"include_usage": true});
+    let mut sampled = chat(LONG, true);
+    sampled["temperature"] = json!(0.9);
+    sampled["seed"] = json!(11);
+    sampled["n"] = json!(2);
+    sampled["stream_options"] = json!({"include_usage": true});
+    let cases = [
+        ("/v1/completions", greedy, 1),
+        ("/v1/chat/completions", chat(LONG, true), 1),
+        ("/v1/chat/completions", sampled, 2),
+    ];
+    for (path, body, n) in cases {
+        let expected = streamed(stack, &stack.agg, path, &body, n).await;
+        let before = counted().await;
+        let got = streamed(stack, &stack.gateway, path, &body, n).await;
+        assert_eq!(counted().await - before, 1.0, "{path}: not from prefill");
+        assert_eq!(got.texts, expected.texts, "{path} {body}");
+        assert_eq!(got.tokens, expected.tokens, "{path} {body}");
+        assert_eq!(got.first_text, expected.first_text, "{path} {body}");
+        for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            assert_eq!(got.usage[count], expected.usage[count], "{path} {count}");
+        }
+
+        let mut off = body.clone();
+        off["first_token_from_prefill"] = json!(false);
+        let before = counted().await;
+        let got = streamed(stack, &stack.gateway, path, &off, n).await;
+        assert_eq!(counted().await - before, 0.0, "{path}: turned off");
+        assert_eq!(got.texts, expected.texts, "{path} off");
+    }
+    let mismatches = stack
+        .metric(&stack.gateway, "pdserve_gateway_first_token_mismatch_total")
+        .await;
+    assert_eq!(mismatches, 0.0);
+}
+
 /// Turn 2 of a conversation through the gateway: P reads turn 1's KV from D, and the
 /// client's usage counts those tokens as cached (computed by no one for this request) as
 /// the aggregated worker's prefix cache does for the same conversation, within a block;
@@ -502,6 +608,25 @@ async fn multi_turn_through_the_gateway(stack: &Stack) {
             "P/D reports {pd_cached} cached tokens, aggregated {agg_cached} (stream: {stream})"
         );
     }
+
+    // Turn 2 after the decode worker freed turn 1's blocks (its abort timeout passed; the
+    // gateway still holds the handle): P finds them gone and computes the prompt itself,
+    // and the answer is still the aggregated one.
+    let user = format!("(conversation-3, stale) {LONG}");
+    let mut turn = chat(&user, false);
+    turn["conversation_id"] = json!("conversation-3");
+    let first = text_of(&stack.ok(&stack.gateway, path, &turn).await);
+    tokio::time::sleep(Duration::from_secs(ABORT_TIMEOUT_SECS + 2)).await;
+    turn["messages"] = json!([
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "Now say it in five words."},
+    ]);
+    let second = stack.ok(&stack.gateway, path, &turn).await;
+    let mut agg_turn = turn.clone();
+    agg_turn.as_object_mut().unwrap().remove("conversation_id");
+    let expected = stack.ok(&stack.agg, path, &agg_turn).await;
+    assert_eq!(text_of(&second), text_of(&expected));
 }
 
 /// The same flow as vLLM's multi-turn proxy drives it, checking each leg's answer.

@@ -2,13 +2,14 @@
 //! engine tells routers about the blocks in its prefix cache.
 //!
 //! On the wire (ZeroMQ PUB) every message has three frames: the topic, the sequence
-//! number as 8 big-endian bytes, and a msgpack `KVEventBatch`. vLLM has shipped two
-//! msgpack shapes of the same structs: maps (`{"ts": …, "events": [{"type":
-//! "BlockStored", "block_hashes": […], …}]}`, today's msgspec default) and arrays
-//! (`[ts, [["BlockStored", [hashes], parent, [tokens], block_size, lora_id, medium]],
-//! dp_rank]`, `array_like=True` in earlier releases). [`encode`] writes maps, as vLLM
-//! does now; [`decode`] reads both, and block hashes given as integers (older vLLM,
-//! SGLang) or bytes (vLLM's sha256 hashes).
+//! number as 8 big-endian bytes, and a msgpack `KVEventBatch`. The envelope is an array
+//! (`EventBatch` is `array_like` in vLLM 0.32: `[ts, [events], dp_rank]`, the rank left
+//! out when there is none) whose events are maps tagged by `type` (`{"type":
+//! "BlockStored", "block_hashes": […], …}`); earlier releases and other publishers wrote
+//! the envelope as a map, or the events as arrays (`["BlockStored", [hashes], parent,
+//! [tokens], block_size, lora_id, medium]`). [`encode`] writes vLLM 0.32's shape;
+//! [`decode`] reads every one, and block hashes given as integers (older vLLM, SGLang) or
+//! bytes (vLLM's sha256 hashes).
 
 use std::fmt;
 
@@ -95,9 +96,14 @@ pub struct DecodedBatch {
 #[error("not a KV event batch: {0}")]
 pub struct DecodeError(pub String);
 
-/// The msgpack payload of `batch` (map-encoded, as vLLM publishes today).
+/// The msgpack payload of `batch`, as vLLM 0.32 publishes it: `[ts, events, rank]` (no
+/// rank: `[ts, events]`, as msgspec's `omit_defaults` writes it), each event a map.
 pub fn encode(batch: &KvEventBatch) -> Vec<u8> {
-    rmp_serde::to_vec_named(batch).expect("event batches always encode")
+    let encoded = match batch.data_parallel_rank {
+        Some(rank) => rmp_serde::to_vec_named(&(batch.ts, &batch.events, rank)),
+        None => rmp_serde::to_vec_named(&(batch.ts, &batch.events)),
+    };
+    encoded.expect("event batches always encode")
 }
 
 /// Reads a payload in either of vLLM's shapes. A batch whose envelope is wrong is an
@@ -303,7 +309,7 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_round_trips_in_the_map_shape_vllm_publishes() {
+    fn a_batch_round_trips_in_the_shape_vllm_publishes() {
         let batch = KvEventBatch {
             ts: 1.5,
             events: vec![
@@ -317,10 +323,13 @@ mod tests {
             data_parallel_rank: Some(0),
         };
         let bytes = encode(&batch);
-        // The envelope and the tags are named, as msgspec writes them.
+        // The envelope an array, the events tagged maps, as msgspec writes them.
         let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
-        assert_eq!(field(&value, "ts").and_then(Value::as_f64), Some(1.5));
-        let events = field(&value, "events").unwrap().as_array().unwrap();
+        let envelope = value.as_array().unwrap();
+        assert_eq!(envelope.len(), 3);
+        assert_eq!(envelope[0].as_f64(), Some(1.5));
+        assert_eq!(envelope[2].as_u64(), Some(0));
+        let events = envelope[1].as_array().unwrap();
         assert_eq!(
             field(&events[1], "type").and_then(Value::as_str),
             Some("BlockStored")
@@ -329,6 +338,15 @@ mod tests {
         let decoded = decode(&bytes).unwrap();
         assert_eq!(decoded.batch, batch);
         assert!(decoded.skipped.is_empty());
+        // No rank: left out, not nil.
+        let unranked = KvEventBatch {
+            data_parallel_rank: None,
+            ..batch
+        };
+        let bytes = encode(&unranked);
+        let value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
+        assert_eq!(value.as_array().unwrap().len(), 2);
+        assert_eq!(decode(&bytes).unwrap().batch, unranked);
     }
 
     #[test]

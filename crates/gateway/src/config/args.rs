@@ -3,7 +3,7 @@
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use super::Protocol;
+use super::{FirstTokenFromPrefill, Protocol};
 use crate::flags::parse_secs;
 use crate::policy::{CacheSource, PolicyConfig, POLICY_NAMES};
 
@@ -348,6 +348,23 @@ pub struct GatewayArgs {
     /// default; exists to measure what the fast path saves.
     #[arg(long, env = "PDSERVE_SGLANG_WAIT_PREFILL_HEAD")]
     pub sglang_wait_prefill_head: bool,
+
+    /// vLLM P/D, streamed chat and completions: send the prefill answer's token (its
+    /// first token) to the client as soon as the decode worker answers (before its first
+    /// step), then relay the decode worker's stream without the first token it generates again (dropped only
+    /// if equal; a different one ends the stream with an error event and counts in
+    /// pdserve_gateway_first_token_mismatch_total). A request without a `seed` gets one
+    /// (the same on both legs) so a sampled first token is the one decode draws. `auto`:
+    /// per answer, where the prefill answer carries the token; `on`: the same, and an
+    /// answer without it is a warning; `off`: never. A request's
+    /// `"first_token_from_prefill": true|false` overrides.
+    #[arg(
+        long,
+        env = "PDSERVE_FIRST_TOKEN_FROM_PREFILL",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub first_token_from_prefill: FirstTokenFromPrefill,
 
     // --- Hardening (issue 14): read timeouts, connection cap, API keys. ---
     /// Seconds a client has to send a complete request head; a connection that sends half

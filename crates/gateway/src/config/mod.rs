@@ -30,6 +30,21 @@ pub enum Protocol {
     Sglang,
 }
 
+/// Whether a streamed P/D answer's first token is the prefill worker's, sent to the
+/// client as soon as the decode worker answers (`--first-token-from-prefill`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum FirstTokenFromPrefill {
+    /// Per answer: used where the prefill answer carries the token (its text, one per
+    /// choice, and `finish_reason` `length`); otherwise the decode worker's is relayed.
+    #[default]
+    Auto,
+    /// As `auto`, and a prefill answer without the token is logged as a warning (the
+    /// operator said the workers carry it).
+    On,
+    /// Never; a request's own `"first_token_from_prefill": true` still turns it on.
+    Off,
+}
+
 /// Everything a running gateway needs, resolved and validated.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
@@ -115,6 +130,8 @@ pub struct GatewayConfig {
     pub prefill_bootstrap_ports: Vec<Option<u16>>,
     /// sglang: wait for the prefill response head before streaming decode.
     pub sglang_wait_prefill_head: bool,
+    /// Whether a streamed answer's first token comes from the prefill leg.
+    pub first_token_from_prefill: FirstTokenFromPrefill,
     /// Read timeouts and the connection cap of the client-facing server.
     pub serve: pdserve_http_server::ServeOptions,
     /// The key clients of the OpenAI routes must present; `None`: open.
@@ -173,6 +190,7 @@ impl GatewayConfig {
             protocol: Protocol::Vllm,
             prefill_bootstrap_ports: Vec::new(),
             sglang_wait_prefill_head: false,
+            first_token_from_prefill: FirstTokenFromPrefill::Auto,
             serve: pdserve_http_server::ServeOptions::default(),
             api_key: None,
             worker_api_key: None,

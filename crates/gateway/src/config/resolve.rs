@@ -194,6 +194,7 @@ impl GatewayArgs {
             protocol,
             prefill_bootstrap_ports: prefill_values.iter().map(|(_, port)| *port).collect(),
             sglang_wait_prefill_head: self.sglang_wait_prefill_head,
+            first_token_from_prefill: self.first_token_from_prefill,
             serve: pdserve_http_server::ServeOptions {
                 header_read_timeout: self.header_read_timeout_secs,
                 body_read_timeout: self.body_read_timeout_secs,

@@ -34,6 +34,7 @@ pub async fn serve(
             .filter(|_| role == WorkerRole::Decode),
         dp_rank: None,
         reencode_on_500: false,
+        first_token: None,
         responses: None,
     };
     forward(state, ctx, &route, leg).await

@@ -141,6 +141,7 @@ pub async fn serve(
                         conversation_id: None,
                         dp_rank: rank,
                         reencode_on_500: true,
+                        first_token: None,
                         responses: None,
                     };
                     let started = Instant::now();
@@ -207,6 +208,7 @@ pub async fn serve(
             conversation_id: conversation_id.clone(),
             dp_rank: None,
             reencode_on_500: true,
+            first_token: None,
             responses: None,
         };
         let started = Instant::now();

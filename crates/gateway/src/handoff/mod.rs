@@ -38,6 +38,7 @@ pub async fn generate(
     transport.bootstrap_host = None;
     transport.bootstrap_port = None;
     transport.bootstrap_room = None;
+    let first_token = crate::legs::first_token::take_request_choice(&mut request);
     if matches!(&request, ClientRequest::Chat(chat) if crate::encoder::media::has_media(chat)) {
         return epd::serve(state, ctx, request, conversation_id).await;
     }
@@ -50,9 +51,12 @@ pub async fn generate(
                     prompt_tokens: None,
                     ..ctx.clone()
                 };
-                return batch::serve(prompts, |one| disaggregated(state, ctx, one, None)).await;
+                return batch::serve(prompts, |one| {
+                    disaggregated(state, ctx, one, None, first_token)
+                })
+                .await;
             }
-            disaggregated(state, ctx, request, conversation_id).await
+            disaggregated(state, ctx, request, conversation_id, first_token).await
         }
         Mode::Aggregated => {
             state.metrics.record_disaggregation("aggregated");
@@ -73,12 +77,14 @@ pub async fn generate(
 }
 
 /// Serves one request through P/D, with the protocol configured (or on the decode
-/// worker alone when the prefill can be skipped).
+/// worker alone when the prefill can be skipped). `first_token`: the request's own
+/// choice about its first token from the prefill leg.
 async fn disaggregated(
     state: &Arc<AppState>,
     ctx: &RequestContext,
     request: ClientRequest,
     conversation_id: Option<String>,
+    first_token: Option<bool>,
 ) -> Result<Response, Failure> {
     let roster = state.registry.snapshot();
     let route = ctx.route_for(&request, conversation_id.as_deref());
@@ -92,5 +98,5 @@ async fn disaggregated(
     if state.config.protocol == crate::config::Protocol::Sglang {
         return bootstrap::serve(state, ctx, request, conversation_id).await;
     }
-    sequential::serve(state, ctx, request, conversation_id).await
+    sequential::serve(state, ctx, request, conversation_id, first_token).await
 }

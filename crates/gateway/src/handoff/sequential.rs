@@ -7,6 +7,11 @@
 //!    worker reads those blocks instead of recomputing the shared prefix).
 //! 2. Decode leg: the original request plus the prefill worker's returned params; the
 //!    decode worker pulls the blocks and generates.
+//!
+//! A stream that takes its first token from the prefill leg
+//! (`--first-token-from-prefill`, [`crate::legs::first_token`]) sends that token as soon
+//! as the decode worker answered (it has read the KV), before the decode worker's first
+//! step; the decode stream follows without the token it generates again.
 
 use std::sync::Arc;
 
@@ -16,11 +21,15 @@ use futures::StreamExt;
 use pdserve_protocol::{KvTransferParams, WorkerRole};
 
 use super::{RequestContext, X_PDSERVE_PREFILL};
+use crate::config::FirstTokenFromPrefill;
 use crate::error::Failure;
+use crate::fleet::registry::Worker;
 use crate::ingress::request::ClientRequest;
 use crate::legs::answer::{expose_worker, forward, FinalLeg};
+use crate::legs::first_token::{self, FirstToken};
 use crate::legs::prefill::{prefill, prefill_body, PrefillAnswer, ReleaseOnDrop};
 use crate::legs::prompt_logprobs::{request_wants_prompt_logprobs, PrefillLogprobs};
+use crate::policy::RouteRequest;
 use crate::state::AppState;
 
 /// Runs the prefill leg, then the decode leg.
@@ -29,31 +38,24 @@ pub async fn serve(
     ctx: &RequestContext,
     mut request: ClientRequest,
     conversation_id: Option<String>,
+    first_token_choice: Option<bool>,
 ) -> Result<Response, Failure> {
-    let cached = conversation_id.as_deref().map(|id| {
-        let cached = state.conversations.take(id);
-        state.metrics.record_conversation_lookup(cached.is_some());
-        cached
-    });
-    let prefill_params = match cached.flatten() {
-        // P reads D's blocks from the last turn, then keeps its own for this turn's D.
-        Some(decode_params) => KvTransferParams {
-            do_remote_decode: true,
-            do_remote_prefill: false,
-            ..decode_params
-        },
-        None => KvTransferParams::prefill_request(),
-    };
+    let mode = state.config.first_token_from_prefill;
+    let early = first_token::eligible(ctx.endpoint, &request, mode, first_token_choice);
+    if early {
+        first_token::pin_seed(&mut request);
+    }
+    let turn = TurnPrefill::for_conversation(state, conversation_id.as_deref());
     // A request that cannot fit the model's context is refused before the prefill leg,
     // which asks for one token and would pass, pinning blocks decode then never reads.
     if let Some(max_model_len) = context_limit(state) {
         let known = ctx.prompt_tokens.as_ref().map(|t| t.len() as u64);
         crate::clients::model_len::check(&mut request, max_model_len, known)?;
     }
-    let body = prefill_body(&request, prefill_params);
     let (answer, prefill_worker) = {
         let route = ctx.route_for(&request, conversation_id.as_deref());
-        prefill(state, ctx, &route, body).await?
+        turn.send(state, ctx, &route, |params| prefill_body(&request, params))
+            .await?
     };
     let PrefillAnswer {
         kv: handle,
@@ -73,6 +75,25 @@ pub async fn serve(
         );
     }
     request.transport_mut().kv_transfer_params = handle;
+    let sent = early
+        .then(|| {
+            FirstToken::from_answer(
+                ctx.endpoint,
+                &prefill_answer,
+                first_token::choices(&request),
+            )
+        })
+        .flatten()
+        .map(Arc::new);
+    if early && sent.is_none() {
+        let request_id = ctx.headers.request_id();
+        let message = "the prefill answer carries no first token; the decode worker's is relayed";
+        if mode == FirstTokenFromPrefill::On {
+            tracing::warn!(request_id, "{message}");
+        } else {
+            tracing::debug!(request_id, "{message}");
+        }
+    }
     let leg = FinalLeg {
         role: WorkerRole::Decode,
         body: request.to_body(),
@@ -81,6 +102,7 @@ pub async fn serve(
         dp_rank: None,
         reencode_on_500: false,
         responses: None,
+        first_token: sent.clone(),
     };
     let stream = leg.stream;
     let route = ctx.route_for(&request, conversation_id.as_deref());
@@ -90,8 +112,81 @@ pub async fn serve(
     if cached_tokens.is_some() || merge.is_some() {
         response = with_prefill_facts(response, stream, cached_tokens, merge).await;
     }
+    if let Some(sent) = sent {
+        state.metrics.inc_first_token_from_prefill();
+        response = led_by(response, &sent);
+    }
     expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
     Ok(response)
+}
+
+/// The decode worker's stream, led by the prefill leg's first tokens, sent as soon as
+/// the decode worker answered (its head: the KV read, a failure there is still an HTTP
+/// status the client gets, retried on another decode worker first); the relay takes the
+/// decode worker's repeat of them out (the leg's `first_token`).
+fn led_by(response: Response, sent: &FirstToken) -> Response {
+    let (parts, body) = response.into_parts();
+    let head = futures::stream::once(std::future::ready(Ok(sent.events())));
+    let body = head.chain(body.into_data_stream());
+    Response::from_parts(parts, axum::body::Body::from_stream(body))
+}
+
+/// Where a turn's prefill leg starts: from the last turn's decode handle (P reads those
+/// blocks, then keeps its own for this turn's D), or from nothing.
+pub(crate) struct TurnPrefill {
+    params: KvTransferParams,
+    from_last_turn: bool,
+}
+
+impl TurnPrefill {
+    /// Takes the handle kept for conversation `key` (single use), counting the lookup.
+    pub(crate) fn for_conversation(state: &AppState, key: Option<&str>) -> Self {
+        let kept = key.and_then(|id| {
+            let kept = state.conversations.take(id);
+            state.metrics.record_conversation_lookup(kept.is_some());
+            kept
+        });
+        match kept {
+            Some(decode_params) => Self {
+                params: KvTransferParams {
+                    do_remote_decode: true,
+                    do_remote_prefill: false,
+                    ..decode_params
+                },
+                from_last_turn: true,
+            },
+            None => Self {
+                params: KvTransferParams::prefill_request(),
+                from_last_turn: false,
+            },
+        }
+    }
+
+    /// Sends the prefill leg, its body made by `body` from the params. The last turn's
+    /// blocks may be gone (the decode worker restarted, or freed them past its abort
+    /// timeout): a server error then sends the turn once more without them, computed in
+    /// full, instead of failing the conversation.
+    pub(crate) async fn send(
+        self,
+        state: &Arc<AppState>,
+        ctx: &RequestContext,
+        route: &RouteRequest<'_>,
+        body: impl Fn(KvTransferParams) -> Bytes,
+    ) -> Result<(PrefillAnswer, Arc<Worker>), Failure> {
+        match prefill(state, ctx, route, body(self.params)).await {
+            Err(failure) if self.from_last_turn && failure.status().is_server_error() => {
+                tracing::warn!(
+                    request_id = ctx.headers.request_id(),
+                    status = failure.status().as_u16(),
+                    "the prefill leg failed reading the last turn's KV; prefilling the whole prompt"
+                );
+                state.metrics.record_conversation_fallback();
+                let fresh = body(KvTransferParams::prefill_request());
+                prefill(state, ctx, route, fresh).await
+            }
+            answer => answer,
+        }
+    }
 }
 
 /// The smallest context length known among the live decode and prefill workers (their

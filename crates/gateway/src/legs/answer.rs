@@ -20,6 +20,7 @@ use super::{
 use crate::clients::worker_client::{Exchange, LegError, LegFault, LegRequest, LegResponse};
 use crate::error::Failure;
 use crate::fleet::registry::Worker;
+use crate::legs::first_token::{FirstToken, FirstTokenGuard};
 use crate::legs::relay::{ByteStream, Relay};
 use crate::legs::retry::{with_retries, Leg};
 use crate::legs::sse::{edit_response_body, split_kv_params, AnswerSink, ResponseObjects};
@@ -45,6 +46,9 @@ pub struct FinalLeg {
     /// A 500 before the first byte escalates (the caller redoes the encoder stage)
     /// instead of being retried on another worker with the same body.
     pub reencode_on_500: bool,
+    /// The first tokens the client already got from the prefill leg (a stream only):
+    /// each attempt's stream must begin with them again, and is relayed without them.
+    pub first_token: Option<Arc<FirstToken>>,
 }
 
 /// Sends the leg, retrying on another worker while nothing has reached the client.
@@ -209,7 +213,8 @@ async fn send_leg(
             let in_flight = in_flight
                 .take()
                 .unwrap_or_else(|| state.start_request(worker.clone()));
-            let (content_type, relay) = relay(state, ctx, &worker, in_flight, head, sink, span);
+            let (content_type, mut relay) = relay(state, ctx, &worker, in_flight, head, sink, span);
+            relay.first_token = leg.first_token.clone().map(FirstTokenGuard::new);
             Ok(stream_response(content_type, relay.into_stream()))
         }
     }
@@ -307,6 +312,7 @@ pub(crate) fn relay(
         request_id: ctx.headers.request_id().to_string(),
         in_flight,
         trace,
+        first_token: None,
     };
     (content_type, relay)
 }

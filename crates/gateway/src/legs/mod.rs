@@ -4,6 +4,7 @@
 //! budget ([`retry`]).
 
 pub mod answer;
+pub mod first_token;
 pub mod prefill;
 pub mod prompt_logprobs;
 pub mod relay;

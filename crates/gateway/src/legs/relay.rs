@@ -52,6 +52,9 @@ pub struct Relay {
     pub journey: Option<Arc<Journey>>,
     /// The answering leg's span, ended when the relay is dropped (traced requests only).
     pub trace: Option<pdserve_telemetry::ChildSpan>,
+    /// The first tokens the client already got from the prefill leg: taken out of this
+    /// stream when it generates them again, a mismatch ends it.
+    pub first_token: Option<super::first_token::FirstTokenGuard>,
 }
 
 /// The relay's running state.
@@ -117,6 +120,8 @@ enum End {
     Malformed(String),
     /// Silent past the idle timeout.
     Idle,
+    /// Did not continue from the first token the prefill leg gave the client.
+    Mismatch(super::first_token::Mismatch),
 }
 
 impl From<Option<Result<Bytes, StreamError>>> for Event {
@@ -171,7 +176,14 @@ impl RelayState {
             }
             let lines = match event {
                 Event::Chunk(chunk) => match self.scanner.push(chunk) {
-                    Ok(Some(lines)) => Ok(lines),
+                    Ok(Some(lines)) => match &mut self.relay.first_token {
+                        None => Ok(lines),
+                        Some(guard) => match guard.filter(lines) {
+                            Ok(lines) if lines.is_empty() => continue,
+                            Ok(lines) => Ok(lines),
+                            Err(mismatch) => Err(End::Mismatch(mismatch)),
+                        },
+                    },
                     Ok(None) => continue,
                     Err(msg) => Err(End::Malformed(msg)),
                 },
@@ -233,6 +245,12 @@ impl RelayState {
                 "decode worker {worker} sent nothing for {:?}",
                 self.relay.idle_timeout
             )),
+            End::Mismatch(mismatch) => {
+                self.relay.metrics.inc_first_token_mismatch();
+                ApiError::bad_gateway(format!(
+                    "decode worker {worker} did not continue from the first token sent: {mismatch}"
+                ))
+            }
         };
         Some(self.fail(error))
     }
@@ -352,6 +370,7 @@ mod tests {
             in_flight: InFlight::start(worker, crate::policy::by_name("round_robin").unwrap()),
             journey: None,
             trace: None,
+            first_token: None,
         }
     }
 

@@ -74,8 +74,11 @@ pub struct Metrics {
     policy_tree_bytes: Family<RoleLabels, Gauge>,
     disaggregation: Family<DisaggLabels, Counter>,
     stream_errors: Counter,
+    first_token_from_prefill: Counter,
+    first_token_mismatch: Counter,
     conversation_hits: Counter,
     conversation_misses: Counter,
+    conversation_fallbacks: Counter,
     epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
@@ -171,6 +174,19 @@ impl Default for Metrics {
             "Streams ended with an error event after the first byte",
             stream_errors.clone(),
         );
+        let first_token_from_prefill = Counter::default();
+        registry.register(
+            "first_token_from_prefill",
+            "Streams whose first token the client got from the prefill leg's answer",
+            first_token_from_prefill.clone(),
+        );
+        let first_token_mismatch = Counter::default();
+        registry.register(
+            "first_token_mismatch",
+            "Streams ended with an error event because the decode worker did not generate \
+             the first token the prefill leg had sent",
+            first_token_mismatch.clone(),
+        );
         let conversation_hits = Counter::default();
         registry.register(
             "conversation_cache_hits",
@@ -182,6 +198,13 @@ impl Default for Metrics {
             "conversation_cache_misses",
             "Turns with a conversation_id but no usable cached decode KV",
             conversation_misses.clone(),
+        );
+        let conversation_fallbacks = Counter::default();
+        registry.register(
+            "conversation_cache_fallbacks",
+            "Turns whose prefill failed reading the previous turn's decode KV and were \
+             prefilled in full instead",
+            conversation_fallbacks.clone(),
         );
         let epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(stage_histogram);
@@ -239,8 +262,11 @@ impl Default for Metrics {
             policy_tree_bytes,
             disaggregation,
             stream_errors,
+            first_token_from_prefill,
+            first_token_mismatch,
             conversation_hits,
             conversation_misses,
+            conversation_fallbacks,
         }
     }
 }
@@ -331,6 +357,16 @@ impl Metrics {
         self.stream_errors.inc();
     }
 
+    /// Counts a stream whose first token came from the prefill leg.
+    pub fn inc_first_token_from_prefill(&self) {
+        self.first_token_from_prefill.inc();
+    }
+
+    /// Counts a decode stream that did not continue from the first token sent.
+    pub fn inc_first_token_mismatch(&self) {
+        self.first_token_mismatch.inc();
+    }
+
     /// Counts a conversation cache lookup.
     pub fn record_conversation_lookup(&self, hit: bool) {
         if hit {
@@ -338,6 +374,11 @@ impl Metrics {
         } else {
             self.conversation_misses.inc();
         }
+    }
+
+    /// Counts a turn prefilled in full after reading the last turn's KV failed.
+    pub fn record_conversation_fallback(&self) {
+        self.conversation_fallbacks.inc();
     }
 
     /// Records one stage of an encoder-disaggregated request.

@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::response::Response;
 use bytes::Bytes;
 use http::HeaderMap;
-use pdserve_protocol::{ApiError, KvTransferParams, WorkerRole};
+use pdserve_protocol::{ApiError, WorkerRole};
 use serde_json::{json, Map, Value};
 
 use super::edits::ResponseEdits;
@@ -16,11 +16,11 @@ use crate::endpoint::Endpoint;
 use crate::error::Failure;
 use crate::fleet::registry::{Mode, Roster, Worker};
 use crate::handoff::bootstrap::{serve_body, SglangRoute};
-use crate::handoff::sequential::context_limit;
+use crate::handoff::sequential::{context_limit, TurnPrefill};
 use crate::handoff::{conditional, RequestContext, X_PDSERVE_PREFILL};
 use crate::ingress::request::{body_rejection, ClientRequest};
 use crate::legs::answer::{expose_worker, forward, FinalLeg};
-use crate::legs::prefill::{prefill, ReleaseOnDrop};
+use crate::legs::prefill::ReleaseOnDrop;
 use crate::policy::RouteRequest;
 use crate::sessions::response_chains::ChainRecord;
 use crate::state::AppState;
@@ -239,6 +239,7 @@ fn final_leg(
         conversation_id: None,
         dp_rank: None,
         reencode_on_500: false,
+        first_token: None,
         responses: Some(edits),
     }
 }
@@ -258,21 +259,10 @@ async fn sequential(
         let known = ctx.prompt_tokens.as_ref().map(|t| t.len() as u64);
         crate::clients::model_len::check(&mut turn.chat.clone(), max_model_len, known)?;
     }
-    let handed_back = turn.previous.map(|p| {
-        let kept = state.conversations.take(&p.id);
-        state.metrics.record_conversation_lookup(kept.is_some());
-        kept
-    });
-    let params = match handed_back.flatten() {
-        // P reads D's blocks from the last turn, then keeps its own for this turn's D.
-        Some(decode_params) => KvTransferParams {
-            do_remote_decode: true,
-            do_remote_prefill: false,
-            ..decode_params
-        },
-        None => KvTransferParams::prefill_request(),
-    };
-    let (answer, prefill_worker) = prefill(state, ctx, route, prefill_body(&body, params)).await?;
+    let (answer, prefill_worker) =
+        TurnPrefill::for_conversation(state, turn.previous.map(|p| p.id.as_str()))
+            .send(state, ctx, route, |params| prefill_body(&body, params))
+            .await?;
     // Until decode has answered, P's blocks are released if decode fails or the client
     // leaves.
     let release = ReleaseOnDrop::new(state, &prefill_worker, answer.kv.clone(), &ctx.headers);

@@ -46,6 +46,9 @@ pub enum Behavior {
     Gated,
     /// This status with this body for the next `n` requests, then `Normal`.
     StatusTimes(u16, &'static str, usize),
+    /// Stream like `Normal`, but with this text as the first token (a decode worker that
+    /// does not continue from the prefill leg's token).
+    FirstToken(&'static str),
 }
 
 /// One request as the double received it.
@@ -380,6 +383,7 @@ async fn generate(
     };
     match behavior {
         Behavior::Normal => answer.normal(stream, false).await,
+        Behavior::FirstToken(first) => answer.normal_from(stream, false, first).await,
         Behavior::Gated => answer.normal(stream, true).await,
         Behavior::StatusTimes(..) => unreachable!("taken above"),
         Behavior::Status(code, text) => (
@@ -430,11 +434,14 @@ async fn generate(
                 unreachable!()
             }
             let first = answer.event(Some("assistant"), "", None, false);
-            let ticks = futures::stream::unfold((answer, guard), |(answer, guard)| async move {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                let chunk = answer.event(None, "tok", None, false);
-                Some((Ok::<_, Infallible>(chunk), (answer, guard)))
-            });
+            // The first token is the prefill answer's ("tok0"), as a real decode worker's.
+            let ticks =
+                futures::stream::unfold((answer, guard, 0usize), |(answer, guard, i)| async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    let chunk =
+                        answer.event(None, if i == 0 { "tok0" } else { "tok" }, None, false);
+                    Some((Ok::<_, Infallible>(chunk), (answer, guard, i + 1)))
+                });
             let body = futures::stream::once(async move { Ok::<_, Infallible>(first) });
             sse(Body::from_stream(futures::StreamExt::chain(body, ticks)))
         }
@@ -513,6 +520,11 @@ impl Answer {
     }
 
     async fn normal(self, stream: bool, gated: bool) -> Response {
+        self.normal_from(stream, gated, "tok0").await
+    }
+
+    /// As `normal`, with `first` as the stream's first token.
+    async fn normal_from(self, stream: bool, gated: bool, first: &'static str) -> Response {
         if !stream || self.shared.role == Role::Prefill {
             let tokens = if self.shared.role == Role::Prefill {
                 1
@@ -533,9 +545,12 @@ impl Answer {
                 }
                 let last = i + 1 == a.tokens;
                 let finish = last.then_some("length");
-                tx.send(a.event(None, &format!("tok{i}"), finish, last))
-                    .await
-                    .ok();
+                let text = if i == 0 {
+                    first.to_string()
+                } else {
+                    format!("tok{i}")
+                };
+                tx.send(a.event(None, &text, finish, last)).await.ok();
             }
             tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await.ok();
         });

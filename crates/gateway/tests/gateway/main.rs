@@ -10,6 +10,7 @@ mod encoder;
 mod epd;
 mod epd_failures;
 mod failures;
+mod first_token;
 mod handoff;
 mod hardening;
 mod kube_api;

@@ -144,3 +144,36 @@ async fn requests_without_conversation_id_cache_nothing() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_whose_prefill_cannot_read_the_last_turn_is_prefilled_in_full() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let gw = Gateway::start(pd_config(&[&p], &[&d])).await;
+        assert_eq!(turn(&gw, "t1", false).await, 200);
+        // The last turn's blocks are gone: P answers 502 reading them, once.
+        p.set(Behavior::StatusTimes(
+            502,
+            r#"{"error":{"message":"KV read failed"}}"#,
+            1,
+        ));
+        assert_eq!(turn(&gw, "t2", false).await, 200);
+        let bodies: Vec<Value> = p.requests().iter().map(|r| r.body.clone()).collect();
+        assert_eq!(bodies.len(), 3, "{bodies:?}");
+        assert_eq!(bodies[1]["kv_transfer_params"], handed_back(&d, "t1"));
+        assert_eq!(bodies[2]["kv_transfer_params"], miss_params());
+        let fallbacks =
+            crate::metric(&gw, "pdserve_gateway_conversation_cache_fallbacks_total").await;
+        assert_eq!(fallbacks, 1.0);
+        // A 4xx is the request's own fault: passed through, not retried without the KV.
+        assert_eq!(turn(&gw, "t3", false).await, 200);
+        p.set(Behavior::StatusTimes(
+            400,
+            r#"{"error":{"message":"bad"}}"#,
+            1,
+        ));
+        assert_eq!(turn(&gw, "t4", false).await, 400);
+    })
+    .await;
+}
