@@ -86,6 +86,9 @@ cleanup() {
   "$vllm" stop bench-d >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
+# Room for the blocks bidirectional transfer keeps on decode for a next turn (with 1 GiB the
+# decode instance filled up and queued requests behind "KV fetch waiting to start").
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 log "starting vLLM prefill on :$p_port (core 0) and decode on :$d_port (core 1)"
 "$vllm" start bench-p "$p_port" 0 --kv-transfer-config "$nixl" --enable-prompt-tokens-details
 "$vllm" start bench-d "$d_port" 1 --kv-transfer-config "$nixl" --enable-prompt-tokens-details
@@ -135,6 +138,14 @@ by_source() { # URL -> "local external" prompt tokens so far
 }
 
 fronts=(direct pdserve vllm-router proxy)
+# Every run gets prompts of its own (a seed per repeat and front): with one seed per repeat,
+# every front after the first found the prefill instance's prefix cache warm with the same
+# prompts (cached 256 of 286 tokens), and the first one paid the whole prefill.
+seed_of() { # FRONT REPEAT
+  local i
+  for i in "${!fronts[@]}"; do [[ ${fronts[$i]} == "$1" ]] && break; done
+  echo $(( $2 * 10 + i ))
+}
 for r in $(seq 1 "$repeat"); do
   # Rotate the order each repeat, so no front always runs first (warm caches, drift).
   order=("${fronts[@]:$(( (r - 1) % ${#fronts[@]} ))}" "${fronts[@]:0:$(( (r - 1) % ${#fronts[@]} ))}")
@@ -142,7 +153,7 @@ for r in $(seq 1 "$repeat"); do
     start_front "$f"
     log "repeat $r: $f at $url"
     "$pdserve" bench serve --url "$url" --model "$model" --endpoint chat --num-prompts "$prompts" \
-      --input-len 256 --output-len 32 --request-rate "$rate" --seed "$r" \
+      --input-len 256 --output-len 32 --request-rate "$rate" --seed "$(seed_of "$f" "$r")" \
       --request-timeout-s 120 --label "$f" --result-json "$out/serve-$f-$r.json" \
       >"$out/serve-$f-$r.log" 2>&1 || log "serve against $f failed (see $out/serve-$f-$r.log)"
     read -r pl0 pe0 < <(by_source "$P")
@@ -150,7 +161,7 @@ for r in $(seq 1 "$repeat"); do
     # another's prefix cache.
     "$pdserve" bench multi-turn --url "$url" --model "$model" --conversations 8 --turns 3 --concurrency 4 \
       --input-len 192 --turn-input-len 32 --output-len 24 --send-conversation-id \
-      --seed "$((100 + r))" --request-timeout-s 120 --label "$f" \
+      --seed "$((1000 + $(seed_of "$f" "$r")))" --request-timeout-s 120 --label "$f" \
       --result-json "$out/multi-$f-$r.json" >"$out/multi-$f-$r.log" 2>&1 \
       || log "multi-turn against $f failed (see $out/multi-$f-$r.log)"
     read -r pl1 pe1 < <(by_source "$P")

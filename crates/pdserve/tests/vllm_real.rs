@@ -9,9 +9,8 @@
 //! - `vllm_real_pd_nixl`: a prefill and a decode instance moving KV over NixlConnector,
 //!   the gateway with `--prefill`/`--decode` in front. Greedy output equals one vLLM
 //!   instance (the prefill instance asked directly) for chat and completions, streamed and
-//!   not, with `n` = 2 and with logprobs (`n` = 2 through P/D leaves the prefill instance's
-//!   other copy unread until its lease runs out: written as `KNOWN ISSUE:`, a failure with
-//!   `PDSERVE_VLLM_STRICT=1`, until the gateway sends the prefill leg `n` = 1); the decode
+//!   not, with `n` = 2 (the gateway sends the prefill leg `n` = 1, so no copy of the
+//!   prompt's blocks is left unread on the prefill instance) and with logprobs; the decode
 //!   instance's `/metrics` shows the prompt
 //!   arrived by KV transfer (`vllm:prompt_tokens_by_source_total{source=
 //!   "external_kv_transfer"}`, `vllm:nixl_xfer_time_seconds_count`) and was not computed
@@ -1023,10 +1022,19 @@ async fn pd_checks(prefill: &Vllm, decode: &Vllm, events: [u16; 2]) {
         .run("a. P/D equals one vLLM: n=2", limit, async {
             let log_before = prefill.log().len();
             for (path, base) in [
-                ("/v1/chat/completions", chat("Give me a word that rhymes with cat.", 8, false)),
-                ("/v1/completions", completion("A good name for a dog is", 8, true)),
+                (
+                    "/v1/chat/completions",
+                    chat("Give me a word that rhymes with cat.", 8, false),
+                ),
+                (
+                    "/v1/completions",
+                    completion("A good name for a dog is", 8, true),
+                ),
             ] {
-                for sampling in [json!({"temperature": 1.0, "top_k": 1}), json!({"temperature": 0.8, "seed": 7})] {
+                for sampling in [
+                    json!({"temperature": 1.0, "top_k": 1}),
+                    json!({"temperature": 0.8, "seed": 7}),
+                ] {
                     let mut body = base.clone();
                     for (k, v) in sampling.as_object().unwrap() {
                         body[k] = v.clone();
@@ -1042,21 +1050,14 @@ async fn pd_checks(prefill: &Vllm, decode: &Vllm, events: [u16; 2]) {
             tokio::time::sleep(KV_LEASE + Duration::from_secs(3)).await;
             let log = prefill.log();
             let new = &log[log_before.min(log.len())..];
-            let found: Vec<&str> = NIXL_TROUBLE.iter().copied().filter(|m| new.contains(m)).collect();
-            if !found.is_empty() {
-                // The gateway sends `n` to the prefill leg as the client gave it: vLLM then
-                // prefills n copies, hands decode one copy's blocks and lets the others expire
-                // (and decode's read is of a request prefill no longer knows). Allowed until
-                // the gateway sends the prefill leg n = 1 (decode then serves n from one copy).
-                say(&format!(
-                    "KNOWN ISSUE: vllm_real_pd_nixl: n=2 through P/D leaves KV blocks on the prefill \
-                     instance unread until their lease expires: its log has {found:?}"
-                ));
-                ensure!(
-                    std::env::var("PDSERVE_VLLM_STRICT").as_deref() != Ok("1"),
-                    "n=2: the prefill log has {found:?}"
-                );
-            }
+            let found: Vec<&str> = NIXL_TROUBLE
+                .iter()
+                .copied()
+                .filter(|m| new.contains(m))
+                .collect();
+            // The prefill leg asks for one choice: vLLM prefills one copy, which decode
+            // reads (with the client's `n` it made n copies and left n - 1 unread).
+            ensure!(found.is_empty(), "n=2: the prefill log has {found:?}");
             Ok(())
         })
         .await;

@@ -142,6 +142,9 @@ pub fn shape_prefill_leg(
     generation.max_tokens = Some(1);
     generation.max_completion_tokens = None;
     generation.min_tokens = None;
+    // One copy of the prompt: the decode worker serves every choice from it (vLLM would
+    // prefill `n` copies, hand decode one and leave the rest pinned until their lease ends).
+    generation.n = None;
 }
 
 /// A field given once for all items, or as a list with one value per item.

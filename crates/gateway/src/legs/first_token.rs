@@ -135,12 +135,15 @@ impl FirstToken {
     /// The first tokens in P's answer `body` to a request for `n` choices: each choice's
     /// text, not empty and with no replacement character (a token cut inside a character
     /// is held back by a stream), and `finish_reason` `length` (the answer did not end
-    /// at its first token). `None` when any choice lacks them.
+    /// at its first token). `None` when any choice lacks them. The prefill leg asks for
+    /// one choice (the gateway sends it `n` = 1): then only choice 0 is led by P's token
+    /// (the same seed draws it on both), the others' first tokens come from the decode
+    /// worker; an answer with all `n` choices leads every one.
     pub fn from_answer(endpoint: Endpoint, body: &[u8], n: u64) -> Option<Self> {
         let answer: Map<String, Value> = serde_json::from_slice(body).ok()?;
         let id = answer.get("id")?.as_str()?.to_string();
         let list = answer.get("choices")?.as_array()?;
-        if list.len() as u64 != n {
+        if list.len() as u64 != n && list.len() != 1 {
             return None;
         }
         let mut choices = Vec::with_capacity(list.len());

@@ -40,8 +40,11 @@ fn texts(out: &[u8]) -> Vec<Value> {
 fn a_prefill_answer_carries_the_token_only_when_it_did_not_end() {
     let answer = chat_answer(&["Hello"], "length");
     assert!(FirstToken::from_answer(Endpoint::Chat, &answer, 1).is_some());
-    // n mismatch, a stop at the first token, an empty or cut token: none.
-    assert!(FirstToken::from_answer(Endpoint::Chat, &answer, 2).is_none());
+    // One choice leads choice 0 of n; a count that is neither 1 nor n, a stop at the
+    // first token, an empty or cut token: none.
+    assert!(FirstToken::from_answer(Endpoint::Chat, &answer, 2).is_some());
+    let two = chat_answer(&["Hello", "Hi"], "length");
+    assert!(FirstToken::from_answer(Endpoint::Chat, &two, 3).is_none());
     let stopped = chat_answer(&["Hello"], "stop");
     assert!(FirstToken::from_answer(Endpoint::Chat, &stopped, 1).is_none());
     let empty = chat_answer(&[""], "length");

@@ -147,6 +147,10 @@ async fn release(
 /// The prefill leg's body: one token, not streamed, asking P to keep its blocks for D.
 pub fn prefill_body(request: &ClientRequest, params: KvTransferParams) -> Bytes {
     let mut prefill = request.clone();
+    // `n` goes as the client wrote it (a verbatim number) to the decode leg only.
+    prefill
+        .verbatim_numbers_mut()
+        .retain(|(name, _)| name != "n");
     let (transport, generation) = prefill.params_mut();
     pdserve_protocol::shape_prefill_leg(transport, generation, params);
     prefill.to_body()
@@ -322,6 +326,7 @@ mod tests {
                 "max_completion_tokens": 60,
                 "min_tokens": 5,
                 "temperature": 0.5,
+                "n": 2,
                 "vendor_field": [1]
             })
             .to_string()
@@ -335,7 +340,7 @@ mod tests {
         assert_eq!(body["max_tokens"], 1);
         assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["vendor_field"], json!([1]));
-        for dropped in ["max_completion_tokens", "min_tokens", "stream_options"] {
+        for dropped in ["max_completion_tokens", "min_tokens", "stream_options", "n"] {
             assert!(body.get(dropped).is_none(), "{dropped} must be dropped");
         }
         assert_eq!(
