@@ -504,7 +504,7 @@ impl<'a> Exchange<'a> {
         }
         let kept_out = match self.worker.state() {
             WorkerState::Live => None,
-            WorkerState::Evicted => Some("is evicted after failed health probes"),
+            WorkerState::Evicted => Some("is evicted"),
             WorkerState::BreakerOpen => Some("has its circuit breaker open"),
             WorkerState::Draining => Some("is draining for shutdown"),
         };
