@@ -25,6 +25,9 @@
 //! mix (timing still varies). A JSON summary is written to
 //! `target/tmp/chaos-summary.json`; each process's log to `target/tmp/chaos-<seed>/`.
 
+#[path = "support/http1.rs"]
+mod http1;
+
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -37,6 +40,8 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
+
+use http1::read_request;
 
 /// How long one request may take at most, retries and stalls included.
 const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
@@ -367,40 +372,6 @@ async fn relay(
     let _ = socket.write_all(head.as_bytes()).await;
     let _ = socket.write_all(body.as_bytes()).await;
     let _ = socket.shutdown().await;
-}
-
-/// The request line and headers, and the body (by Content-Length).
-async fn read_request(socket: &mut TcpStream) -> Option<(String, Vec<u8>)> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 8192];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = socket.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let length = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("content-length")
-                .then(|| value.trim().parse::<usize>().ok())?
-        })
-        .unwrap_or(0);
-    let mut body = buf[head_end..].to_vec();
-    while body.len() < length {
-        let n = socket.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    Some((head, body))
 }
 
 // ---------------------------------------------------------------------------------------

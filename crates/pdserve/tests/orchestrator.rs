@@ -7,6 +7,8 @@
 //! One test drives every scenario in turn: the workers load the model once, and the
 //! final leak check sees the whole suite's traffic.
 
+#[path = "support/http1.rs"]
+mod http1;
 #[path = "support/openai.rs"]
 mod openai;
 #[path = "support/prefill_stub.rs"]
