@@ -295,10 +295,11 @@ fn choice_texts(answer: &Value, stream: bool, n: usize) -> Vec<String> {
     texts
 }
 
-/// `n` = 2 through gateway + P + D (the gateway sends `n` to both legs): P prefills
-/// once and publishes one handle, D imports it once and decodes both choices; every
-/// choice equals the aggregated worker's choice, which equals its `n` = 1 answer. Then
-/// nothing stays pinned on P or D, and P's export was read, not expired.
+/// `n` = 2 through gateway + P + D: the gateway sends each choice as its own pair of
+/// legs (vLLM's decode reads one handle once per choice), so P publishes two handles and
+/// D imports each once; every choice equals the aggregated worker's choice, which equals
+/// its `n` = 1 answer, and the usage counts the prompt once. Then nothing stays pinned on
+/// P or D, and P's exports were read, not expired.
 async fn parallel_choices(stack: &Stack) {
     let cases = [
         ("/v1/chat/completions", chat(LONG, false)),
@@ -340,15 +341,28 @@ async fn parallel_choices(stack: &Stack) {
                 choice_texts(&json!({ "chunks": chunks }), true, 2)
             } else {
                 let answer = stack.ok(&stack.gateway, path, &body).await;
+                let aggregated = stack.ok(&stack.agg, path, &body).await;
+                assert_eq!(
+                    answer["usage"]["prompt_tokens"],
+                    aggregated["usage"]["prompt_tokens"]
+                );
+                assert_eq!(
+                    answer["usage"]["total_tokens"],
+                    aggregated["usage"]["total_tokens"]
+                );
                 prompt_tokens = answer["usage"]["prompt_tokens"].as_f64();
                 choice_texts(&answer, false, 2)
             };
             assert_eq!(got, expected, "{path} n=2 stream={stream}");
-            // One prefill published on P, its KV imported once on D.
-            assert_eq!(published().await - published_before, 1.0, "{path}");
+            // One prefill per choice published on P, each imported once on D.
+            assert_eq!(published().await - published_before, 2.0, "{path}");
             if let Some(prompt_tokens) = prompt_tokens {
                 let imported = imported().await - imported_before;
-                assert_eq!(imported, prompt_tokens - 1.0, "{path}: imported once");
+                assert_eq!(
+                    imported,
+                    2.0 * (prompt_tokens - 1.0),
+                    "{path}: imported once a choice"
+                );
             }
         }
     }
@@ -498,7 +512,12 @@ async fn first_token_from_prefill(stack: &Stack) {
         let expected = streamed(stack, &stack.agg, path, &body, n).await;
         let before = counted().await;
         let got = streamed(stack, &stack.gateway, path, &body, n).await;
-        assert_eq!(counted().await - before, 1.0, "{path}: not from prefill");
+        // One count per choice: each has its own prefill leg.
+        assert_eq!(
+            counted().await - before,
+            n as f64,
+            "{path}: not from prefill"
+        );
         assert_eq!(got.texts, expected.texts, "{path} {body}");
         assert_eq!(got.tokens, expected.tokens, "{path} {body}");
         assert_eq!(got.first_text, expected.first_text, "{path} {body}");

@@ -51,7 +51,7 @@ pub async fn generate(
                     prompt_tokens: None,
                     ..ctx.clone()
                 };
-                return batch::serve(prompts, |one| {
+                return batch::serve(prompts, batch::Parts::Prompts, |_, one| {
                     disaggregated(state, ctx, one, None, first_token)
                 })
                 .await;
@@ -97,6 +97,15 @@ async fn disaggregated(
     state.metrics.record_disaggregation("disaggregated");
     if state.config.protocol == crate::config::Protocol::Sglang {
         return bootstrap::serve(state, ctx, request, conversation_id).await;
+    }
+    if let Some(choices) = batch::split_choices(&request) {
+        // vLLM's decode reads a handle once per choice: one P/D pair per choice. The
+        // conversation continues from the first choice.
+        return batch::serve(choices, batch::Parts::Choices, |i, one| {
+            let conversation_id = conversation_id.clone().filter(|_| i == 0);
+            sequential::serve(state, ctx, one, conversation_id, first_token)
+        })
+        .await;
     }
     sequential::serve(state, ctx, request, conversation_id, first_token).await
 }

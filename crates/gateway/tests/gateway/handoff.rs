@@ -319,3 +319,86 @@ async fn idle_upstream_connections_are_retired_before_the_worker_closes_them() {
     })
     .await;
 }
+
+/// `n` > 1 goes as one P/D pair per choice (vLLM's decode reads a handle once per
+/// choice), choice `i` seeded `seed + i`; the answer is one: choices in order, the prompt
+/// counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_choice_of_n_has_its_own_pair_of_legs() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let gw = Gateway::start(pd_config(&[&p], &[&d])).await;
+        let body = json!({
+            "model": "m", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 3, "temperature": 0.7, "seed": 7, "n": 2,
+        });
+        let answer: Value = client()
+            .post(gw.at("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let mut seeds: Vec<(u64, Option<u64>)> = p
+            .requests()
+            .iter()
+            .chain(d.requests().iter())
+            .map(|leg| {
+                assert_eq!(leg.body.get("n"), None, "a leg asked for several choices");
+                (
+                    leg.body["max_tokens"].as_u64().unwrap(),
+                    leg.body["seed"].as_u64(),
+                )
+            })
+            .collect();
+        seeds.sort();
+        assert_eq!(
+            seeds,
+            [(1, Some(7)), (1, Some(8)), (3, Some(7)), (3, Some(8))]
+        );
+        let indices: Vec<u64> = answer["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["index"].as_u64().unwrap())
+            .collect();
+        assert_eq!(indices, [0, 1], "{answer}");
+        assert_eq!(answer["usage"]["prompt_tokens"], 5);
+        assert_eq!(answer["usage"]["completion_tokens"], 6);
+        assert_eq!(answer["usage"]["total_tokens"], 11);
+        assert_eq!(answer.get("kv_transfer_params"), None);
+
+        // Streamed: both choices' events, one id, one [DONE].
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let text = client()
+            .post(gw.at("/v1/chat/completions"))
+            .json(&streamed)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let data = sse_data(&text);
+        assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1, "{text}");
+        let chunks: Vec<Value> = data
+            .iter()
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let mut per_choice = [0, 0];
+        for chunk in &chunks {
+            assert_eq!(chunk["id"], chunks[0]["id"]);
+            if let Some(text) = chunk["choices"][0]["delta"]["content"].as_str() {
+                let i = chunk["choices"][0]["index"].as_u64().unwrap() as usize;
+                per_choice[i] += usize::from(!text.is_empty());
+            }
+        }
+        assert_eq!(per_choice, [3, 3], "{text}");
+    })
+    .await;
+}
