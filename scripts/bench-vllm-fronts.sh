@@ -78,7 +78,11 @@ fi
 
 # --- the vLLM pair ----------------------------------------------------------------------
 p_port=$base d_port=$((base + 100))
-nixl='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true}}'
+# With bidirectional transfer the decode instance keeps every finished request's blocks
+# for a next turn, for decoder_kv_blocks_ttl seconds (480 by default): at this load they
+# filled its cache and requests queued behind "KV fetch: N waiting to start", for whichever
+# front ran then. 60 s covers the multi-turn workload's turns.
+nixl='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":60}}'
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
