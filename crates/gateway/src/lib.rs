@@ -23,6 +23,7 @@ pub mod policy;
 pub mod responses;
 pub mod routes;
 pub mod server;
+pub mod serving;
 pub mod sessions;
 pub mod state;
 

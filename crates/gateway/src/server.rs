@@ -30,10 +30,11 @@ use crate::handoff::{self, RequestContext};
 use crate::ingress::request::{body_rejection, ClientRequest};
 use crate::policy::RouteRequest;
 use crate::routes::{admin, profile, readiness};
+use crate::serving::Serving;
 use crate::state::AppState;
 
 /// The gateway's routes and layers over `state`.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -72,7 +73,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         ))
         // --api-key on the OpenAI routes (inside the access log: 401s are logged too).
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            crate::routes::auth::ApiKey(state.config.api_key.as_deref().map(Arc::from)),
             crate::routes::auth::require_api_key,
         ))
         // Before anything is forwarded: a request that looped back is refused here.
@@ -127,32 +128,32 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
     let drain_limit = config.shutdown_timeout;
-    let state = Arc::new(AppState::new(config)?);
+    let state = AppState::new(config)?;
     let mut tasks = Vec::new();
     // First, so a collector that cannot bind stops the gateway before anything runs.
     if let Some(endpoint) = &state.config.kv_events.bind {
         let (_, task) = crate::fleet::kv_events::collector::start(
             endpoint,
             state.kv_events.clone(),
-            state.registry.clone(),
+            state.serving.registry.clone(),
         )
         .await?;
         tasks.push(task);
     }
     tasks.extend(registry::probe::spawn(
-        &state.registry,
-        state.client.pooled().clone(),
+        &state.serving.registry,
+        state.serving.client.pooled().clone(),
         state.config.probe,
         registry::probe::IdentityCheck {
-            instance: state.instance.clone(),
+            instance: (*state.instance).clone(),
             allow_gateways: state.config.allow_gateway_workers,
         },
     ));
     tasks.extend(crate::fleet::discovery::spawn(
         crate::fleet::discovery::Discoverer {
-            registry: state.registry.clone(),
-            client: state.client.pooled().clone(),
-            instance: state.instance.clone(),
+            registry: state.serving.registry.clone(),
+            client: state.serving.client.pooled().clone(),
+            instance: (*state.instance).clone(),
             metrics: state.metrics.fleet.clone(),
             probe_timeout: state.config.probe.timeout,
             allow_gateway_workers: state.config.allow_gateway_workers,
@@ -160,20 +161,23 @@ pub async fn serve(
         },
         &state.config.discovery,
     ));
-    tasks.push(state.kv_events.spawn(state.registry.clone()));
+    tasks.push(state.kv_events.spawn(state.serving.registry.clone()));
     tasks.extend(crate::fleet::load::spawn(
-        state.registry.clone(),
-        state.client.pooled().clone(),
+        state.serving.registry.clone(),
+        state.serving.client.pooled().clone(),
         state.config.load_scrape_interval,
         state.metrics.load.clone(),
     ));
     if state.config.prewarm {
-        tasks.push(prewarm::spawn(state.clone()));
+        tasks.push(prewarm::spawn(state.serving.clone()));
     }
     let _tasks = BackgroundTasks(tasks);
     // The static workers' context lengths, fetched now rather than on the first request.
-    for member in state.registry.snapshot().members() {
-        state.model_lens.get(&state.client, &member.worker);
+    for member in state.serving.registry.snapshot().members() {
+        state
+            .serving
+            .model_lens
+            .get(&state.serving.client, &member.worker);
     }
     let options = state.config.serve;
     let state_for_check = state.clone();
@@ -200,7 +204,7 @@ pub async fn serve(
     tokio::select! {
         () = &mut server => return Ok(()),
         refused = identity::first_refused(
-            state_for_check.client.pooled(),
+            state_for_check.serving.client.pooled(),
             static_urls.into_iter(),
             &state_for_check.instance,
             state_for_check.config.allow_gateway_workers,
@@ -226,7 +230,7 @@ pub async fn serve(
 }
 
 async fn chat_completions(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -234,7 +238,7 @@ async fn chat_completions(
 }
 
 async fn completions(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -242,17 +246,17 @@ async fn completions(
 }
 
 async fn generate(
-    state: Arc<AppState>,
+    state: Arc<Serving>,
     endpoint: Endpoint,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut ctx = RequestContext::new(endpoint, endpoint.path(), headers);
-    if state.config.expose_routing {
+    if state.settings.expose_routing {
         ctx.routing_notes = Some(Default::default());
     }
     let result = async {
-        let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
+        let body = body.map_err(|r| body_rejection(r, state.settings.max_body_bytes))?;
         let (request, conversation_id) = ClientRequest::parse(endpoint, &body)?;
         let permit = match crate::handoff::intake::admit_and_count(&state, &mut ctx, &request).await
         {
@@ -269,16 +273,16 @@ async fn generate(
 /// `POST /generate` (SGLang's native API), served with `--protocol sglang` over P/D
 /// pools with SGLang's bootstrap handoff.
 async fn sglang_generate(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let mut ctx = RequestContext::new(Endpoint::Completions, GENERATE_ROUTE, headers);
-    if state.config.expose_routing {
+    if state.settings.expose_routing {
         ctx.routing_notes = Some(Default::default());
     }
     let result = async {
-        if state.config.protocol != Protocol::Sglang {
+        if state.settings.protocol != Protocol::Sglang {
             return Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 "not_found",
@@ -286,7 +290,7 @@ async fn sglang_generate(
             )
             .into());
         }
-        let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
+        let body = body.map_err(|r| body_rejection(r, state.settings.max_body_bytes))?;
         let mut body = match serde_json::from_slice::<Value>(&body) {
             Ok(Value::Object(map)) => map,
             _ => return Err(ApiError::bad_request("the body must be a JSON object").into()),
@@ -323,7 +327,7 @@ async fn sglang_generate(
     crate::handoff::intake::answer(&state, &ctx, result)
 }
 
-async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+async fn models(State(state): State<Arc<Serving>>, headers: HeaderMap) -> Response {
     const ROUTE: &str = "/v1/models";
     let response = match fetch_models(&state, &headers).await {
         Ok(body) => (
@@ -343,10 +347,10 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
 }
 
 /// `/v1/models` of a live decode (or prefill_decode, or prefill) worker, passed through.
-async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Failure> {
+async fn fetch_models(state: &Serving, headers: &HeaderMap) -> Result<Bytes, Failure> {
     let route = RouteRequest::bodyless(Endpoint::Chat, headers);
     let worker = state.pick_any(&route).ok_or_else(|| state.refuse_any())?;
-    let exchange = Exchange::new(&worker, "worker", state.config.decode_timeout);
+    let exchange = Exchange::new(&worker, "worker", state.settings.decode_timeout);
     let request = state
         .client
         .get(worker.models_url(), &ForwardHeaders::from_client(headers));
@@ -372,9 +376,9 @@ async fn fetch_models(state: &AppState, headers: &HeaderMap) -> Result<Bytes, Fa
     Ok(body)
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     for role in WorkerRole::ALL {
-        let policy = state.policy(role);
+        let policy = state.serving.policy(role);
         if policy.name() == "cache_aware" {
             let stats = policy.stats();
             state.metrics.set_policy_stats(

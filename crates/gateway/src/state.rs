@@ -1,64 +1,55 @@
-//! State shared by every request: configuration, the live registry, the routing policy,
-//! the client for workers, the conversation cache and metrics.
+//! The composition root: the resolved configuration turned into the components a
+//! running gateway is made of (the fleet, the request path's [`Serving`], metrics, the
+//! KV-event hub), each handed only its own settings and counters.
 
 use std::sync::Arc;
 
-use pdserve_protocol::{ApiError, WorkerRole};
+use axum::extract::FromRef;
 
-use crate::clients::worker_client::{ClientSettings, LegError, LegFault, WorkerClient};
+use crate::clients::worker_client::{ClientSettings, WorkerClient};
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::fleet::identity::Instance;
-use crate::fleet::registry::{CircuitState, Registry, Worker, WorkerSource};
+use crate::fleet::kv_events::KvEventsHub;
+use crate::fleet::registry::{Registry, WorkerSource};
+use crate::ingress::admission::Admission;
+use crate::ingress::prompt_tokens::PromptTokenizer;
 use crate::observe::metrics::Metrics;
-use crate::policy::InFlight;
-use crate::policy::{self, CacheMatch, Policy, RouteRequest};
+use crate::policy;
+use crate::serving::{LegSettings, Serving, ServingMetrics};
 use crate::sessions::conversation::ConversationCache;
+use crate::sessions::response_chains::ResponseChains;
 
-/// State shared by all requests.
-#[derive(Debug)]
+/// State shared by the server's routes and tasks (cheap to clone: axum hands each
+/// handler its own copy, or only the part it names, through [`FromRef`]).
+#[derive(Debug, Clone)]
 pub struct AppState {
     /// The resolved configuration.
-    pub config: GatewayConfig,
-    /// The live worker set.
-    pub registry: Arc<Registry>,
-    /// How workers of each role are chosen (indexed by `policy::role_index`).
-    policies: [Arc<dyn Policy>; 4],
-    /// The HTTP client for workers.
-    pub client: WorkerClient,
-    /// Decode KV handles kept for conversations' next turns.
-    pub conversations: Arc<ConversationCache>,
-    /// The stored Responses this gateway relayed: their workers and conversations.
-    pub responses: Arc<crate::sessions::response_chains::ResponseChains>,
-    /// Metrics.
+    pub config: Arc<GatewayConfig>,
+    /// What generation requests share: the fleet, routing, client, sessions.
+    pub serving: Arc<Serving>,
+    /// Every component's metrics, exported at `/metrics`.
     pub metrics: Arc<Metrics>,
-    /// The workers' context lengths, for the length check before prefill.
-    pub model_lens: crate::clients::model_len::ModelLens,
     /// This gateway process's identity (loop detection, refusing itself as a worker).
-    pub instance: Instance,
+    pub instance: Arc<Instance>,
     /// The workers' KV-event subscriptions and block indexes.
-    pub kv_events: Arc<crate::fleet::kv_events::KvEventsHub>,
-    /// The served model's tokenizer, with `--tokenizer`.
-    pub tokenizer: Option<Arc<crate::ingress::prompt_tokens::PromptTokenizer>>,
-    /// Whether routing reads every prompt's token ids (a policy that matches prompts,
-    /// or `--disagg-threshold`); else prompts are counted only where the context-length
-    /// check could need it.
-    pub routing_reads_tokens: bool,
-    /// Overload control (`--max-concurrent-requests`).
-    pub admission: Arc<crate::ingress::admission::Admission>,
+    pub kv_events: Arc<KvEventsHub>,
 }
 
 impl AppState {
     /// State for `config`, with its static workers registered.
     pub fn new(config: GatewayConfig) -> Result<Self, GatewayError> {
-        let metrics = Arc::new(Metrics::default());
+        let mut metrics = Metrics::default();
+        let history = metrics.history.clone();
+        let serving_metrics = Arc::new(ServingMetrics::register(metrics.registry_mut(), history));
+        let metrics = Arc::new(metrics);
         let registry = Arc::new(Registry::new(metrics.fleet.clone(), config.health));
         for spec in config.static_workers() {
             registry
                 .register_from(spec, WorkerSource::Static)
                 .map_err(|e| GatewayError::Config(e.to_string()))?;
         }
-        let kv_events = Arc::new(crate::fleet::kv_events::KvEventsHub::new(
+        let kv_events = Arc::new(KvEventsHub::new(
             config.kv_events.clone(),
             metrics.kv_events.clone(),
         ));
@@ -76,25 +67,24 @@ impl AppState {
             build(&config.policy)?,
         ];
         let tokenizer = match &config.tokenizer {
-            Some(path) => Some(Arc::new(
-                crate::ingress::prompt_tokens::PromptTokenizer::load(
-                    path,
-                    config.tokenizer_cache_bytes,
-                )?,
-            )),
+            Some(path) => Some(Arc::new(PromptTokenizer::load(
+                path,
+                config.tokenizer_cache_bytes,
+            )?)),
             None => None,
         };
         let routing_reads_tokens =
             config.disagg_threshold.is_some() || policies.iter().any(|p| p.reads_prompt());
-        let admission = crate::ingress::admission::Admission::new(
+        let admission = Admission::new(
             config.max_concurrent_requests,
             config.queue_size,
             config.queue_timeout,
             metrics.admission.clone(),
         );
-        Ok(Self {
-            admission,
-            routing_reads_tokens,
+        let serving = Serving {
+            settings: leg_settings(&config),
+            registry,
+            policies,
             client: WorkerClient::new(ClientSettings {
                 idle_timeout: config.upstream_idle_timeout,
                 connect_timeout: config.connect_timeout,
@@ -104,182 +94,48 @@ impl AppState {
                 config.max_conversations,
                 config.conversation_ttl,
             )),
-            responses: Arc::new(crate::sessions::response_chains::ResponseChains::new(
-                config.max_stored_responses,
-            )),
-            registry,
-            policies,
-            metrics,
+            responses: Arc::new(ResponseChains::new(config.max_stored_responses)),
             model_lens: Default::default(),
-            instance: Instance::new(),
-            kv_events,
             tokenizer,
-            config,
+            routing_reads_tokens,
+            admission,
+            metrics: serving_metrics,
+        };
+        Ok(Self {
+            serving: Arc::new(serving),
+            metrics,
+            instance: Arc::new(Instance::new()),
+            kv_events,
+            config: Arc::new(config),
         })
     }
+}
 
-    /// A live worker of `role` that this request has not tried yet and whose circuit
-    /// admits it, chosen by the policy. Panic routing, rather than refusing: while no
-    /// worker of `role` is live, an evicted one (see [`crate::fleet::registry::Routable`]);
-    /// while every live one's breaker is open, one of those. `None` only when every
-    /// routable worker was tried or none is routable (none registered, or all draining).
-    pub fn pick(
-        &self,
-        role: WorkerRole,
-        tried: &[Arc<Worker>],
-        route: &RouteRequest<'_>,
-    ) -> Option<Arc<Worker>> {
-        let roster = self.registry.snapshot();
-        let routable = roster.routable(role);
-        let live = routable.workers;
-        if routable.panic && !live.iter().all(|w| tried.iter().any(|t| t.base == w.base)) {
-            self.registry.note_panic(role, 1, "all are evicted");
-        }
-        let policy = self.policy(role);
-        let began = route.trace.map(|_| std::time::Instant::now());
-        // The common case allocates nothing: a first attempt with every circuit closed.
-        if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
-            let (chosen, cache) = choose(policy.as_ref(), role, live, route)?;
-            log_choice(policy.name(), role, &chosen, live.len());
-            if let (Some(cx), Some(began)) = (route.trace, began) {
-                let name = policy.name();
-                crate::observe::trace::routing(cx, began, name, role, &chosen, live.len(), cache);
-            }
-            return Some(chosen);
-        }
-        let mut passed_over: Vec<&str> = tried.iter().map(|w| w.base.as_str()).collect();
-        loop {
-            let candidates: Vec<_> = live
-                .iter()
-                .filter(|w| !passed_over.contains(&w.base.as_str()) && w.breaker.is_candidate())
-                .cloned()
-                .collect();
-            if candidates.is_empty() {
-                break;
-            }
-            let (chosen, cache) = choose(policy.as_ref(), role, &candidates, route)?;
-            // An open circuit past its cooldown admits one trial request; if another
-            // request claimed it first, choose again without this worker.
-            if chosen.breaker.admit() {
-                log_choice(policy.name(), role, &chosen, candidates.len());
-                if let (Some(cx), Some(began)) = (route.trace, began) {
-                    let (name, n) = (policy.name(), candidates.len());
-                    crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
-                }
-                return Some(chosen);
-            }
-            let base = live.iter().find(|w| w.base == chosen.base)?;
-            passed_over.push(base.base.as_str());
-        }
-        // Every untried worker is kept out by its breaker (open within its cooldown, or
-        // its trial already on the way). Trying beats refusing, as for evicted workers:
-        // a worker that recovered serves at once, and the outcome closes or reopens it.
-        let untried: Vec<_> = live
-            .iter()
-            .filter(|w| !tried.iter().any(|t| t.base == w.base))
-            .cloned()
-            .collect();
-        if untried.is_empty() {
-            return None;
-        }
-        self.registry
-            .note_panic(role, 1, "every one's circuit breaker is open");
-        let (chosen, cache) = choose(policy.as_ref(), role, &untried, route)?;
-        // Claims the trial when none is on its way, so its outcome decides the circuit.
-        chosen.breaker.admit();
-        log_choice(policy.name(), role, &chosen, untried.len());
-        if let (Some(cx), Some(began)) = (route.trace, began) {
-            let (name, n) = (policy.name(), untried.len());
-            crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
-        }
-        Some(chosen)
-    }
-
-    /// A worker for a request any worker can answer (`/v1/models`, `/tokenize`): decode,
-    /// else `prefill_decode`, else prefill ([`Self::refuse_any`] when there is none).
-    pub fn pick_any(&self, route: &RouteRequest<'_>) -> Option<Arc<Worker>> {
-        ANY_ROLE
-            .into_iter()
-            .find_map(|role| self.pick(role, &[], route))
-    }
-
-    /// The 503 when [`Self::pick_any`] found no worker.
-    pub fn refuse_any(&self) -> ApiError {
-        self.registry.refuse_any(&ANY_ROLE)
-    }
-
-    /// The 503 for a request that no worker of `role` can take (see [`Self::pick`]),
-    /// naming the state that kept them out and counted in `refused_total`.
-    pub fn refuse(&self, role: WorkerRole) -> ApiError {
-        self.registry.refuse(role)
-    }
-
-    /// The policy that chooses workers of `role`.
-    pub fn policy(&self, role: WorkerRole) -> &Arc<dyn Policy> {
-        &self.policies[policy::role_index(role)]
-    }
-
-    /// Marks a request as open on `worker` until the returned guard drops.
-    pub fn start_request(&self, worker: Arc<Worker>) -> InFlight {
-        let policy = self.policy(worker.role()).clone();
-        InFlight::start(worker, policy)
-    }
-
-    /// Passive health: a request that could not connect to `worker` evicts it at once;
-    /// other transport failures count as one failed probe.
-    pub fn report(&self, worker: &Arc<Worker>, error: &LegError) {
-        match error.kind {
-            LegFault::Unreachable => {
-                self.registry
-                    .record_failure(worker, true, "a request could not connect")
-            }
-            LegFault::Broken => {
-                self.registry
-                    .record_failure(worker, false, "a request's connection failed")
-            }
-            _ => {}
-        }
+/// The generation routes take only what requests share.
+impl FromRef<AppState> for Arc<Serving> {
+    fn from_ref(state: &AppState) -> Self {
+        state.serving.clone()
     }
 }
 
-/// The roles that can answer a request any worker can answer, in the order tried.
-const ANY_ROLE: [WorkerRole; 3] = [
-    WorkerRole::Decode,
-    WorkerRole::PrefillDecode,
-    WorkerRole::Prefill,
-];
-
-/// The policy's choice and its cache match, noted for the response headers where the
-/// request keeps notes (`--expose-routing`); the match is looked for only then and for a
-/// traced request (its `routing` span shows it).
-fn choose(
-    policy: &dyn Policy,
-    role: WorkerRole,
-    candidates: &[Arc<Worker>],
-    route: &RouteRequest<'_>,
-) -> Option<(Arc<Worker>, Option<CacheMatch>)> {
-    if let Some(prefer) = route.prefer {
-        if let Some(worker) = candidates.iter().find(|w| w.base == prefer) {
-            return Some((worker.clone(), None));
-        }
+/// The request path's settings out of the whole configuration.
+fn leg_settings(config: &GatewayConfig) -> LegSettings {
+    LegSettings {
+        protocol: config.protocol,
+        first_token_from_prefill: config.first_token_from_prefill,
+        sglang_wait_prefill_head: config.sglang_wait_prefill_head,
+        prefill_timeout: config.prefill_timeout,
+        decode_timeout: config.decode_timeout,
+        stream_idle_timeout: config.stream_idle_timeout,
+        connect_timeout: config.connect_timeout,
+        probe_timeout: config.probe.timeout,
+        max_retries: config.max_retries,
+        disagg_threshold: config.disagg_threshold,
+        disagg_min_prefill_load: config.disagg_min_prefill_load,
+        encoder_max_batch_size: config.encoder_max_batch_size,
+        no_rewrite: config.no_rewrite,
+        expose_routing: config.expose_routing,
+        max_body_bytes: config.max_body_bytes,
+        kv_secret: config.kv_secret.clone(),
     }
-    if route.notes.is_none() && route.trace.is_none() {
-        return policy.select(role, candidates, route).map(|w| (w, None));
-    }
-    let choice = policy.choose(role, candidates, route)?;
-    if let (Some(notes), Some(cache)) = (route.notes, choice.cache) {
-        notes.record(&choice.worker, cache);
-    }
-    Some((choice.worker, choice.cache))
-}
-
-fn log_choice(policy: &str, role: WorkerRole, chosen: &Worker, candidates: usize) {
-    tracing::debug!(
-        policy,
-        %role,
-        worker = %chosen.base,
-        in_flight = chosen.in_flight(),
-        candidates,
-        "routed"
-    );
 }

@@ -20,30 +20,8 @@ use crate::policy::PolicyConfig;
 pub use args::GatewayArgs;
 pub use resolve::split_prefill_values;
 
-/// How the gateway hands a request from prefill to decode.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Protocol {
-    /// vLLM's sequential handoff with `kv_transfer_params`.
-    #[default]
-    Vllm,
-    /// SGLang's bootstrap handoff: both legs at once, joined by `bootstrap_room`.
-    Sglang,
-}
-
-/// Whether a streamed P/D answer's first token is the prefill worker's, sent to the
-/// client as soon as the decode worker answers (`--first-token-from-prefill`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum FirstTokenFromPrefill {
-    /// Per answer: used where the prefill answer carries the token (its text, one per
-    /// choice, and `finish_reason` `length`); otherwise the decode worker's is relayed.
-    #[default]
-    Auto,
-    /// As `auto`, and a prefill answer without the token is logged as a warning (the
-    /// operator said the workers carry it).
-    On,
-    /// Never; a request's own `"first_token_from_prefill": true` still turns it on.
-    Off,
-}
+// The request path's vocabulary, which the flags name.
+pub use crate::serving::settings::{FirstTokenFromPrefill, Protocol};
 
 /// Everything a running gateway needs, resolved and validated.
 #[derive(Debug, Clone)]

@@ -31,7 +31,7 @@ use crate::error::Failure;
 use crate::fleet::registry::Worker;
 use crate::legs::RequestContext;
 use crate::policy::RequestOutcome;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// Client fields an encoder needs to process the media as the consumer will.
 const PASSTHROUGH: [&str; 4] = [
@@ -95,7 +95,7 @@ fn group(items: &[MediaItem<'_>], encoders: Vec<Arc<Worker>>, max_batch: usize) 
 /// Runs the encoder stage for `items` of `request`. `consumer_zmq` names the replica the
 /// encoders push to (push connectors). Fails with the encoder's 4xx, else a 502.
 pub async fn encode(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     request: &ChatCompletionRequest,
     items: &[MediaItem<'_>],
@@ -108,7 +108,7 @@ pub async fn encode(
         )
         .into());
     }
-    let no_rewrite = state.config.no_rewrite;
+    let no_rewrite = state.settings.no_rewrite;
     // With --no-rewrite the consumer gets the raw media and hashes it itself, so the
     // encoder must do the same: a uuid here would make the two keys disagree.
     let uuids: Vec<Option<String>> = items
@@ -126,7 +126,7 @@ pub async fn encode(
         uuids,
         transfer_ids,
     };
-    let groups = group(items, encoders, state.config.encoder_max_batch_size);
+    let groups = group(items, encoders, state.settings.encoder_max_batch_size);
     state.metrics.inc_encoder_sub_requests(groups.len() as u64);
 
     let mut pending: FuturesUnordered<_> = groups
@@ -257,13 +257,13 @@ fn child_request_id(ctx: &RequestContext, first: usize) -> HeaderValue {
 /// Sends one sub-request and reads the answer. An encoder's 4xx is passed through; any
 /// other failure is a 502.
 async fn send(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     encoder: &Arc<Worker>,
     body: Bytes,
     headers: &ForwardHeaders,
 ) -> Result<Bytes, Failure> {
     let mut in_flight = state.start_request(encoder.clone());
-    let exchange = Exchange::new(encoder, "encode worker", state.config.prefill_timeout);
+    let exchange = Exchange::new(encoder, "encode worker", state.settings.prefill_timeout);
     let url = encoder.url(Endpoint::Chat);
     // The fan-out runs on the request's task: its span is the current one.
     let cx = pdserve_telemetry::current();

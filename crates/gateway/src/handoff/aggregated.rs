@@ -10,14 +10,14 @@ use super::RequestContext;
 use crate::error::Failure;
 use crate::ingress::request::ClientRequest;
 use crate::legs::answer::{forward, FinalLeg};
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// Sends the client's request (without `conversation_id`) to one worker of `role` that
 /// prefills and decodes it: a prefill_decode worker, or a decode worker when conditional
 /// disaggregation skips the prefill leg. `conversation_id` routes (session affinity); only
 /// a decode worker's final KV handle is kept for the conversation's next turn.
 pub async fn serve(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     request: ClientRequest,
     conversation_id: Option<String>,

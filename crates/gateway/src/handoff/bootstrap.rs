@@ -49,13 +49,13 @@ use crate::legs::retry::{with_retries, Leg};
 use crate::legs::sse::{
     edit_response_body, split_kv_params, AnswerSink, ResponseObjects, StreamDialect,
 };
-use crate::observe::metrics::Metrics;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::state::AppState;
+use crate::serving::Serving;
+use crate::serving::ServingMetrics;
 
 /// Serves a validated chat or completion request with SGLang's bootstrap handoff.
 pub async fn serve(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     request: ClientRequest,
     conversation_id: Option<String>,
@@ -93,7 +93,7 @@ struct Plan {
 /// Runs attempts on fresh P/D pairs while nothing reached the client and the failure is
 /// not the request's fault.
 pub(crate) async fn serve_body(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     route: SglangRoute,
     body: Map<String, Value>,
@@ -126,7 +126,7 @@ pub(crate) async fn serve_body(
 
 /// One attempt on `prefill` and a decode worker chosen for it.
 async fn attempt(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     plan: &Plan,
     routing: &RouteRequest<'_>,
@@ -227,7 +227,7 @@ async fn attempt(
             return Err(reported(e));
         }
     };
-    if state.config.sglang_wait_prefill_head && p_leg.is_pending() {
+    if state.settings.sglang_wait_prefill_head && p_leg.is_pending() {
         if let Some(e) = p_leg.wait_head().await {
             return Err(e);
         }
@@ -281,8 +281,9 @@ async fn attempt(
 }
 
 /// The failure of a decode leg whose request could not be built.
-fn decode_exchange_error(state: &AppState, decode: &Worker, why: String) -> LegError {
-    Exchange::new(decode, "decode worker", state.config.decode_timeout).error(LegFault::Failed, why)
+fn decode_exchange_error(state: &Serving, decode: &Worker, why: String) -> LegError {
+    Exchange::new(decode, "decode worker", state.settings.decode_timeout)
+        .error(LegFault::Failed, why)
 }
 
 /// A failure no other pair can fix (nothing is retried after it).
@@ -306,7 +307,7 @@ fn reported(mut e: LegError) -> LegError {
 
 /// The request for one leg of `route` to `worker`.
 fn leg_request(
-    state: &AppState,
+    state: &Serving,
     ctx: &RequestContext,
     route: SglangRoute,
     worker: &Worker,
@@ -350,7 +351,7 @@ impl Drop for PrefillLeg {
 
 impl PrefillLeg {
     fn spawn(
-        state: &Arc<AppState>,
+        state: &Arc<Serving>,
         ctx: &RequestContext,
         route: SglangRoute,
         worker: Arc<Worker>,
@@ -472,7 +473,7 @@ struct Attached {
     at_boundary: bool,
     /// How the stream ends and fails.
     dialect: StreamDialect,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ServingMetrics>,
 }
 
 /// What happened next while streaming.

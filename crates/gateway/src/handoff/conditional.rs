@@ -9,7 +9,7 @@ use pdserve_protocol::WorkerRole;
 
 use crate::fleet::registry::Roster;
 use crate::policy::{RoutePrompt, RouteRequest};
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// Characters per token assumed when only prompt text is known (English BPE averages
 /// about four; an estimate only decides whether a handoff pays, never correctness).
@@ -19,7 +19,7 @@ const CHARS_PER_TOKEN: usize = 4;
 /// prompt, less the prefix the decode policy's prefix tree says a decode worker already
 /// holds. `None` when the request has no prompt to measure.
 fn uncached_tokens(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     roster: &Roster,
     route: &RouteRequest<'_>,
 ) -> Option<usize> {
@@ -38,11 +38,11 @@ fn uncached_tokens(
 
 /// Whether this request skips the prefill leg: its uncached part is short, and (with
 /// `--disagg-min-prefill-load`) no prefill worker in `roster` is idle enough to take it.
-pub fn skips_prefill(state: &Arc<AppState>, roster: &Roster, route: &RouteRequest<'_>) -> bool {
-    let Some(threshold) = state.config.disagg_threshold else {
+pub fn skips_prefill(state: &Arc<Serving>, roster: &Roster, route: &RouteRequest<'_>) -> bool {
+    let Some(threshold) = state.settings.disagg_threshold else {
         return false;
     };
-    if !prefill_pool_busy(roster, state.config.disagg_min_prefill_load) {
+    if !prefill_pool_busy(roster, state.settings.disagg_min_prefill_load) {
         return false;
     }
     uncached_tokens(state, roster, route).is_some_and(|uncached| uncached < threshold)

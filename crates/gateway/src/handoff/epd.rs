@@ -31,7 +31,7 @@ use crate::ingress::request::ClientRequest;
 use crate::legs::answer::{expose_worker, forward_once, FinalLeg};
 use crate::legs::prefill::{prefill_body, prefill_pinned, ReleaseOnDrop};
 use crate::legs::retry::RetryBudget;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// Stage durations of one attempt.
 #[derive(Debug, Default)]
@@ -44,7 +44,7 @@ struct Stages {
 
 /// Serves a chat request that has media items (`request` must be a chat request).
 pub async fn serve(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     request: ClientRequest,
     conversation_id: Option<String>,
@@ -289,12 +289,12 @@ fn no_encoder(roster: &Roster, items: &[MediaItem<'_>]) -> String {
 /// `--no-rewrite`) carrying the encoders' connector handles. The original is untouched,
 /// so a retry encodes the raw media again.
 fn prepare(
-    state: &AppState,
+    state: &Serving,
     chat: &ChatCompletionRequest,
     items: &[MediaItem<'_>],
     encoded: &Encoded,
 ) -> ClientRequest {
-    let rewritten = if state.config.no_rewrite {
+    let rewritten = if state.settings.no_rewrite {
         None
     } else {
         rewrite(chat, items, &encoded.reports)
@@ -308,7 +308,7 @@ fn prepare(
 
 /// Stage metrics and the per-request debug line.
 fn record(
-    state: &AppState,
+    state: &Serving,
     ctx: &RequestContext,
     mode: &str,
     items: &[MediaItem<'_>],
@@ -334,7 +334,7 @@ fn record(
     tracing::debug!(
         request_id = ctx.headers.request_id(),
         mode,
-        rewrite = !state.config.no_rewrite,
+        rewrite = !state.settings.no_rewrite,
         items = items.len(),
         sub_requests = encoded.sub_requests,
         attempt,

@@ -7,13 +7,13 @@ use axum::response::{IntoResponse, Response};
 use crate::error::Failure;
 use crate::ingress::request::ClientRequest;
 use crate::legs::RequestContext;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// What every generation route does before routing: admission (past
 /// `--max-concurrent-requests` the request waits, or is refused with the returned
 /// answer), then the prompt's token ids where routing or the length check reads them.
 pub async fn admit_and_count(
-    state: &AppState,
+    state: &Serving,
     ctx: &mut RequestContext,
     request: &ClientRequest,
 ) -> Result<crate::ingress::admission::Permit, Response> {
@@ -34,7 +34,7 @@ pub async fn admit_and_count(
 /// The client's answer to a generation request, with its failure logged and both
 /// counted: every generation route ends here.
 pub fn answer(
-    state: &AppState,
+    state: &Serving,
     ctx: &RequestContext,
     result: Result<Response, Failure>,
 ) -> Response {
@@ -64,7 +64,7 @@ pub fn answer(
             itl: None,
             duration: ctx.started.elapsed(),
         };
-        ctx.journey.file(&state.metrics.history, finished);
+        ctx.journey.file(state.metrics.history(), finished);
     }
     response
 }

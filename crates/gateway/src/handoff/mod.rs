@@ -20,14 +20,14 @@ use pdserve_protocol::WorkerRole;
 use crate::error::Failure;
 use crate::fleet::registry::Mode;
 use crate::ingress::request::ClientRequest;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 pub use crate::legs::{RequestContext, X_PDSERVE_DECODE, X_PDSERVE_PREFILL, X_PDSERVE_WORKER};
 
 /// Serves a validated request with the handoff the configured pools allow; a chat
 /// request with media items goes through the encoders first.
 pub async fn generate(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     mut request: ClientRequest,
     conversation_id: Option<String>,
@@ -80,7 +80,7 @@ pub async fn generate(
 /// worker alone when the prefill can be skipped). `first_token`: the request's own
 /// choice about its first token from the prefill leg.
 async fn disaggregated(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     request: ClientRequest,
     conversation_id: Option<String>,
@@ -95,7 +95,7 @@ async fn disaggregated(
         return aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode).await;
     }
     state.metrics.record_disaggregation("disaggregated");
-    if state.config.protocol == crate::config::Protocol::Sglang {
+    if state.settings.protocol == crate::serving::Protocol::Sglang {
         return bootstrap::serve(state, ctx, request, conversation_id).await;
     }
     if let Some(choices) = batch::split_choices(&request) {

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use crate::clients::worker_client::{Exchange, ForwardHeaders, LegFault};
 use crate::endpoint::Endpoint;
 use crate::fleet::registry::{Roster, Worker};
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// Time between attempts to warm a pair.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
@@ -66,7 +66,7 @@ fn routable_paths(roster: &Roster) -> Vec<Path> {
 
 /// Watches the registry and warms each path once per appearance: a path whose worker
 /// is evicted or removed is warmed again when it comes back.
-pub fn spawn(state: Arc<AppState>) -> tokio::task::JoinHandle<()> {
+pub fn spawn(state: Arc<Serving>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut changes = state.registry.subscribe();
         let mut warming: HashMap<(String, String), tokio::task::JoinHandle<()>> = HashMap::new();
@@ -95,7 +95,7 @@ pub fn spawn(state: Arc<AppState>) -> tokio::task::JoinHandle<()> {
     })
 }
 
-async fn warm(state: Arc<AppState>, path: Path) {
+async fn warm(state: Arc<Serving>, path: Path) {
     for attempt in 1..=MAX_ATTEMPTS {
         match warm_once(&state, &path).await {
             Ok(()) => {
@@ -113,7 +113,7 @@ async fn warm(state: Arc<AppState>, path: Path) {
 }
 
 /// Sends `" x"` for one token through the path, the way a user request would go.
-async fn warm_once(state: &AppState, path: &Path) -> Result<(), String> {
+async fn warm_once(state: &Serving, path: &Path) -> Result<(), String> {
     let headers = ForwardHeaders::from_client(&http::HeaderMap::new());
     let model = served_model(state, &path.decode, &headers).await?;
     let mut body = json!({"model": model, "prompt": " x", "max_tokens": 1, "stream": false});
@@ -136,11 +136,11 @@ async fn warm_once(state: &AppState, path: &Path) -> Result<(), String> {
 
 /// The first model id the worker lists.
 async fn served_model(
-    state: &AppState,
+    state: &Serving,
     worker: &Worker,
     headers: &ForwardHeaders,
 ) -> Result<String, String> {
-    let exchange = Exchange::new(worker, "worker", state.config.decode_timeout);
+    let exchange = Exchange::new(worker, "worker", state.settings.decode_timeout);
     let body = exchange
         .send_and_read(state.client.get(worker.models_url(), headers))
         .await
@@ -153,13 +153,13 @@ async fn served_model(
 }
 
 async fn post(
-    state: &AppState,
+    state: &Serving,
     worker: &Worker,
     label: &str,
     body: &Value,
     headers: &ForwardHeaders,
 ) -> Result<Value, String> {
-    let limit = state.config.prefill_timeout;
+    let limit = state.settings.prefill_timeout;
     let exchange = Exchange::new(worker, label, limit);
     let request = state.client.post_json(
         worker.url(Endpoint::Completions),

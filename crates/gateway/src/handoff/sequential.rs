@@ -21,7 +21,6 @@ use futures::StreamExt;
 use pdserve_protocol::{KvTransferParams, WorkerRole};
 
 use super::{RequestContext, X_PDSERVE_PREFILL};
-use crate::config::FirstTokenFromPrefill;
 use crate::error::Failure;
 use crate::fleet::registry::Worker;
 use crate::ingress::request::ClientRequest;
@@ -30,17 +29,18 @@ use crate::legs::first_token::{self, FirstToken};
 use crate::legs::prefill::{prefill, prefill_body, PrefillAnswer, ReleaseOnDrop};
 use crate::legs::prompt_logprobs::{request_wants_prompt_logprobs, PrefillLogprobs};
 use crate::policy::RouteRequest;
-use crate::state::AppState;
+use crate::serving::FirstTokenFromPrefill;
+use crate::serving::Serving;
 
 /// Runs the prefill leg, then the decode leg.
 pub async fn serve(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     mut request: ClientRequest,
     conversation_id: Option<String>,
     first_token_choice: Option<bool>,
 ) -> Result<Response, Failure> {
-    let mode = state.config.first_token_from_prefill;
+    let mode = state.settings.first_token_from_prefill;
     let early = first_token::eligible(ctx.endpoint, &request, mode, first_token_choice);
     if early {
         first_token::pin_seed(&mut request);
@@ -140,7 +140,7 @@ pub(crate) struct TurnPrefill {
 
 impl TurnPrefill {
     /// Takes the handle kept for conversation `key` (single use), counting the lookup.
-    pub(crate) fn for_conversation(state: &AppState, key: Option<&str>) -> Self {
+    pub(crate) fn for_conversation(state: &Serving, key: Option<&str>) -> Self {
         let kept = key.and_then(|id| {
             let kept = state.conversations.take(id);
             state.metrics.record_conversation_lookup(kept.is_some());
@@ -168,7 +168,7 @@ impl TurnPrefill {
     /// full, instead of failing the conversation.
     pub(crate) async fn send(
         self,
-        state: &Arc<AppState>,
+        state: &Arc<Serving>,
         ctx: &RequestContext,
         route: &RouteRequest<'_>,
         body: impl Fn(KvTransferParams) -> Bytes,
@@ -191,7 +191,7 @@ impl TurnPrefill {
 
 /// The smallest context length known among the live decode and prefill workers (their
 /// `/v1/models` is fetched on first sight; until then no check).
-pub(crate) fn context_limit(state: &Arc<AppState>) -> Option<u64> {
+pub(crate) fn context_limit(state: &Arc<Serving>) -> Option<u64> {
     let roster = state.registry.snapshot();
     [WorkerRole::Decode, WorkerRole::Prefill]
         .into_iter()

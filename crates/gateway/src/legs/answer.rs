@@ -26,7 +26,7 @@ use crate::legs::retry::{with_retries, Leg};
 use crate::legs::sse::{edit_response_body, split_kv_params, AnswerSink, ResponseObjects};
 use crate::policy::InFlight;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// What to send on the final leg.
 pub struct FinalLeg {
@@ -53,7 +53,7 @@ pub struct FinalLeg {
 
 /// Sends the leg, retrying on another worker while nothing has reached the client.
 pub async fn forward(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     leg: FinalLeg,
@@ -69,7 +69,7 @@ pub async fn forward(
 /// Sends the leg once, to `worker` (the consumer the encoders published to); the caller
 /// decides about retries.
 pub async fn forward_once(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     leg: &FinalLeg,
     worker: &Arc<Worker>,
@@ -127,7 +127,7 @@ pub fn expose_worker(
 /// One attempt on `worker`; the policy hears a failure when the worker was at fault
 /// (not when it answered that a peer of it failed: [`LegError::blames_worker`]).
 async fn attempt(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     leg: &FinalLeg,
     worker: Arc<Worker>,
@@ -150,7 +150,7 @@ async fn attempt(
 /// Sends the leg and answers with its body or its relayed stream; a stream's relay takes
 /// over `in_flight`.
 async fn send_leg(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     leg: &FinalLeg,
     worker: Arc<Worker>,
@@ -243,19 +243,19 @@ pub(crate) enum AnswerStart {
 /// JSON of `shape`. Decode time to first byte is recorded when the answer's head came,
 /// in every mode.
 pub(crate) async fn start_answer(
-    state: &AppState,
+    state: &Serving,
     worker: &Worker,
     label: &str,
     request: LegRequest,
     stream: bool,
     shape: BodyShape,
 ) -> Result<AnswerStart, LegError> {
-    let exchange = Exchange::new(worker, label, state.config.decode_timeout);
+    let exchange = Exchange::new(worker, label, state.settings.decode_timeout);
     let sent = Instant::now();
     let response = exchange.send_leg(&state.client.direct, request).await?;
     if !stream {
         state.metrics.observe_decode_ttfb(sent.elapsed());
-        let body = Exchange::new(worker, label, state.config.stream_idle_timeout)
+        let body = Exchange::new(worker, label, state.settings.stream_idle_timeout)
             .read_leg(response)
             .await?;
         // Checked without building the value: valid JSON that opens as `shape` says.
@@ -282,7 +282,7 @@ pub(crate) async fn start_answer(
 /// The relay of a streamed answer from `worker` (`head` and the rest), which takes over
 /// `in_flight`, and the answer's `Content-Type`.
 pub(crate) fn relay(
-    state: &AppState,
+    state: &Serving,
     ctx: &RequestContext,
     worker: &Worker,
     in_flight: InFlight,
@@ -303,7 +303,7 @@ pub(crate) fn relay(
         first,
         upstream,
         decoded_elsewhere,
-        idle_timeout: state.config.stream_idle_timeout,
+        idle_timeout: state.settings.stream_idle_timeout,
         sink,
         metrics: state.metrics.clone(),
         route: ctx.route,

@@ -20,9 +20,9 @@ use bytes::{BufMut, Bytes, BytesMut};
 use pdserve_protocol::sse::data_event;
 use serde_json::{json, Map, Value};
 
-use crate::config::FirstTokenFromPrefill;
 use crate::endpoint::Endpoint;
 use crate::ingress::request::ClientRequest;
+use crate::serving::FirstTokenFromPrefill;
 
 /// The request field that turns the first token from prefill on or off for one request;
 /// the gateway takes it out before forwarding.

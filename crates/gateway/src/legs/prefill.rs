@@ -18,21 +18,21 @@ use crate::error::Failure;
 use crate::fleet::registry::Worker;
 use crate::ingress::request::ClientRequest;
 use crate::policy::{RequestOutcome, RouteRequest};
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// Sends `request` to the prefill `worker` and reads the whole answer; `check` turns a
 /// 2xx body into what the mode needs, or says why the worker's KV cannot be trusted
 /// (a 502). `head` hears when the answer's head came. The leg's duration is recorded
 /// once the body is read.
 pub(crate) async fn send_prefill<T>(
-    state: &AppState,
+    state: &Serving,
     worker: &Arc<Worker>,
     request: Result<LegRequest, String>,
     head: Option<oneshot::Sender<()>>,
     check: impl FnOnce(&Bytes) -> Result<T, String>,
 ) -> Result<T, LegError> {
     let mut in_flight = state.start_request(worker.clone());
-    let exchange = Exchange::new(worker, "prefill worker", state.config.prefill_timeout);
+    let exchange = Exchange::new(worker, "prefill worker", state.settings.prefill_timeout);
     let sent = Instant::now();
     let result = async {
         let request = request.map_err(|why| exchange.error(LegFault::Failed, why))?;
@@ -56,7 +56,7 @@ pub(crate) async fn send_prefill<T>(
 /// Releases the prefill worker's KV handle when dropped armed (decode failed, or the
 /// client went away before decode answered).
 pub(crate) struct ReleaseOnDrop {
-    state: Arc<AppState>,
+    state: Arc<Serving>,
     worker: Arc<Worker>,
     params: Option<KvTransferParams>,
     headers: ForwardHeaders,
@@ -65,7 +65,7 @@ pub(crate) struct ReleaseOnDrop {
 impl ReleaseOnDrop {
     /// Armed for `params`, the handle `worker` answered its prefill leg with.
     pub(crate) fn new(
-        state: &Arc<AppState>,
+        state: &Arc<Serving>,
         worker: &Arc<Worker>,
         params: Option<KvTransferParams>,
         headers: &ForwardHeaders,
@@ -106,7 +106,7 @@ pub use pdserve_protocol::kv::KV_SECRET_HEADER;
 /// `POST /v1/kv/release {"kv_transfer_params": ...}` to the prefill worker, once: a
 /// vLLM worker answers 404 and keeps the blocks until its abort timeout.
 async fn release(
-    state: Arc<AppState>,
+    state: Arc<Serving>,
     worker: Arc<Worker>,
     params: KvTransferParams,
     headers: ForwardHeaders,
@@ -120,10 +120,10 @@ async fn release(
     let mut request = state
         .client
         .post_json(&url, Bytes::from(body.to_string()), &headers);
-    if let Some(secret) = &state.config.kv_secret {
+    if let Some(secret) = &state.settings.kv_secret {
         request = request.header(KV_SECRET_HEADER, secret.as_str());
     }
-    let outcome = tokio::time::timeout(state.config.connect_timeout * 2, request.send()).await;
+    let outcome = tokio::time::timeout(state.settings.connect_timeout * 2, request.send()).await;
     let request_id = headers.request_id();
     match outcome {
         Ok(Ok(r)) if r.status().is_success() => {
@@ -159,7 +159,7 @@ pub fn prefill_body(request: &ClientRequest, params: KvTransferParams) -> Bytes 
 /// Sends the prefill leg (retried on fresh prefill workers before anything reached the
 /// client) and returns the `kv_transfer_params` P answered with, and P.
 pub(crate) async fn prefill(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     body: Bytes,
@@ -182,7 +182,7 @@ pub(crate) async fn prefill(
 /// published to), and returns the `kv_transfer_params` it answered with; the caller
 /// decides about retries.
 pub async fn prefill_pinned(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     worker: &Arc<Worker>,
     body: Bytes,
@@ -206,7 +206,7 @@ pub struct PrefillAnswer {
 }
 
 async fn prefill_once(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     worker: &Arc<Worker>,
     body: Bytes,

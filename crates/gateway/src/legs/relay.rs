@@ -14,10 +14,10 @@ use pdserve_protocol::ApiError;
 
 use crate::error::error_chain;
 use crate::observe::journey::Journey;
-use crate::observe::metrics::Metrics;
 use crate::observe::request_record::Finished;
 use crate::policy::InFlight;
 use crate::policy::RequestOutcome;
+use crate::serving::ServingMetrics;
 
 use super::sse::*;
 pub use crate::clients::worker_client::{ByteStream, StreamError};
@@ -37,7 +37,7 @@ pub struct Relay {
     /// Where the final KV params (or a Responses answer's objects) go.
     pub sink: Option<AnswerSink>,
     /// Metrics to record the outcome in.
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<ServingMetrics>,
     /// Route label for the end-to-end histogram.
     pub route: &'static str,
     /// When the client request arrived.
@@ -311,7 +311,7 @@ impl RelayState {
         let itl = (outcome == "ok" && self.chunks >= 2)
             .then(|| self.opened.elapsed() / (self.chunks - 1));
         journey.file(
-            &self.relay.metrics.history,
+            self.relay.metrics.history(),
             Finished {
                 status,
                 outcome,
@@ -344,7 +344,10 @@ mod tests {
     use pdserve_protocol::sse::DONE;
 
     fn relay(first: &'static [u8], rest: Vec<&'static [u8]>) -> Relay {
-        let metrics = Arc::new(Metrics::default());
+        let metrics = Arc::new(ServingMetrics::register(
+            &mut prometheus_client::registry::Registry::default(),
+            Arc::default(),
+        ));
         let url = reqwest::Url::parse("http://127.0.0.1:9").unwrap();
         let spec =
             crate::fleet::registry::WorkerSpec::new(pdserve_protocol::WorkerRole::Decode, url);

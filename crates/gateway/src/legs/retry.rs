@@ -15,7 +15,7 @@ use crate::error::Failure;
 use crate::fleet::registry::{RefusedReason, Worker, WorkerState};
 use crate::legs::RequestContext;
 use crate::policy::RouteRequest;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// First backoff; doubled per retry, with jitter, capped at [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(20);
@@ -51,9 +51,9 @@ pub struct RetryBudget {
 
 impl RetryBudget {
     /// The budget `--max-retries` gives one request.
-    pub fn new(state: &AppState) -> Self {
+    pub fn new(state: &Serving) -> Self {
         Self {
-            attempts: 1 + state.config.max_retries as usize,
+            attempts: 1 + state.settings.max_retries as usize,
             used: 0,
             backoff: ExponentialBuilder::default()
                 .with_min_delay(MIN_BACKOFF)
@@ -94,7 +94,7 @@ impl RetryBudget {
 /// while it fails in a retryable way, within the request's [`RetryBudget`]. Returns the
 /// result and the worker that produced it.
 pub async fn with_retries<T, F, Fut>(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     role: WorkerRole,

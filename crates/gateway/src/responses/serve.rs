@@ -22,22 +22,22 @@ use crate::ingress::request::{body_rejection, ClientRequest};
 use crate::legs::answer::{expose_worker, forward, FinalLeg};
 use crate::legs::prefill::ReleaseOnDrop;
 use crate::policy::RouteRequest;
+use crate::serving::Serving;
 use crate::sessions::response_chains::ChainRecord;
-use crate::state::AppState;
 
 /// Handles `POST /v1/responses`.
 pub async fn create(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let endpoint = Endpoint::Responses;
     let mut ctx = RequestContext::new(endpoint, endpoint.path(), headers);
-    if state.config.expose_routing {
+    if state.settings.expose_routing {
         ctx.routing_notes = Some(Default::default());
     }
     let result = async {
-        let body = body.map_err(|r| body_rejection(r, state.config.max_body_bytes))?;
+        let body = body.map_err(|r| body_rejection(r, state.settings.max_body_bytes))?;
         let request = ResponsesBody::parse(&body)?;
         let previous = match &request.previous_response_id {
             None => None,
@@ -75,7 +75,7 @@ struct Previous {
 /// The previous response as this gateway remembers it, or as found on the workers (a
 /// chain another gateway relayed: its conversation is unknown here).
 async fn find_previous(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     id: &str,
 ) -> Result<Previous, Failure> {
@@ -128,7 +128,7 @@ impl Turn<'_> {
     }
 
     /// The edits of the answer; `cached_tokens` from the prefill leg.
-    fn edits(&self, state: &AppState, cached_tokens: Option<u64>) -> Arc<ResponseEdits> {
+    fn edits(&self, state: &Serving, cached_tokens: Option<u64>) -> Arc<ResponseEdits> {
         Arc::new(ResponseEdits {
             chains: state.responses.clone(),
             conversations: state.conversations.clone(),
@@ -145,7 +145,7 @@ impl Turn<'_> {
 
 /// Serves a turn in the mode the pools allow.
 async fn serve(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     turn: Turn<'_>,
 ) -> Result<Response, Failure> {
@@ -196,7 +196,7 @@ async fn serve(
     }
     let body = turn.request.expanded(turn.before);
     state.metrics.record_disaggregation("disaggregated");
-    if state.config.protocol == crate::config::Protocol::Sglang {
+    if state.settings.protocol == crate::serving::Protocol::Sglang {
         let edits = turn.edits(state, None);
         return serve_body(
             state,
@@ -214,7 +214,7 @@ async fn serve(
 
 /// The turn on one worker of `role`.
 async fn single(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     role: WorkerRole,
@@ -247,7 +247,7 @@ fn final_leg(
 /// vLLM's sequential handoff of a turn: the prefill leg (reading the previous decode's
 /// blocks, when that handle is still kept), then the decode leg with P's handle.
 async fn sequential(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     ctx: &RequestContext,
     route: &RouteRequest<'_>,
     turn: Turn<'_>,

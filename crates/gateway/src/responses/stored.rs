@@ -17,14 +17,14 @@ use crate::endpoint::Endpoint;
 use crate::error::Failure;
 use crate::fleet::registry::Worker;
 use crate::legs::answer::json_response;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// The metrics label of both routes.
 const ROUTE: &str = "/v1/responses/{id}";
 
 /// Handles `GET /v1/responses/{id}`.
 pub async fn retrieve(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
@@ -33,14 +33,14 @@ pub async fn retrieve(
 
 /// Handles `DELETE /v1/responses/{id}`.
 pub async fn delete(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
     stored(&state, &id, &headers, Method::DELETE).await
 }
 
-async fn stored(state: &Arc<AppState>, id: &str, headers: &HeaderMap, method: Method) -> Response {
+async fn stored(state: &Arc<Serving>, id: &str, headers: &HeaderMap, method: Method) -> Response {
     let forward = ForwardHeaders::from_client(headers);
     let response = match send(state, id, &forward, &method).await {
         Ok(body) => json_response(body),
@@ -54,7 +54,7 @@ async fn stored(state: &Arc<AppState>, id: &str, headers: &HeaderMap, method: Me
 
 /// The holder's answer to `method` on response `id`; its 404 when none holds it.
 async fn send(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     id: &str,
     headers: &ForwardHeaders,
     method: &Method,
@@ -79,7 +79,7 @@ async fn send(
         Method::DELETE => state.client.delete(&url, headers),
         _ => state.client.get(&url, headers),
     };
-    let exchange = Exchange::new(&worker, "worker", state.config.decode_timeout);
+    let exchange = Exchange::new(&worker, "worker", state.settings.decode_timeout);
     let body = exchange.send_and_read(request).await.map_err(|e| {
         state.report(&worker, &e);
         e.failure
@@ -112,7 +112,7 @@ fn response_url(worker: &Worker, id: &str) -> Option<Url> {
 /// The live decode or aggregated worker that holds response `id`: asked all at once, the
 /// first that answers 200 (each within the health probe's timeout).
 pub(super) async fn locate(
-    state: &Arc<AppState>,
+    state: &Arc<Serving>,
     headers: &ForwardHeaders,
     id: &str,
 ) -> Option<Arc<Worker>> {
@@ -123,7 +123,7 @@ pub(super) async fn locate(
         .filter_map(|worker| {
             let url = response_url(&worker, id)?;
             let request = state.client.get(&url, headers);
-            let limit = state.config.probe.timeout;
+            let limit = state.settings.probe_timeout;
             Some(Box::pin(async move {
                 let exchange = Exchange::new(&worker, "worker", limit);
                 exchange.send(request).await.map(|_| worker.clone())

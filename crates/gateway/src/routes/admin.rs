@@ -6,8 +6,6 @@
 // boxing it would only add an allocation on the error path.
 #![allow(clippy::result_large_err)]
 
-use std::sync::Arc;
-
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Query, State};
 use axum::Json;
@@ -31,8 +29,8 @@ pub const X_API_KEY: &str = "x-api-key";
 pub const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 
 /// `GET /instances`: live and evicted workers per role, and each worker's state.
-pub async fn list(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(roster_json(&state.registry.snapshot(), &state))
+pub async fn list(State(state): State<AppState>) -> Json<Value> {
+    Json(roster_json(&state.serving.registry.snapshot(), &state))
 }
 
 /// The roster as `/instances` shows it.
@@ -106,7 +104,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
 /// `{"registered": bool}`. A URL that answers as this gateway, or as another gateway
 /// without `--allow-gateway-workers`, is refused with 400.
 pub async fn register(
-    State(state): State<Arc<AppState>>,
+    State(state): State<AppState>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -114,7 +112,7 @@ pub async fn register(
     let body = body.map_err(|r| body_rejection(r, MAX_ADMIN_BODY_BYTES))?;
     let spec = parse_registration(&body)?;
     let identity = identify(
-        state.client.pooled(),
+        state.serving.client.pooled(),
         &spec.url,
         &state.instance,
         state.config.probe.timeout,
@@ -132,7 +130,7 @@ pub async fn register(
         tracing::warn!("refused a registration: {refusal}");
         return Err(ApiError::bad_request(refusal.to_string()).with_param("url"));
     }
-    match state.registry.register(spec) {
+    match state.serving.registry.register(spec) {
         Ok(registered) => Ok(Json(json!({"registered": registered}))),
         Err(e @ (RegistryError::MixedTopology { .. } | RegistryError::RoleChange { .. })) => Err(
             ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
@@ -151,7 +149,7 @@ pub struct RemoveQuery {
 
 /// `DELETE /instances?url=...` → `{"removed": bool}`.
 pub async fn unregister(
-    State(state): State<Arc<AppState>>,
+    State(state): State<AppState>,
     headers: HeaderMap,
     query: Result<Query<RemoveQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -163,7 +161,7 @@ pub async fn unregister(
     let url = parse_worker_url("url", &raw)
         .map_err(|e| ApiError::bad_request(e.to_string()).with_param("url"))?;
     Ok(Json(
-        json!({"removed": state.registry.unregister(&worker_key(&url))}),
+        json!({"removed": state.serving.registry.unregister(&worker_key(&url))}),
     ))
 }
 

@@ -10,8 +10,6 @@ use http::{header, StatusCode};
 use pdserve_protocol::ApiError;
 use subtle::ConstantTimeEq;
 
-use crate::state::AppState;
-
 /// Whether `path` is one of the routes `--api-key` protects (`/v1/*`, SGLang's
 /// `/generate`).
 pub fn is_protected(path: &str) -> bool {
@@ -27,13 +25,17 @@ pub fn authorized(authorization: Option<&[u8]>, key: &str) -> bool {
     offered.ct_eq(key.as_bytes()).into()
 }
 
+/// The key clients of the OpenAI routes must present (`--api-key`); `None`: open.
+#[derive(Debug, Clone, Default)]
+pub struct ApiKey(pub Option<Arc<str>>);
+
 /// Middleware: 401 on a protected route without the key; everything else passes.
 pub async fn require_api_key(
-    State(state): State<Arc<AppState>>,
+    State(ApiKey(key)): State<ApiKey>,
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(key) = state.config.api_key.as_deref() else {
+    let Some(key) = key.as_deref() else {
         return next.run(request).await;
     };
     if !is_protected(request.uri().path()) {

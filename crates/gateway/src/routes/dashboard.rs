@@ -3,8 +3,6 @@
 //! once a second). Like `/metrics` and `/instances` both are open under `--api-key`: they
 //! show the roster and request ids, never a prompt or an answer.
 
-use std::sync::Arc;
-
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -22,7 +20,7 @@ pub async fn page() -> Response {
 }
 
 /// `GET /dashboard/data`: the roster, per-second samples and recent requests.
-pub async fn data(State(state): State<Arc<AppState>>) -> Response {
+pub async fn data(State(state): State<AppState>) -> Response {
     (
         [(header::CACHE_CONTROL, "no-store")],
         Json(crate::routes::dashboard_data::DashboardData::collect(

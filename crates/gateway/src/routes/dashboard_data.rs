@@ -157,14 +157,14 @@ pub struct CacheRow {
 impl DashboardData {
     /// The dashboard's view of `state` now.
     pub fn collect(state: &AppState) -> Self {
-        let roster = state.registry.snapshot();
+        let roster = state.serving.registry.snapshot();
         let history = &state.metrics.history;
         let disaggregated = match state.config.protocol {
             Protocol::Vllm => "vllm_pd",
             Protocol::Sglang => "sglang_pd",
         };
         let ratio = |role| {
-            let policy = state.policy(role);
+            let policy = state.serving.policy(role);
             (policy.name() == "cache_aware").then(|| {
                 let stats = policy.stats();
                 let decided = stats.cache_hits + stats.cache_misses;
@@ -180,7 +180,7 @@ impl DashboardData {
                     Protocol::Vllm => "vllm",
                     Protocol::Sglang => "sglang",
                 },
-                policies: PerRole::of(|role| state.policy(role).name()),
+                policies: PerRole::of(|role| state.serving.policy(role).name()),
                 policy_cache_hit_ratio: PerRole::of(ratio),
             },
             workers: roster.members().iter().map(worker_row).collect(),

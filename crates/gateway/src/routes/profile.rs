@@ -17,25 +17,21 @@ use crate::endpoint::Endpoint;
 use crate::error::Failure;
 use crate::fleet::registry::Worker;
 use crate::policy::RouteRequest;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// `POST /start_profile`.
-pub async fn start(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub async fn start(State(state): State<Arc<Serving>>, headers: HeaderMap, body: Bytes) -> Response {
     fan_out(&state, "start", &headers, body).await
 }
 
 /// `POST /stop_profile`.
-pub async fn stop(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn stop(State(state): State<Arc<Serving>>, headers: HeaderMap, body: Bytes) -> Response {
     fan_out(&state, "stop", &headers, body).await
 }
 
 /// What one instance answered: its JSON (`{}` for an empty 2xx body), or `None` for 404.
 async fn forward(
-    state: &AppState,
+    state: &Serving,
     worker: &Arc<Worker>,
     path: &str,
     headers: &ForwardHeaders,
@@ -44,7 +40,7 @@ async fn forward(
     let url = reqwest::Url::parse(&format!("{}{path}", worker.base))
         .map_err(|e| ApiError::internal(format!("cannot build the profile URL: {e}")))?;
     // Stopping a profiler writes its trace: allow as long as a decode leg.
-    let exchange = Exchange::new(worker, "worker", state.config.decode_timeout);
+    let exchange = Exchange::new(worker, "worker", state.settings.decode_timeout);
     let request = state.client.post_json(&url, body, headers);
     match exchange.send_and_read(request).await {
         Ok(answer) => Ok(Some(
@@ -58,7 +54,7 @@ async fn forward(
     }
 }
 
-async fn fan_out(state: &AppState, command: &str, headers: &HeaderMap, body: Bytes) -> Response {
+async fn fan_out(state: &Serving, command: &str, headers: &HeaderMap, body: Bytes) -> Response {
     // vLLM's proxy posts a JSON body; an empty one is taken as `{}`.
     let body = if body.iter().all(u8::is_ascii_whitespace) {
         Bytes::from_static(b"{}")

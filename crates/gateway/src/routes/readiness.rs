@@ -1,8 +1,6 @@
 //! `GET /health`, `/readiness` and `/liveness`: whether the gateway can serve a request
 //! now, and whether the process is alive.
 
-use std::sync::Arc;
-
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -17,8 +15,8 @@ use crate::state::AppState;
 /// healthy prefill_decode worker) is there, else 503 saying what is missing. Like every
 /// health route, it names the gateway (`x-pdserve-gateway`, `server`, `instance_id`) so
 /// that no gateway takes it for a worker.
-pub async fn readiness(State(state): State<Arc<AppState>>) -> Response {
-    let roster = state.registry.snapshot();
+pub async fn readiness(State(state): State<AppState>) -> Response {
+    let roster = state.serving.registry.snapshot();
     let mode = roster.mode();
     let live = |role| roster.live(role).len();
     use pdserve_protocol::WorkerRole as R;
@@ -35,7 +33,7 @@ pub async fn readiness(State(state): State<Arc<AppState>>) -> Response {
             "encode": live(R::Encode),
         },
         "registered_workers": roster.members().len(),
-        "cached_conversations": state.conversations.len(),
+        "cached_conversations": state.serving.conversations.len(),
     });
     let status = if mode == Mode::Unavailable {
         StatusCode::SERVICE_UNAVAILABLE
@@ -46,7 +44,7 @@ pub async fn readiness(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// `GET /liveness`: 200 while the process runs.
-pub async fn liveness(State(state): State<Arc<AppState>>) -> Response {
+pub async fn liveness(State(state): State<AppState>) -> Response {
     let body = json!({
         "status": "alive",
         "server": SERVER_NAME,

@@ -28,7 +28,7 @@ use crate::fleet::registry::Worker;
 use crate::ingress::prompt_tokens::PromptTokenizer;
 use crate::ingress::request::body_rejection;
 use crate::policy::RouteRequest;
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// What the gateway knows of the served model, to answer on its own.
 struct Served {
@@ -48,14 +48,14 @@ impl Served {
 }
 
 /// A live worker to ask (decode first, as for `/v1/models`).
-fn any_worker(state: &AppState, headers: &HeaderMap) -> Result<Arc<Worker>, Failure> {
+fn any_worker(state: &Serving, headers: &HeaderMap) -> Result<Arc<Worker>, Failure> {
     state
         .pick_any(&RouteRequest::bodyless(Endpoint::Chat, headers))
         .ok_or_else(|| state.refuse_any().into())
 }
 
 /// The gateway's tokenizer and what a worker said of the model, when it has both.
-fn served(state: &AppState, worker: &Arc<Worker>) -> Option<Served> {
+fn served(state: &Serving, worker: &Arc<Worker>) -> Option<Served> {
     let tokenizer = state.tokenizer.clone()?;
     let max_model_len = state.model_lens.get(&state.client, worker)?;
     let names = state.model_lens.names(worker)?;
@@ -66,8 +66,8 @@ fn served(state: &AppState, worker: &Arc<Worker>) -> Option<Served> {
     })
 }
 
-fn read_body(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|r| body_rejection(r, state.config.max_body_bytes))
+fn read_body(state: &Serving, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| body_rejection(r, state.settings.max_body_bytes))
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -76,7 +76,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 }
 
 /// The response for `route`, counted in the request metrics.
-fn counted(state: &AppState, route: &str, answer: Result<Response, Failure>) -> Response {
+fn counted(state: &Serving, route: &str, answer: Result<Response, Failure>) -> Response {
     let response = answer.unwrap_or_else(IntoResponse::into_response);
     state
         .metrics
@@ -87,7 +87,7 @@ fn counted(state: &AppState, route: &str, answer: Result<Response, Failure>) -> 
 /// The body, the worker that would answer, and what the gateway needs to answer itself
 /// (`None`: forward to the worker).
 fn intake(
-    state: &AppState,
+    state: &Serving,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(Bytes, Arc<Worker>, Option<Served>), Failure> {
@@ -99,7 +99,7 @@ fn intake(
 
 /// `POST /tokenize`.
 pub async fn tokenize(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -108,7 +108,7 @@ pub async fn tokenize(
 }
 
 async fn answer_tokenize(
-    state: &Arc<AppState>,
+    state: &Serving,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Failure> {
@@ -142,7 +142,7 @@ async fn answer_tokenize(
 
 /// `POST /detokenize`.
 pub async fn detokenize(
-    State(state): State<Arc<AppState>>,
+    State(state): State<Arc<Serving>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -151,7 +151,7 @@ pub async fn detokenize(
 }
 
 async fn answer_detokenize(
-    state: &Arc<AppState>,
+    state: &Serving,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, Failure> {
@@ -178,7 +178,7 @@ async fn answer_detokenize(
 
 /// Sends `body` to `worker`'s `path` and passes its JSON answer (or its 4xx) through.
 async fn forward(
-    state: &AppState,
+    state: &Serving,
     headers: &HeaderMap,
     worker: &Arc<Worker>,
     path: &str,
@@ -186,7 +186,7 @@ async fn forward(
 ) -> Result<Response, Failure> {
     let url = reqwest::Url::parse(&format!("{}{path}", worker.base.trim_end_matches('/')))
         .map_err(|e| ApiError::internal(format!("no {path} URL for {}: {e}", worker.base)))?;
-    let exchange = Exchange::new(worker, "worker", state.config.decode_timeout);
+    let exchange = Exchange::new(worker, "worker", state.settings.decode_timeout);
     let request = state
         .client
         .post_json(&url, body, &ForwardHeaders::from_client(headers));
