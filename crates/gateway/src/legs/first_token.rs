@@ -258,8 +258,10 @@ enum Progress {
 pub struct FirstTokenGuard {
     sent: Arc<FirstToken>,
     progress: Vec<Progress>,
-    /// The decode stream's id, written as the prefill answer's in every event after.
-    decode_id: Option<String>,
+    /// Where the decode stream's id differs from the prefill answer's: its events' head
+    /// (`data: {"id":"<decode id>"`) and that head with the prefill answer's id, made
+    /// once so that each later event is a prefix swap, not a parse.
+    id_swap: Option<(Vec<u8>, Vec<u8>)>,
     /// A dropped event's blank line is still to come.
     skip_blank: bool,
 }
@@ -271,7 +273,7 @@ impl FirstTokenGuard {
         Self {
             sent,
             progress,
-            decode_id: None,
+            id_swap: None,
             skip_blank: false,
         }
     }
@@ -285,7 +287,7 @@ impl FirstTokenGuard {
     /// the first token of each choice taken out, the stream's id made the prefill
     /// answer's.
     pub fn filter(&mut self, lines: Bytes) -> Result<Bytes, Mismatch> {
-        if self.settled() && !self.skip_blank && self.decode_id.is_none() {
+        if self.settled() && !self.skip_blank && self.id_swap.is_none() {
             return Ok(lines);
         }
         let mut out = BytesMut::with_capacity(lines.len());
@@ -308,11 +310,11 @@ impl FirstTokenGuard {
                 continue;
             }
             if self.settled() {
-                out.put(&self.with_prefill_id(line)[..]);
+                self.put_with_prefill_id(&mut out, line);
                 continue;
             }
             match self.edit(data)? {
-                Edit::Keep => out.put(&self.with_prefill_id(line)[..]),
+                Edit::Keep => self.put_with_prefill_id(&mut out, line),
                 Edit::Drop => self.skip_blank = true,
                 Edit::Replace(event) => {
                     out.put(&b"data: "[..]);
@@ -324,19 +326,19 @@ impl FirstTokenGuard {
         Ok(out.freeze())
     }
 
-    /// `line` with the decode stream's id at its start replaced by the prefill answer's.
-    fn with_prefill_id<'a>(&self, line: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
-        let Some(decode_id) = &self.decode_id else {
-            return line.into();
-        };
-        let head = format!("data: {{\"id\":\"{decode_id}\"");
-        match line.strip_prefix(head.as_bytes()) {
-            Some(rest) => {
-                let mut edited = format!("data: {{\"id\":{}", json!(self.sent.id)).into_bytes();
-                edited.extend_from_slice(rest);
-                edited.into()
+    /// Writes `line` to `out`, the decode stream's id at its start replaced by the
+    /// prefill answer's.
+    fn put_with_prefill_id(&self, out: &mut BytesMut, line: &[u8]) {
+        let swapped = self
+            .id_swap
+            .as_ref()
+            .and_then(|(head, prefill)| Some((prefill, line.strip_prefix(&head[..])?)));
+        match swapped {
+            Some((prefill, rest)) => {
+                out.put(&prefill[..]);
+                out.put(rest);
             }
-            None => line.into(),
+            None => out.put(line),
         }
     }
 
@@ -368,8 +370,12 @@ impl FirstTokenGuard {
             }
         }
         if let Some(id) = event.get("id").and_then(Value::as_str) {
-            self.decode_id.get_or_insert_with(|| id.to_string());
             if id != self.sent.id {
+                if self.id_swap.is_none() {
+                    let head = format!("data: {{\"id\":\"{id}\"").into_bytes();
+                    let prefill = format!("data: {{\"id\":{}", json!(self.sent.id)).into_bytes();
+                    self.id_swap = Some((head, prefill));
+                }
                 event.insert("id".into(), Value::String(self.sent.id.clone()));
                 changed = true;
             }
