@@ -16,6 +16,7 @@ use crate::ingress::admission::Admission;
 use crate::ingress::prompt_tokens::PromptTokenizer;
 use crate::observe::metrics::Metrics;
 use crate::policy;
+use crate::routes::admin::AdminApi;
 use crate::serving::{LegSettings, Serving, ServingMetrics};
 use crate::sessions::conversation::ConversationCache;
 use crate::sessions::response_chains::ResponseChains;
@@ -34,6 +35,8 @@ pub struct AppState {
     pub instance: Arc<Instance>,
     /// The workers' KV-event subscriptions and block indexes.
     pub kv_events: Arc<KvEventsHub>,
+    /// What `/instances` works with.
+    pub admin: Arc<AdminApi>,
 }
 
 impl AppState {
@@ -101,20 +104,46 @@ impl AppState {
             admission,
             metrics: serving_metrics,
         };
+        let instance = Arc::new(Instance::new());
+        let admin = Arc::new(AdminApi {
+            registry: serving.registry.clone(),
+            client: serving.client.pooled().clone(),
+            instance: instance.clone(),
+            probe_timeout: config.probe.timeout,
+            allow_gateway_workers: config.allow_gateway_workers,
+            admin_api_key: config.admin_api_key.clone(),
+            kv_events: kv_events.clone(),
+            fleet_metrics: metrics.fleet.clone(),
+        });
         Ok(Self {
             serving: Arc::new(serving),
             metrics,
-            instance: Arc::new(Instance::new()),
+            instance,
             kv_events,
+            admin,
             config: Arc::new(config),
         })
     }
 }
 
-/// The generation routes take only what requests share.
+/// The generation routes (and the dashboard, readiness) take only what requests share.
 impl FromRef<AppState> for Arc<Serving> {
     fn from_ref(state: &AppState) -> Self {
         state.serving.clone()
+    }
+}
+
+/// The admin API takes only its own part.
+impl FromRef<AppState> for Arc<AdminApi> {
+    fn from_ref(state: &AppState) -> Self {
+        state.admin.clone()
+    }
+}
+
+/// The health routes name this gateway.
+impl FromRef<AppState> for Arc<Instance> {
+    fn from_ref(state: &AppState) -> Self {
+        state.instance.clone()
     }
 }
 

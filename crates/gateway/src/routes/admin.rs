@@ -6,6 +6,9 @@
 // boxing it would only add an allocation on the error path.
 #![allow(clippy::result_large_err)]
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Query, State};
 use axum::Json;
@@ -16,11 +19,12 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use subtle::ConstantTimeEq;
 
-use crate::fleet::identity::identify;
+use crate::fleet::identity::{identify, Instance};
+use crate::fleet::kv_events::KvEventsHub;
 use crate::fleet::registry::{check_dp_size, parse_worker_url, MAX_DP_SIZE};
 use crate::fleet::registry::{worker_key, Health, RegistryError, Roster, WorkerSpec};
+use crate::fleet::registry::{FleetMetrics, Registry};
 use crate::ingress::request::body_rejection;
-use crate::state::AppState;
 
 /// The admin key header (vLLM's proxies use the same one).
 pub const X_API_KEY: &str = "x-api-key";
@@ -28,18 +32,39 @@ pub const X_API_KEY: &str = "x-api-key";
 /// The largest admin request body: a registration is a few hundred bytes.
 pub const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 
+/// What the admin API works with, handed over by the composition root.
+#[derive(Debug)]
+pub struct AdminApi {
+    /// The live worker set.
+    pub registry: Arc<Registry>,
+    /// The client a registered URL is identified with.
+    pub client: reqwest::Client,
+    /// This gateway, which a registered URL must not be.
+    pub instance: Arc<Instance>,
+    /// Limit for a registered URL's identity answer.
+    pub probe_timeout: Duration,
+    /// Whether a URL may answer as another gateway (`--allow-gateway-workers`).
+    pub allow_gateway_workers: bool,
+    /// The admin key; `Some` enables `POST`/`DELETE /instances`.
+    pub admin_api_key: Option<String>,
+    /// The workers' KV-event indexes, shown per worker.
+    pub kv_events: Arc<KvEventsHub>,
+    /// Where refused registrations are counted.
+    pub fleet_metrics: Arc<FleetMetrics>,
+}
+
 /// `GET /instances`: live and evicted workers per role, and each worker's state.
-pub async fn list(State(state): State<AppState>) -> Json<Value> {
-    Json(roster_json(&state.serving.registry.snapshot(), &state))
+pub async fn list(State(state): State<Arc<AdminApi>>) -> Json<Value> {
+    Json(roster_json(&state.registry.snapshot(), &state))
 }
 
 /// The roster as `/instances` shows it.
-pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
+pub fn roster_json(roster: &Roster, state: &AdminApi) -> Value {
     let mut out = Map::new();
     out.insert("mode".into(), json!(roster.mode().as_str()));
     out.insert(
         "dynamic_registration".into(),
-        json!(state.config.admin_api_key.is_some()),
+        json!(state.admin_api_key.is_some()),
     );
     for role in WorkerRole::ALL {
         let urls = |health| {
@@ -104,7 +129,7 @@ pub fn roster_json(roster: &Roster, state: &AppState) -> Value {
 /// `{"registered": bool}`. A URL that answers as this gateway, or as another gateway
 /// without `--allow-gateway-workers`, is refused with 400.
 pub async fn register(
-    State(state): State<AppState>,
+    State(state): State<Arc<AdminApi>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -112,25 +137,21 @@ pub async fn register(
     let body = body.map_err(|r| body_rejection(r, MAX_ADMIN_BODY_BYTES))?;
     let spec = parse_registration(&body)?;
     let identity = identify(
-        state.serving.client.pooled(),
+        &state.client,
         &spec.url,
         &state.instance,
-        state.config.probe.timeout,
+        state.probe_timeout,
     )
     .await;
-    if let Err(refusal) = identity.admit(
-        &spec.key(),
-        &state.instance,
-        state.config.allow_gateway_workers,
-    ) {
+    if let Err(refusal) = identity.admit(&spec.key(), &state.instance, state.allow_gateway_workers)
+    {
         state
-            .metrics
-            .fleet
+            .fleet_metrics
             .inc_workers_refused("registration", refusal.reason());
         tracing::warn!("refused a registration: {refusal}");
         return Err(ApiError::bad_request(refusal.to_string()).with_param("url"));
     }
-    match state.serving.registry.register(spec) {
+    match state.registry.register(spec) {
         Ok(registered) => Ok(Json(json!({"registered": registered}))),
         Err(e @ (RegistryError::MixedTopology { .. } | RegistryError::RoleChange { .. })) => Err(
             ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
@@ -149,7 +170,7 @@ pub struct RemoveQuery {
 
 /// `DELETE /instances?url=...` → `{"removed": bool}`.
 pub async fn unregister(
-    State(state): State<AppState>,
+    State(state): State<Arc<AdminApi>>,
     headers: HeaderMap,
     query: Result<Query<RemoveQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
@@ -161,14 +182,14 @@ pub async fn unregister(
     let url = parse_worker_url("url", &raw)
         .map_err(|e| ApiError::bad_request(e.to_string()).with_param("url"))?;
     Ok(Json(
-        json!({"removed": state.serving.registry.unregister(&worker_key(&url))}),
+        json!({"removed": state.registry.unregister(&worker_key(&url))}),
     ))
 }
 
 /// Admin calls need dynamic registration on and the admin key, compared in constant time.
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+fn authorize(state: &AdminApi, headers: &HeaderMap) -> Result<(), ApiError> {
     let forbidden = |msg: &str| ApiError::new(StatusCode::FORBIDDEN, "forbidden", msg);
-    let Some(expected) = &state.config.admin_api_key else {
+    let Some(expected) = &state.admin_api_key else {
         return Err(forbidden(
             "dynamic registration is off: start the gateway with --dynamic-registration and ADMIN_API_KEY",
         ));

@@ -3,13 +3,15 @@
 //! once a second). Like `/metrics` and `/instances` both are open under `--api-key`: they
 //! show the roster and request ids, never a prompt or an answer.
 
+use std::sync::Arc;
+
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http::header;
 use pdserve_http_server::dashboard::DashboardPage;
 
-use crate::state::AppState;
+use crate::serving::Serving;
 
 /// The page, embedded in the binary (its script starts with the one both pages share).
 pub static PAGE: DashboardPage = DashboardPage::new(include_str!("dashboard.html"));
@@ -20,7 +22,7 @@ pub async fn page() -> Response {
 }
 
 /// `GET /dashboard/data`: the roster, per-second samples and recent requests.
-pub async fn data(State(state): State<AppState>) -> Response {
+pub async fn data(State(state): State<Arc<Serving>>) -> Response {
     (
         [(header::CACHE_CONTROL, "no-store")],
         Json(crate::routes::dashboard_data::DashboardData::collect(

@@ -6,11 +6,10 @@ use std::time::UNIX_EPOCH;
 use pdserve_protocol::WorkerRole;
 use serde::Serialize;
 
-use crate::config::Protocol;
 use crate::fleet::registry::{CircuitState, Health, Member, WorkerSource};
 use crate::observe::history::Sample;
 use crate::observe::request_record::{Hop, Mode, RequestRecord};
-use crate::state::AppState;
+use crate::serving::{Protocol, Serving};
 
 /// The whole answer of `/dashboard/data`.
 #[derive(Debug, Serialize)]
@@ -156,15 +155,15 @@ pub struct CacheRow {
 
 impl DashboardData {
     /// The dashboard's view of `state` now.
-    pub fn collect(state: &AppState) -> Self {
-        let roster = state.serving.registry.snapshot();
-        let history = &state.metrics.history;
-        let disaggregated = match state.config.protocol {
+    pub fn collect(state: &Serving) -> Self {
+        let roster = state.registry.snapshot();
+        let history = state.metrics.history();
+        let disaggregated = match state.settings.protocol {
             Protocol::Vllm => "vllm_pd",
             Protocol::Sglang => "sglang_pd",
         };
         let ratio = |role| {
-            let policy = state.serving.policy(role);
+            let policy = state.policy(role);
             (policy.name() == "cache_aware").then(|| {
                 let stats = policy.stats();
                 let decided = stats.cache_hits + stats.cache_misses;
@@ -176,11 +175,11 @@ impl DashboardData {
                 version: env!("CARGO_PKG_VERSION"),
                 now_ms: UNIX_EPOCH.elapsed().unwrap_or_default().as_millis() as u64,
                 mode: roster.mode().as_str(),
-                protocol: match state.config.protocol {
+                protocol: match state.settings.protocol {
                     Protocol::Vllm => "vllm",
                     Protocol::Sglang => "sglang",
                 },
-                policies: PerRole::of(|role| state.serving.policy(role).name()),
+                policies: PerRole::of(|role| state.policy(role).name()),
                 policy_cache_hit_ratio: PerRole::of(ratio),
             },
             workers: roster.members().iter().map(worker_row).collect(),
