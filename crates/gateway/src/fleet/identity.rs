@@ -142,6 +142,21 @@ pub async fn identify(
     }
 }
 
+/// Asks `base` what it is (see [`identify`]) and whether it may be routed to as the
+/// worker `key`.
+pub async fn check_worker(
+    client: &reqwest::Client,
+    base: &Url,
+    key: &str,
+    this: &Instance,
+    allow_gateways: bool,
+    timeout: Duration,
+) -> Result<(), Refusal> {
+    identify(client, base, this, timeout)
+        .await
+        .admit(key, this, allow_gateways)
+}
+
 /// The first of `urls` that must not be routed to as a worker, all asked at once.
 pub async fn first_refused(
     client: &reqwest::Client,
@@ -151,8 +166,8 @@ pub async fn first_refused(
     timeout: Duration,
 ) -> Option<Refusal> {
     let asked = urls.map(|url| async move {
-        let identity = identify(client, &url, this, timeout).await;
-        identity.admit(url.as_str().trim_end_matches('/'), this, allow_gateways)
+        let key = url.as_str().trim_end_matches('/');
+        check_worker(client, &url, key, this, allow_gateways, timeout).await
     });
     futures::future::join_all(asked)
         .await

@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use subtle::ConstantTimeEq;
 
-use crate::fleet::identity::{identify, Instance};
+use crate::fleet::identity::{check_worker, Instance};
 use crate::fleet::kv_events::KvEventsHub;
 use crate::fleet::registry::{check_dp_size, parse_worker_url, MAX_DP_SIZE};
 use crate::fleet::registry::{worker_key, Health, RegistryError, Roster, WorkerSpec};
@@ -136,15 +136,16 @@ pub async fn register(
     authorize(&state, &headers)?;
     let body = body.map_err(|r| body_rejection(r, MAX_ADMIN_BODY_BYTES))?;
     let spec = parse_registration(&body)?;
-    let identity = identify(
+    let key = spec.key();
+    let checked = check_worker(
         &state.client,
         &spec.url,
+        &key,
         &state.instance,
+        state.allow_gateway_workers,
         state.probe_timeout,
-    )
-    .await;
-    if let Err(refusal) = identity.admit(&spec.key(), &state.instance, state.allow_gateway_workers)
-    {
+    );
+    if let Err(refusal) = checked.await {
         state
             .fleet_metrics
             .inc_workers_refused("registration", refusal.reason());

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use crate::fleet::identity::{identify, Instance};
+use crate::fleet::identity::{check_worker, Instance};
 use crate::fleet::registry::{FleetMetrics, Registry, WorkerSource, WorkerSpec};
 pub use args::{
     parse_dns_target, DiscoveryArgs, DiscoveryConfig, DnsTarget, KubernetesDiscovery,
@@ -85,14 +85,15 @@ pub(crate) async fn apply(state: &Discoverer, source: WorkerSource, specs: Vec<W
                 return Some(spec);
             }
             let key = spec.key();
-            let identity = identify(
+            let checked = check_worker(
                 &state.client,
                 &spec.url,
+                &key,
                 &state.instance,
+                state.allow_gateway_workers,
                 state.probe_timeout,
-            )
-            .await;
-            match identity.admit(&key, &state.instance, state.allow_gateway_workers) {
+            );
+            match checked.await {
                 Ok(()) => Some(spec),
                 Err(refusal) => {
                     state
