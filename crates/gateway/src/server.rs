@@ -23,7 +23,7 @@ use crate::config::{GatewayArgs, GatewayConfig, Protocol};
 use crate::endpoint::Endpoint;
 use crate::error::{Failure, GatewayError};
 use crate::fleet::registry::Mode;
-use crate::fleet::{identity, registry};
+use crate::fleet::registry;
 use crate::handoff::prewarm;
 use crate::handoff::sglang_route::{SglangRoute, GENERATE_ROUTE};
 use crate::handoff::{self, RequestContext};
@@ -152,11 +152,8 @@ pub async fn serve(
     tasks.extend(crate::fleet::discovery::spawn(
         crate::fleet::discovery::Discoverer {
             registry: state.serving.registry.clone(),
-            client: state.serving.client.pooled().clone(),
-            instance: (*state.instance).clone(),
+            check: state.worker_check.clone(),
             metrics: state.metrics.fleet.clone(),
-            probe_timeout: state.config.probe.timeout,
-            allow_gateway_workers: state.config.allow_gateway_workers,
             interval: state.config.discovery.interval,
         },
         &state.config.discovery,
@@ -203,13 +200,7 @@ pub async fn serve(
         .collect();
     tokio::select! {
         () = &mut server => return Ok(()),
-        refused = identity::first_refused(
-            state_for_check.serving.client.pooled(),
-            static_urls.into_iter(),
-            &state_for_check.instance,
-            state_for_check.config.allow_gateway_workers,
-            state_for_check.config.probe.timeout,
-        ) => {
+        refused = state_for_check.worker_check.first_refused(static_urls.into_iter()) => {
             if let Some(refusal) = refused {
                 state_for_check.metrics.fleet.inc_workers_refused("static", refusal.reason());
                 return Err(GatewayError::Config(format!("a static worker flag is refused: {refusal}")));

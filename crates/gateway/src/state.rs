@@ -9,7 +9,7 @@ use axum::extract::FromRef;
 use crate::clients::worker_client::{ClientSettings, WorkerClient};
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
-use crate::fleet::identity::Instance;
+use crate::fleet::identity::{Instance, WorkerCheck};
 use crate::fleet::kv_events::KvEventsHub;
 use crate::fleet::registry::{Registry, WorkerSource};
 use crate::ingress::admission::Admission;
@@ -37,6 +37,8 @@ pub struct AppState {
     pub kv_events: Arc<KvEventsHub>,
     /// What `/instances` works with.
     pub admin: Arc<AdminApi>,
+    /// How a worker URL is checked before it is routed to (discovery, static flags).
+    pub worker_check: WorkerCheck,
 }
 
 impl AppState {
@@ -105,12 +107,15 @@ impl AppState {
             metrics: serving_metrics,
         };
         let instance = Arc::new(Instance::new());
+        let worker_check = WorkerCheck {
+            client: serving.client.pooled().clone(),
+            instance: (*instance).clone(),
+            allow_gateways: config.allow_gateway_workers,
+            timeout: config.probe.timeout,
+        };
         let admin = Arc::new(AdminApi {
             registry: serving.registry.clone(),
-            client: serving.client.pooled().clone(),
-            instance: instance.clone(),
-            probe_timeout: config.probe.timeout,
-            allow_gateway_workers: config.allow_gateway_workers,
+            check: worker_check.clone(),
             admin_api_key: config.admin_api_key.clone(),
             kv_events: kv_events.clone(),
             fleet_metrics: metrics.fleet.clone(),
@@ -121,6 +126,7 @@ impl AppState {
             instance,
             kv_events,
             admin,
+            worker_check,
             config: Arc::new(config),
         })
     }

@@ -142,37 +142,38 @@ pub async fn identify(
     }
 }
 
-/// Asks `base` what it is (see [`identify`]) and whether it may be routed to as the
-/// worker `key`.
-pub async fn check_worker(
-    client: &reqwest::Client,
-    base: &Url,
-    key: &str,
-    this: &Instance,
-    allow_gateways: bool,
-    timeout: Duration,
-) -> Result<(), Refusal> {
-    identify(client, base, this, timeout)
-        .await
-        .admit(key, this, allow_gateways)
+/// What deciding whether a URL may be routed to as a worker needs: discovery, the admin
+/// API and the startup check of static URLs all ask the same way.
+#[derive(Debug, Clone)]
+pub struct WorkerCheck {
+    /// The client the URL is asked with.
+    pub client: reqwest::Client,
+    /// This gateway, which no URL may be.
+    pub instance: Instance,
+    /// Whether a URL may answer as another gateway (`--allow-gateway-workers`).
+    pub allow_gateways: bool,
+    /// Limit for the URL's answer (`--probe-timeout`).
+    pub timeout: Duration,
 }
 
-/// The first of `urls` that must not be routed to as a worker, all asked at once.
-pub async fn first_refused(
-    client: &reqwest::Client,
-    urls: impl Iterator<Item = Url>,
-    this: &Instance,
-    allow_gateways: bool,
-    timeout: Duration,
-) -> Option<Refusal> {
-    let asked = urls.map(|url| async move {
-        let key = url.as_str().trim_end_matches('/');
-        check_worker(client, &url, key, this, allow_gateways, timeout).await
-    });
-    futures::future::join_all(asked)
-        .await
-        .into_iter()
-        .find_map(Result::err)
+impl WorkerCheck {
+    /// Asks `base` what it is (see [`identify`]) and whether it may be routed to as the
+    /// worker `key`.
+    pub async fn admit(&self, base: &Url, key: &str) -> Result<(), Refusal> {
+        identify(&self.client, base, &self.instance, self.timeout)
+            .await
+            .admit(key, &self.instance, self.allow_gateways)
+    }
+
+    /// The first of `urls` that must not be routed to as a worker, all asked at once.
+    pub async fn first_refused(&self, urls: impl Iterator<Item = Url>) -> Option<Refusal> {
+        let asked = urls
+            .map(|url| async move { self.admit(&url, url.as_str().trim_end_matches('/')).await });
+        futures::future::join_all(asked)
+            .await
+            .into_iter()
+            .find_map(Result::err)
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,6 @@
 #![allow(clippy::result_large_err)]
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Query, State};
@@ -19,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use subtle::ConstantTimeEq;
 
-use crate::fleet::identity::{check_worker, Instance};
+use crate::fleet::identity::WorkerCheck;
 use crate::fleet::kv_events::KvEventsHub;
 use crate::fleet::registry::{check_dp_size, parse_worker_url, MAX_DP_SIZE};
 use crate::fleet::registry::{worker_key, Health, RegistryError, Roster, WorkerSpec};
@@ -37,14 +36,8 @@ pub const MAX_ADMIN_BODY_BYTES: usize = 64 * 1024;
 pub struct AdminApi {
     /// The live worker set.
     pub registry: Arc<Registry>,
-    /// The client a registered URL is identified with.
-    pub client: reqwest::Client,
-    /// This gateway, which a registered URL must not be.
-    pub instance: Arc<Instance>,
-    /// Limit for a registered URL's identity answer.
-    pub probe_timeout: Duration,
-    /// Whether a URL may answer as another gateway (`--allow-gateway-workers`).
-    pub allow_gateway_workers: bool,
+    /// How a registered URL is checked (never this gateway; another only when allowed).
+    pub check: WorkerCheck,
     /// The admin key; `Some` enables `POST`/`DELETE /instances`.
     pub admin_api_key: Option<String>,
     /// The workers' KV-event indexes, shown per worker.
@@ -137,15 +130,7 @@ pub async fn register(
     let body = body.map_err(|r| body_rejection(r, MAX_ADMIN_BODY_BYTES))?;
     let spec = parse_registration(&body)?;
     let key = spec.key();
-    let checked = check_worker(
-        &state.client,
-        &spec.url,
-        &key,
-        &state.instance,
-        state.allow_gateway_workers,
-        state.probe_timeout,
-    );
-    if let Err(refusal) = checked.await {
+    if let Err(refusal) = state.check.admit(&spec.url, &key).await {
         state
             .fleet_metrics
             .inc_workers_refused("registration", refusal.reason());

@@ -39,7 +39,7 @@ pub async fn watch(state: Arc<Discoverer>, targets: Vec<DnsTarget>, server: Opti
     loop {
         ticks.tick().await;
         if resolver.is_none() {
-            match build_resolver(server, state.probe_timeout) {
+            match build_resolver(server, state.check.timeout) {
                 Ok(built) => resolver = Some(built),
                 Err(why) => {
                     super::failed(&state, WorkerSource::Dns, &why);

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
-use crate::fleet::identity::{check_worker, Instance};
+use crate::fleet::identity::WorkerCheck;
 use crate::fleet::registry::{FleetMetrics, Registry, WorkerSource, WorkerSpec};
 pub use args::{
     parse_dns_target, DiscoveryArgs, DiscoveryConfig, DnsTarget, KubernetesDiscovery,
@@ -32,16 +32,11 @@ pub use args::{
 pub struct Discoverer {
     /// The roster each source syncs its workers into.
     pub registry: Arc<Registry>,
-    /// The pooled client the identity checks use.
-    pub client: reqwest::Client,
-    /// This gateway, so that it never discovers itself.
-    pub instance: Instance,
+    /// How a discovered URL is checked (never this gateway; another only when allowed);
+    /// its timeout also bounds a DNS look-up.
+    pub check: WorkerCheck,
     /// Discovery errors and refused URLs are counted here.
     pub metrics: Arc<FleetMetrics>,
-    /// Limit for one identity check (`--probe-timeout`).
-    pub probe_timeout: Duration,
-    /// `--allow-gateway-workers`.
-    pub allow_gateway_workers: bool,
     /// Time between two looks at a source (`--discover-interval`).
     pub interval: Duration,
 }
@@ -85,15 +80,7 @@ pub(crate) async fn apply(state: &Discoverer, source: WorkerSource, specs: Vec<W
                 return Some(spec);
             }
             let key = spec.key();
-            let checked = check_worker(
-                &state.client,
-                &spec.url,
-                &key,
-                &state.instance,
-                state.allow_gateway_workers,
-                state.probe_timeout,
-            );
-            match checked.await {
+            match state.check.admit(&spec.url, &key).await {
                 Ok(()) => Some(spec),
                 Err(refusal) => {
                     state
