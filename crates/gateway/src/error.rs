@@ -72,6 +72,26 @@ impl Failure {
     }
 }
 
+impl Failure {
+    /// The failure as the gateway's own error (a worker's 4xx keeps its status and
+    /// message), for a stream whose head was already sent: it ends with an error event.
+    pub fn into_api_error(self) -> ApiError {
+        match self {
+            Self::Api(e) => e,
+            Self::Upstream { status, body } => {
+                let json = serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null);
+                let message = json
+                    .pointer("/error/message")
+                    .or_else(|| json.get("message"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+                ApiError::new(status, "upstream_error", message)
+            }
+        }
+    }
+}
+
 impl From<ApiError> for Failure {
     fn from(e: ApiError) -> Self {
         Self::Api(e)

@@ -350,8 +350,9 @@ pub struct GatewayArgs {
     pub sglang_wait_prefill_head: bool,
 
     /// vLLM P/D, streamed chat and completions: send the prefill answer's token (its
-    /// first token) to the client as soon as the decode worker answers (before its first
-    /// step), then relay the decode worker's stream without the first token it generates again (dropped only
+    /// first token) to the client as soon as the prefill leg answered (before the decode
+    /// leg is sent; with --expose-routing, once the decode worker answered; a decode leg
+    /// that then fails for good is an error event in the stream), then relay the decode worker's stream without the first token it generates again (dropped only
     /// if equal; a different one ends the stream with an error event and counts in
     /// pdserve_gateway_first_token_mismatch_total). A request without a `seed` gets one
     /// (the same on both legs) so a sampled first token is the one decode draws. `auto`:

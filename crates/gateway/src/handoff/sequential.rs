@@ -10,8 +10,10 @@
 //!
 //! A stream that takes its first token from the prefill leg
 //! (`--first-token-from-prefill`, [`crate::legs::first_token`]) sends that token as soon
-//! as the decode worker answered (it has read the KV), before the decode worker's first
-//! step; the decode stream follows without the token it generates again.
+//! as the prefill leg answered, before the decode leg is even sent (with
+//! `--expose-routing`, whose head names the decode worker: once the decode worker
+//! answered); the decode stream follows without the token it generates again, and a
+//! decode leg that fails after its retries ends the stream with an error event.
 
 use std::sync::Arc;
 
@@ -105,6 +107,27 @@ pub async fn serve(
         first_token: sent.clone(),
     };
     let stream = leg.stream;
+    if let Some(sent) = sent.clone().filter(|_| stream && ctx.routing_notes.is_none()) {
+        // The client gets P's token now; D's stream follows in the same body. Without
+        // `--expose-routing` nothing in the head waits for the decode worker.
+        state.metrics.inc_first_token_from_prefill();
+        let metrics = state.metrics.clone();
+        let state = state.clone();
+        let decode_ctx = ctx.clone();
+        let decode = async move {
+            let ctx = decode_ctx;
+            let route = ctx.route_for(&request, conversation_id.as_deref());
+            let response = forward(&state, &ctx, &route, leg).await?;
+            release.disarm();
+            if cached_tokens.is_none() && merge.is_none() {
+                return Ok(response);
+            }
+            Ok(with_prefill_facts(response, true, cached_tokens, merge).await)
+        };
+        let mut response = first_token::led_from_prefill(&sent, decode, metrics);
+        expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
+        return Ok(response);
+    }
     let route = ctx.route_for(&request, conversation_id.as_deref());
     let mut response = forward(state, ctx, &route, leg).await?;
     // Decode answered: it has read the blocks.
@@ -120,10 +143,9 @@ pub async fn serve(
     Ok(response)
 }
 
-/// The decode worker's stream, led by the prefill leg's first tokens, sent as soon as
-/// the decode worker answered (its head: the KV read, a failure there is still an HTTP
-/// status the client gets, retried on another decode worker first); the relay takes the
-/// decode worker's repeat of them out (the leg's `first_token`).
+/// The decode worker's stream, led by the prefill leg's first tokens, sent once the
+/// decode worker answered (with `--expose-routing`, whose head names the decode worker);
+/// the relay takes the decode worker's repeat of them out (the leg's `first_token`).
 fn led_by(response: Response, sent: &FirstToken) -> Response {
     let (parts, body) = response.into_parts();
     let head = futures::stream::once(std::future::ready(Ok(sent.events())));

@@ -14,15 +14,22 @@
 //! - [`FirstTokenGuard`]: on the decode stream, drops the role event and the first token
 //!   of each choice when it equals the one sent, and reports any other as a mismatch.
 
+use std::future::{ready, Future};
 use std::sync::Arc;
 
+use axum::body::Body;
+use axum::response::Response;
 use bytes::{BufMut, Bytes, BytesMut};
+use futures::{stream, StreamExt};
+use http::{header, HeaderValue};
 use pdserve_protocol::sse::data_event;
 use serde_json::{json, Map, Value};
 
 use crate::endpoint::Endpoint;
+use crate::error::Failure;
 use crate::ingress::request::ClientRequest;
-use crate::serving::FirstTokenFromPrefill;
+use crate::legs::sse::StreamDialect;
+use crate::serving::{FirstTokenFromPrefill, ServingMetrics};
 
 /// The request field that turns the first token from prefill on or off for one request;
 /// the gateway takes it out before forwarding.
@@ -228,6 +235,39 @@ impl FirstToken {
             "choices": [Value::Object(choice)],
         })
     }
+}
+
+/// A streamed answer whose first events are `sent`'s, sent at once, and whose rest is the
+/// body of the decode leg `decode` once it answers. A decode leg that fails (after its
+/// retries) ends the stream with an OpenAI error event and `[DONE]`, never silently; a
+/// client that leaves drops `decode`, and with it whatever it holds (the prefill
+/// worker's blocks are released).
+pub fn led_from_prefill<F>(sent: &FirstToken, decode: F, metrics: Arc<ServingMetrics>) -> Response
+where
+    F: Future<Output = Result<Response, Failure>> + Send + 'static,
+{
+    let head = stream::once(ready(Ok::<Bytes, axum::Error>(sent.events())));
+    let rest = stream::once(decode).flat_map(move |answer| match answer {
+        Ok(response) => response.into_body().into_data_stream().boxed(),
+        Err(failure) => {
+            metrics.inc_stream_errors();
+            let error = failure.into_api_error();
+            tracing::warn!(
+                "the decode leg failed after the prefill's first token was sent: {}",
+                error.body.error.message
+            );
+            let tail = StreamDialect::Chat.error_tail(&error, true);
+            stream::once(ready(Ok(tail))).boxed()
+        }
+    });
+    let mut response = Response::new(Body::from_stream(head.chain(rest)));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
 }
 
 /// How the decode stream failed to continue from the tokens sent.

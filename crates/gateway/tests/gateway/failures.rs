@@ -12,9 +12,16 @@ use crate::{bounded, client, pd_config, sse_data, urls, Gateway};
 
 const VLLM_400: &str = r#"{"error":{"message":"max_tokens is too large","type":"BadRequestError","param":null,"code":400}}"#;
 
+/// A chat request. Its streams do not take their first token from the prefill leg: these
+/// rows are about what a client gets before any byte was sent (with the prefill's token
+/// sent first, a decode failure is an error event in the stream: `first_token.rs`).
 fn chat(stream: bool) -> Value {
-    json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
-           "max_tokens": 3})
+    let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "stream": stream, "max_tokens": 3});
+    if stream {
+        body["first_token_from_prefill"] = json!(false);
+    }
+    body
 }
 
 /// Posts `body` and returns the status and the JSON error body.

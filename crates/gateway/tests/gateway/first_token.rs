@@ -125,15 +125,14 @@ async fn a_decode_worker_that_does_not_continue_from_the_token_ends_the_stream()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_leg_that_fails_is_a_status_before_the_token_and_an_error_event_after() {
+async fn the_prefill_token_reaches_the_client_before_the_decode_worker_answers() {
     bounded(async {
         let p = Double::start(Role::Prefill, "P").await;
         let d = Double::start(Role::Decode, "D").await;
+        // The decode worker does not answer until the client already read the token.
+        d.set(Behavior::Delay(std::time::Duration::from_secs(20)));
         let gw = Gateway::start(pd_config(&[&p], &[&d])).await;
-        // Before the decode worker's head (its KV read failed): nothing was sent, the
-        // client gets the status.
-        d.set(Behavior::Status(500, r#"{"error":{"message":"boom"}}"#));
-        let resp = client()
+        let mut resp = client()
             .post(gw.at("/v1/chat/completions"))
             .json(
                 &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
@@ -142,10 +141,48 @@ async fn a_decode_leg_that_fails_is_a_status_before_the_token_and_an_error_event
             .send()
             .await
             .unwrap();
-        assert_eq!(resp.status(), 502);
-        let body: Value = resp.json().await.unwrap();
-        assert!(body["error"]["message"].is_string(), "{body}");
-        // After it: the prefill's token, then an error event, never a silent cut.
+        assert_eq!(resp.status(), 200);
+        let mut got = String::new();
+        while !got.contains("tok0") {
+            let chunk = tokio::time::timeout(std::time::Duration::from_secs(10), resp.chunk())
+                .await
+                .expect("the prefill's token waited for the decode worker")
+                .unwrap()
+                .expect("the stream ended before the token");
+            got.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        tokio::time::timeout(std::time::Duration::from_secs(10), d.wait_for_requests(1))
+            .await
+            .expect("the decode leg was not sent");
+        assert_eq!(metric(&gw, FROM_PREFILL).await, 1.0);
+        // The client leaves: the decode leg waiting for its answer is dropped (and with
+        // it the prefill's KV handle, released as on any decode failure).
+        drop(resp);
+        tokio::time::timeout(std::time::Duration::from_secs(10), d.wait_for_cancel())
+            .await
+            .expect("the decode leg outlived the client");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_leg_that_fails_after_the_token_ends_with_an_error_event() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let gw = Gateway::start(pd_config(&[&p], &[&d])).await;
+        // The decode worker refuses (its KV read failed): the token was already sent, so
+        // the stream ends with the worker's error, never a silent cut.
+        d.set(Behavior::Status(500, r#"{"error":{"message":"boom"}}"#));
+        let events = stream_chat(&gw, json!({})).await;
+        assert_eq!(contents(&events), ["tok0"], "{events:?}");
+        let error = events
+            .iter()
+            .find(|e| e.get("error").is_some())
+            .unwrap_or_else(|| panic!("cut silently: {events:?}"));
+        assert!(error["error"]["message"].is_string(), "{error}");
+        assert_eq!(events.last().unwrap(), "[DONE]");
+        // It breaks off mid-stream: the same.
         d.set(Behavior::FailMidStream);
         let events = stream_chat(&gw, json!({})).await;
         assert_eq!(contents(&events), ["tok0"], "{events:?}");
@@ -154,7 +191,7 @@ async fn a_decode_leg_that_fails_is_a_status_before_the_token_and_an_error_event
             "cut silently: {events:?}"
         );
         assert_eq!(events.last().unwrap(), "[DONE]");
-        assert_eq!(metric(&gw, FROM_PREFILL).await, 1.0);
+        assert_eq!(metric(&gw, FROM_PREFILL).await, 2.0);
     })
     .await;
 }
