@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, StatusCode};
 use http_body_util::Full;
 use pdserve_protocol::ApiError;
@@ -409,6 +409,44 @@ impl<'a> Exchange<'a> {
             LegResponse::Direct(r) => self.read_direct(r).await,
             LegResponse::Pooled(r) => self.read(r).await,
         }
+    }
+
+    /// [`Exchange::read_leg`], handing each chunk to `watch` as it arrives (the prefill
+    /// leg's first token is sent on before its answer ends).
+    pub async fn read_leg_watching(
+        &self,
+        response: LegResponse,
+        watch: &mut (dyn FnMut(&Bytes) + Send),
+    ) -> Result<Bytes, LegError> {
+        let mut body = BytesMut::new();
+        match response {
+            LegResponse::Direct(r) => {
+                let mut chunks = r.body;
+                loop {
+                    match timeout_at(self.deadline, futures::StreamExt::next(&mut chunks)).await {
+                        Err(_) => return Err(self.timed_out()),
+                        Ok(None) => break,
+                        Ok(Some(Err(e))) => return Err(self.direct_transport(&e)),
+                        Ok(Some(Ok(chunk))) => {
+                            watch(&chunk);
+                            body.extend_from_slice(&chunk);
+                        }
+                    }
+                }
+            }
+            LegResponse::Pooled(mut r) => loop {
+                match timeout_at(self.deadline, r.chunk()).await {
+                    Err(_) => return Err(self.timed_out()),
+                    Ok(Err(e)) => return Err(self.transport(&e)),
+                    Ok(Ok(None)) => break,
+                    Ok(Ok(Some(chunk))) => {
+                        watch(&chunk);
+                        body.extend_from_slice(&chunk);
+                    }
+                }
+            },
+        }
+        Ok(body.freeze())
     }
 
     /// Reads the whole body of a direct response within the limit.

@@ -96,7 +96,7 @@ async fn disaggregated(
     }
     state.metrics.record_disaggregation("disaggregated");
     if state.settings.protocol == crate::serving::Protocol::Sglang {
-        return bootstrap::serve(state, ctx, request, conversation_id).await;
+        return bootstrap::serve(state, ctx, request, conversation_id, first_token).await;
     }
     if let Some(choices) = batch::split_choices(&request) {
         // vLLM's decode reads a handle once per choice: one P/D pair per choice. The

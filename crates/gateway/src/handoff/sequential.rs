@@ -107,7 +107,10 @@ pub async fn serve(
         first_token: sent.clone(),
     };
     let stream = leg.stream;
-    if let Some(sent) = sent.clone().filter(|_| stream && ctx.routing_notes.is_none()) {
+    if let Some(sent) = sent
+        .clone()
+        .filter(|_| stream && ctx.routing_notes.is_none())
+    {
         // The client gets P's token now; D's stream follows in the same body. Without
         // `--expose-routing` nothing in the head waits for the decode worker.
         state.metrics.inc_first_token_from_prefill();

@@ -30,6 +30,16 @@ impl SglangRoute {
         }
     }
 
+    /// The OpenAI endpoint whose stream the route answers with, where its first token
+    /// can lead the answer (chat and completions).
+    pub fn endpoint(self) -> Option<crate::endpoint::Endpoint> {
+        match self {
+            Self::Chat => Some(crate::endpoint::Endpoint::Chat),
+            Self::Completions => Some(crate::endpoint::Endpoint::Completions),
+            Self::Generate | Self::Responses => None,
+        }
+    }
+
     /// How the route's streams end and fail.
     pub fn dialect(self) -> crate::legs::sse::StreamDialect {
         match self {

@@ -20,7 +20,8 @@ use super::{
 use crate::clients::worker_client::{Exchange, LegError, LegFault, LegRequest, LegResponse};
 use crate::error::Failure;
 use crate::fleet::registry::Worker;
-use crate::legs::first_token::{FirstToken, FirstTokenGuard};
+use crate::legs::first_token::FirstToken;
+use crate::legs::first_token_guard::FirstTokenGuard;
 use crate::legs::relay::{ByteStream, Relay};
 use crate::legs::retry::{with_retries, Leg};
 use crate::legs::sse::{edit_response_body, split_kv_params, AnswerSink, ResponseObjects};

@@ -1,4 +1,5 @@
 use super::*;
+use crate::legs::first_token::FirstToken;
 
 fn chat_answer(tokens: &[&str], finish: &str) -> Vec<u8> {
     let choices: Vec<Value> = tokens

@@ -5,6 +5,8 @@
 
 pub mod answer;
 pub mod first_token;
+pub mod first_token_guard;
+pub mod first_token_watch;
 pub mod prefill;
 pub mod prompt_logprobs;
 pub mod relay;

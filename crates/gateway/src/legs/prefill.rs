@@ -22,13 +22,14 @@ use crate::serving::Serving;
 
 /// Sends `request` to the prefill `worker` and reads the whole answer; `check` turns a
 /// 2xx body into what the mode needs, or says why the worker's KV cannot be trusted
-/// (a 502). `head` hears when the answer's head came. The leg's duration is recorded
-/// once the body is read.
+/// (a 502). `head` hears when the answer's head came; `watch` sees each chunk of the
+/// body as it arrives. The leg's duration is recorded once the body is read.
 pub(crate) async fn send_prefill<T>(
     state: &Serving,
     worker: &Arc<Worker>,
     request: Result<LegRequest, String>,
     head: Option<oneshot::Sender<()>>,
+    watch: Option<&mut (dyn FnMut(&Bytes) + Send)>,
     check: impl FnOnce(&Bytes) -> Result<T, String>,
 ) -> Result<T, LegError> {
     let mut in_flight = state.start_request(worker.clone());
@@ -40,7 +41,10 @@ pub(crate) async fn send_prefill<T>(
         if let Some(head) = head {
             let _ = head.send(());
         }
-        let body = exchange.read_leg(response).await?;
+        let body = match watch {
+            Some(watch) => exchange.read_leg_watching(response, watch).await?,
+            None => exchange.read_leg(response).await?,
+        };
         state.metrics.observe_prefill(sent.elapsed());
         check(&body).map_err(|why| exchange.error(LegFault::Failed, why))
     }
@@ -216,7 +220,7 @@ async fn prefill_once(
     let span = crate::observe::trace::leg(ctx.trace.as_ref(), "prefill", worker, url.as_str());
     let headers = crate::observe::trace::leg_headers(&ctx.headers, span.as_ref());
     let request = state.client.leg_request(url, body, &headers, rank);
-    let result = send_prefill(state, worker, Ok(request), None, |body| {
+    let result = send_prefill(state, worker, Ok(request), None, None, |body| {
         parse_prefill_answer(body).map(|answer| PrefillAnswer {
             body: body.clone(),
             ..answer

@@ -54,7 +54,7 @@ pub struct Relay {
     pub trace: Option<pdserve_telemetry::ChildSpan>,
     /// The first tokens the client already got from the prefill leg: taken out of this
     /// stream when it generates them again, a mismatch ends it.
-    pub first_token: Option<super::first_token::FirstTokenGuard>,
+    pub first_token: Option<super::first_token_guard::FirstTokenGuard>,
 }
 
 /// The relay's running state.
@@ -121,7 +121,7 @@ enum End {
     /// Silent past the idle timeout.
     Idle,
     /// Did not continue from the first token the prefill leg gave the client.
-    Mismatch(super::first_token::Mismatch),
+    Mismatch(super::first_token_guard::Mismatch),
 }
 
 impl From<Option<Result<Bytes, StreamError>>> for Event {

@@ -460,3 +460,96 @@ async fn client_bootstrap_fields_never_reach_workers() {
     })
     .await;
 }
+
+/// Reads `resp` until `marker` arrived (bounded).
+async fn read_until(resp: &mut reqwest::Response, marker: &str) -> String {
+    let mut got = String::new();
+    while !got.contains(marker) {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), resp.chunk())
+            .await
+            .unwrap_or_else(|_| panic!("{marker:?} did not come: {got}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("the stream ended before {marker:?}: {got}"));
+        got.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_streams_first_token_leads_before_the_decode_worker_answers() {
+    bounded(async {
+        for path in ["/v1/chat/completions", "/v1/completions"] {
+            let (link, _p, _d, gw) = stack(
+                Prefill::StreamsToken { then_break: false },
+                Decode::GatedHead,
+            )
+            .await;
+            let body = if path == "/v1/chat/completions" {
+                json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "stream": true, "max_tokens": 3, "temperature": 0})
+            } else {
+                json!({"model": "m", "prompt": "hi", "stream": true, "max_tokens": 3,
+                       "temperature": 0})
+            };
+            let mut resp = post(&gw, path, &body).await;
+            assert_eq!(resp.status(), 200);
+            // The decode worker holds its head until released: the token came from P.
+            let mut text = read_until(&mut resp, "tok0").await;
+            link.release_prefill();
+            while let Some(chunk) = resp.chunk().await.unwrap() {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            let events: Vec<Value> = sse_data(&text)
+                .into_iter()
+                .map(|d| serde_json::from_str(&d).unwrap_or(Value::String(d)))
+                .collect();
+            let tokens: Vec<&str> = events
+                .iter()
+                .filter_map(|e| {
+                    e["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .or(e["choices"][0]["text"].as_str())
+                })
+                .filter(|t| !t.is_empty())
+                .collect();
+            assert_eq!(tokens, ["tok0", "tok1", "tok2"], "{path}: {events:?}");
+            let ids: Vec<&Value> = events.iter().filter_map(|e| e.get("id")).collect();
+            assert!(ids.iter().all(|id| *id == "p"), "{path}: {events:?}");
+            assert_eq!(events.last().unwrap(), "[DONE]", "{path}");
+            let metrics = client().get(gw.at("/metrics")).send().await.unwrap();
+            let metrics = metrics.text().await.unwrap();
+            assert!(
+                metrics.contains("pdserve_gateway_first_token_from_prefill_total 1"),
+                "{metrics}"
+            );
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_dies_after_its_token_led_ends_the_stream_with_an_error() {
+    bounded(async {
+        let (link, _p, _d, gw) = stack(
+            Prefill::StreamsToken { then_break: true },
+            Decode::GatedHead,
+        )
+        .await;
+        let mut body = chat(true);
+        body["temperature"] = json!(0);
+        let mut resp = post(&gw, "/v1/chat/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        let mut text = read_until(&mut resp, "tok0").await;
+        link.release_prefill();
+        while let Some(chunk) = resp.chunk().await.unwrap() {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let data = sse_data(&text);
+        assert!(
+            data.iter().any(|d| d.contains("\"error\"")),
+            "cut silently: {text}"
+        );
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    })
+    .await;
+}

@@ -18,6 +18,7 @@ use axum::http::{header, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::StreamExt;
 use serde_json::{json, Value};
 use tokio::sync::Notify;
 
@@ -103,6 +104,10 @@ pub enum Prefill {
     AfterDecode(Late),
     /// Sends the KV, then answers normally once the test calls `release_prefill`.
     Gated,
+    /// Like a pdserve prefill worker asked for a stream: streams its one token at once
+    /// (chunk-shaped), sends the KV, and ends its stream once the decode worker started,
+    /// cleanly or (`then_break`) by breaking the connection.
+    StreamsToken { then_break: bool },
 }
 
 /// How a prefill double fails after the decode worker started streaming.
@@ -125,6 +130,8 @@ pub enum Decode {
     FailMidStream,
     /// Waits for the KV, then streams a token every 20 ms forever.
     Endless,
+    /// Waits for the KV and for the test's `release_prefill`, then answers as `Normal`.
+    GatedHead,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -271,6 +278,10 @@ async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, raw: Bytes) -> Re
                     return format.answer(1, true);
                 }
                 Prefill::AfterDecode(late) => Some(late),
+                Prefill::StreamsToken { then_break } => {
+                    guard.armed = false;
+                    return streamed_token(&shared, &format, rooms, then_break);
+                }
                 Prefill::Status(code) => {
                     guard.armed = false;
                     return status(code);
@@ -308,6 +319,9 @@ async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, raw: Bytes) -> Re
         }
         Behavior::Decode(d) => {
             shared.link.receive_kv(&rooms).await;
+            if matches!(d, Decode::GatedHead) {
+                shared.link.wait_released().await;
+            }
             let tokens = body["max_tokens"]
                 .as_u64()
                 .or(body["sampling_params"]["max_new_tokens"].as_u64())
@@ -351,6 +365,39 @@ async fn generate(State(shared): State<Arc<Shared>>, uri: Uri, raw: Bytes) -> Re
             sse(Body::from_stream(events))
         }
     }
+}
+
+/// A prefill stream whose token event goes out at once; the KV is sent after it and
+/// the stream ends once the decode worker sent its first byte.
+fn streamed_token(
+    shared: &Arc<Shared>,
+    format: &Format,
+    rooms: Vec<u64>,
+    then_break: bool,
+) -> Response {
+    let event = match format.route {
+        Route::Chat => json!({"id": "p", "object": "chat.completion.chunk", "created": 1,
+            "model": "m", "choices": [{"index": 0,
+            "delta": {"role": "assistant", "content": "tok0"}, "logprobs": null,
+            "finish_reason": null}]}),
+        _ => json!({"id": "p", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "text": "tok0", "logprobs": null,
+            "finish_reason": null}]}),
+    };
+    let first = Bytes::from(format!("data: {event}\n\n"));
+    let link = shared.link.clone();
+    let rest = async move {
+        link.send_kv(&rooms);
+        link.wait_decode_started().await;
+        if then_break {
+            Err(std::io::Error::other("prefill died"))
+        } else {
+            Ok(Bytes::from_static(b"data: [DONE]\n\n"))
+        }
+    };
+    let body = futures::stream::once(async move { Ok::<_, std::io::Error>(first) })
+        .chain(futures::stream::once(rest));
+    sse(Body::from_stream(body))
 }
 
 fn status(code: u16) -> Response {
