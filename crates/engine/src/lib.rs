@@ -15,6 +15,7 @@ pub mod health;
 pub mod heartbeat;
 pub mod kv;
 pub mod kv_events;
+pub mod kv_feed;
 pub mod metrics;
 pub mod orchestrator;
 pub mod output_text;

@@ -107,6 +107,19 @@ pub struct KvTransferMetrics {
     /// Hand-back blocks this worker's pool reclaimed for new requests before anyone
     /// read them (`pdserve_kv_handback_reclaimed_blocks_total`).
     pub handback_reclaimed_blocks: Counter,
+    /// Blocks sent to a reader while their prefill was still computing the prompt
+    /// (`pdserve_kv_transfer_blocks_streamed_total`; see `kv_feed`).
+    pub blocks_streamed: Counter,
+    /// Decode side: time from the last block of a prompt's KV arriving from the prefill
+    /// worker to its sequence's first step here (admitted, the KV written into the
+    /// pool, its first forward next): what the decode waits once the KV is here
+    /// (`pdserve_kv_import_wait_seconds`).
+    pub import_wait_seconds: Histogram,
+    /// Prefill side: time from a prefill's last prompt chunk being computed to its
+    /// reader confirming every block (`ReadComplete`), for completed reads of prefill
+    /// publications: the transfer's tail past the prefill, short when blocks went out
+    /// while it computed (`pdserve_kv_stream_tail_seconds`).
+    pub stream_tail_seconds: Histogram,
 }
 
 impl KvTransferMetrics {
@@ -128,6 +141,9 @@ impl KvTransferMetrics {
             released: Counter::default(),
             handback_gone: Counter::default(),
             handback_reclaimed_blocks: Counter::default(),
+            blocks_streamed: Counter::default(),
+            import_wait_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+            stream_tail_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
         }
     }
 
@@ -145,7 +161,25 @@ impl KvTransferMetrics {
                 self.handback_reclaimed_blocks.clone(),
             );
         }
+        {
+            let r = r.sub_registry_with_prefix("kv");
+            r.register(
+                "import_wait_seconds",
+                "Decode side: time from a prompt's last KV block arriving from the prefill worker to its sequence's first step",
+                self.import_wait_seconds.clone(),
+            );
+            r.register(
+                "stream_tail_seconds",
+                "Prefill side: time from a prefill's last prompt chunk being computed to its reader confirming every KV block",
+                self.stream_tail_seconds.clone(),
+            );
+        }
         let r = r.sub_registry_with_prefix("kv_transfer");
+        r.register(
+            "blocks_streamed",
+            "KV blocks sent while their prefill was still computing the prompt",
+            self.blocks_streamed.clone(),
+        );
         r.register(
             "peers_refused",
             "KV reads refused before connecting: remote_host not in --kv-peers",

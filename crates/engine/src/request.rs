@@ -1,8 +1,13 @@
 //! What the HTTP side hands the scheduler, and what the scheduler streams back.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use pdserve_kv_transfer::ReusedTokens;
 use pdserve_model::BlockId;
 use tokio::sync::mpsc;
+
+use crate::kv_feed::KvFeed;
 
 use crate::sampling::{SamplingParams, TokenLogprobs};
 
@@ -27,6 +32,9 @@ pub struct GenerationRequest {
     pub prompt_logprobs: Option<usize>,
     /// Keep the sequence's blocks pinned when it finishes, for a peer to read (KV export).
     pub pin_on_finish: bool,
+    /// Where the prompt's KV goes block by block as it is computed, for a reader already
+    /// waiting (a prefill publishing under a reader-chosen id). One sequence's only.
+    pub kv_feed: Option<Arc<KvFeed>>,
     /// KV computed elsewhere for the leading prompt tokens, loaded instead of computed.
     pub kv_import: Option<KvImport>,
     /// vLLM's `priority` (lower is served first; honoured by `--scheduling-policy
@@ -49,6 +57,7 @@ impl GenerationRequest {
             logprobs: None,
             prompt_logprobs: None,
             pin_on_finish: false,
+            kv_feed: None,
             kv_import: None,
             priority: 0,
             trace: None,
@@ -67,6 +76,9 @@ pub struct KvImport {
     /// Of `num_tokens`, those nobody computed for this request (the source's prefix-cache
     /// hits, an earlier turn's KV): reported as `cached_tokens`.
     pub reused: ReusedTokens,
+    /// When the last block arrived from the peer (`pdserve_kv_import_wait_seconds`
+    /// measures from here to the sequence's first step).
+    pub landed_at: Option<Instant>,
 }
 
 /// Blocks left pinned by a finished `pin_on_finish` sequence.
@@ -80,6 +92,9 @@ pub struct PinnedKv {
     pub tokens: Vec<u32>,
     /// Leading prompt tokens the sequence did not compute itself, for a reader's usage.
     pub reused: ReusedTokens,
+    /// When the sequence finished (`pdserve_kv_stream_tail_seconds` measures from here
+    /// to the read's end).
+    pub finished_at: Instant,
 }
 
 /// Why a sequence stopped.

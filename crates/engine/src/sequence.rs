@@ -95,6 +95,11 @@ impl Sequence {
         self.request.kv_import.as_ref()
     }
 
+    /// Where its prompt's KV goes as it is computed, for a reader already waiting.
+    pub fn kv_feed(&self) -> Option<&crate::kv_feed::KvFeed> {
+        self.request.kv_feed.as_deref()
+    }
+
     /// Whether the prompt is scored (`prompt_logprobs`): the whole prompt is computed,
     /// without prefix-cache hits.
     pub fn scores_prompt(&self) -> bool {

@@ -16,7 +16,9 @@ use crate::message::{ErrorMessage, ReadAccepted, ReadRequest, ReusedTokens, Wire
 pub struct PullConfig {
     /// Longest wait to connect.
     pub connect_timeout: Duration,
-    /// Longest wait for any one frame.
+    /// Longest wait for any one frame. A peer still computing the blocks sends each as
+    /// it is computed and must keep every wait below this (pdserve engines do: see the
+    /// README's "Blocks sent while they are computed").
     pub io_timeout: Duration,
     /// The shared transfer secret, sent with the read request.
     pub secret: Option<TransferSecret>,
@@ -45,6 +47,9 @@ pub struct PulledBlocks {
     pub bytes: usize,
     /// Time from connect to the last block.
     pub elapsed: Duration,
+    /// When the last block arrived (a peer still computing sends blocks as it goes, so
+    /// this can be long after the read was accepted).
+    pub received_at: Instant,
 }
 
 /// Pulls the blocks `request` names from the peer at `addr` (`host:port`); every block
@@ -145,7 +150,8 @@ pub async fn pull(
         payload.drain(..4);
         blocks.push(payload);
     }
-    let elapsed = started.elapsed();
+    let received_at = Instant::now();
+    let elapsed = received_at - started;
     timeout(
         config.io_timeout,
         write_frame(&mut stream, FrameKind::ReadComplete, &[]),
@@ -159,6 +165,7 @@ pub async fn pull(
         bytes: blocks.len() * block_bytes,
         blocks,
         elapsed,
+        received_at,
     })
 }
 

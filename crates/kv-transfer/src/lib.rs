@@ -11,6 +11,7 @@ pub mod error;
 pub mod frame;
 pub mod message;
 pub mod peers;
+pub mod pending;
 pub mod pins;
 pub mod server;
 
@@ -19,5 +20,6 @@ pub use client::{pull, PullConfig, PulledBlocks};
 pub use error::TransferError;
 pub use message::{ErrorCode, ReadAccepted, ReadRequest, ReusedTokens};
 pub use peers::{InvalidPeer, PeerAllowList};
+pub use pending::{NextBlock, Pending, PendingBlocks};
 pub use pins::PinTable;
 pub use server::{BlockSource, Export, ReadOutcome, ServerConfig, TransferStats};

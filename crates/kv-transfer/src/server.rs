@@ -17,16 +17,37 @@ use crate::message::{
     ErrorCode, ErrorMessage, ReadAccepted, ReadRequest, ReusedTokens, WireReadRequest,
 };
 use crate::peers::PeerAllowList;
+use crate::pending::Pending;
 
 /// Blocks copied out for one read.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub struct Export {
-    /// Leading tokens of the request's `token_ids` that `blocks` hold.
+    /// Leading tokens of the request's `token_ids` that the blocks hold.
     pub matched_tokens: usize,
-    /// The blocks, in sequence order, each `block_bytes` long.
+    /// The blocks ready now, in sequence order, each `block_bytes` long.
     pub blocks: Vec<Vec<u8>>,
     /// Of the matched tokens, those the publishing request did not compute itself.
     pub reused: ReusedTokens,
+    /// Blocks that follow `blocks` but are still being computed, sent as they come
+    /// (`None`: every block is ready).
+    pub pending: Option<Pending>,
+}
+
+impl Export {
+    /// An export whose blocks are all ready.
+    pub fn ready(matched_tokens: usize, blocks: Vec<Vec<u8>>, reused: ReusedTokens) -> Self {
+        Self {
+            matched_tokens,
+            blocks,
+            reused,
+            pending: None,
+        }
+    }
+
+    /// Blocks the read announces: the ready ones and the pending ones.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len() + self.pending.as_ref().map_or(0, |p| p.count)
+    }
 }
 
 /// How an accepted read ended.
@@ -55,7 +76,8 @@ pub trait BlockSource: Send + Sync + 'static {
     fn layout(&self) -> &str;
     /// Bytes in one block.
     fn block_bytes(&self) -> usize;
-    /// Checks `request` against what is pinned for it and copies those blocks out.
+    /// Checks `request` against what is pinned for it and copies those blocks out; blocks
+    /// still being computed go in [`Export::pending`] and are sent as they come.
     fn export(
         &self,
         request: &ReadRequest,
@@ -168,11 +190,11 @@ async fn handle_connection<S: BlockSource>(
         Err((code, message)) => return refuse(&mut stream, code, message, config).await,
     };
     let stats = TransferStats {
-        blocks: export.blocks.len(),
-        bytes: export.blocks.iter().map(Vec::len).sum(),
+        blocks: export.num_blocks(),
+        bytes: export.num_blocks() * source.block_bytes(),
         elapsed: Duration::ZERO,
     };
-    let result = send_blocks(&mut stream, &export, source.block_bytes(), config).await;
+    let result = send_blocks(&mut stream, export, source.block_bytes(), config).await;
     let stats = TransferStats {
         elapsed: started.elapsed(),
         ..stats
@@ -251,13 +273,13 @@ fn parse_request<S: BlockSource>(
 
 async fn send_blocks(
     stream: &mut TcpStream,
-    export: &Export,
+    export: Export,
     block_bytes: usize,
     config: &ServerConfig,
 ) -> Result<(), TransferError> {
     let accepted = ReadAccepted {
         matched_tokens: export.matched_tokens,
-        num_blocks: export.blocks.len(),
+        num_blocks: export.num_blocks(),
         block_bytes,
         reused: export.reused.within(export.matched_tokens),
     };
@@ -269,13 +291,31 @@ async fn send_blocks(
     .await
     .map_err(|_| TransferError::Timeout("sending the read header"))??;
     for (index, block) in export.blocks.iter().enumerate() {
-        let index = (index as u32).to_le_bytes();
-        timeout(
-            config.io_timeout,
-            write_frame(stream, FrameKind::Block, &[&index, block]),
-        )
-        .await
-        .map_err(|_| TransferError::Timeout("sending a block"))??;
+        send_block(stream, index, block, config).await?;
+    }
+    if let Some(mut pending) = export.pending {
+        for index in export.blocks.len()..export.blocks.len() + pending.count {
+            // No frame timeout while the block is computed (the source bounds that
+            // wait), but a reader that hangs up meanwhile ends the read at once.
+            let block = tokio::select! {
+                biased;
+                block = pending.blocks.next_block() => block,
+                gone = reader_gone(stream) => return Err(gone),
+            };
+            match block {
+                Ok(block) if block.len() == block_bytes => {
+                    send_block(stream, index, &block, config).await?
+                }
+                Ok(block) => {
+                    let message = format!(
+                        "block {index} has {} bytes, expected {block_bytes}",
+                        block.len()
+                    );
+                    return refuse(stream, ErrorCode::Internal, message, config).await;
+                }
+                Err((code, message)) => return refuse(stream, code, message, config).await,
+            }
+        }
     }
     stream.flush().await?;
     let ack = timeout(config.io_timeout, read_frame(stream, 0))
@@ -288,6 +328,35 @@ async fn send_blocks(
         )));
     }
     Ok(())
+}
+
+async fn send_block(
+    stream: &mut TcpStream,
+    index: usize,
+    block: &[u8],
+    config: &ServerConfig,
+) -> Result<(), TransferError> {
+    let index = (index as u32).to_le_bytes();
+    timeout(
+        config.io_timeout,
+        write_frame(stream, FrameKind::Block, &[&index, block]),
+    )
+    .await
+    .map_err(|_| TransferError::Timeout("sending a block"))?
+}
+
+/// Resolves when the reader closed its side or spoke before every block was sent (it
+/// only ever sends `ReadComplete` after the last one); pending otherwise.
+async fn reader_gone(stream: &TcpStream) -> TransferError {
+    let mut byte = [0u8; 1];
+    match stream.peek(&mut byte).await {
+        Ok(0) => TransferError::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "the reader hung up before every block was sent",
+        )),
+        Ok(_) => TransferError::Protocol("the reader spoke before every block was sent".into()),
+        Err(e) => TransferError::Io(e),
+    }
 }
 
 async fn refuse(

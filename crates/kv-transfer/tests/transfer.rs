@@ -58,11 +58,7 @@ impl BlockSource for MemorySource {
             .zip(&request.token_ids)
             .take_while(|(a, b)| a == b)
             .count();
-        Ok(Export {
-            matched_tokens: matched,
-            blocks: p.blocks.clone(),
-            reused: p.reused,
-        })
+        Ok(Export::ready(matched, p.blocks.clone(), p.reused))
     }
     fn finish(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
         self.pinned.lock().unwrap().remove(request_id);

@@ -6,15 +6,17 @@
 //! when the request arrives ([`KvService::expect`]) and publishes under it when the
 //! prefill finishes. The reader cannot know the block ids yet, so its read lists
 //! [`AWAITED_BLOCK`] placeholders, one per block it has room for; such a read waits
-//! until the publication appears, or fails as soon as the prefill that would have
-//! published it ends without doing so (failed, cancelled, client gone).
+//! until the prefill runs (it is then served the blocks as they are computed, see
+//! [`super::streamed`]) or its publication appears, or fails as soon as the prefill
+//! that would have published it ends without doing so (failed, cancelled, client gone).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdserve_kv_transfer::{ErrorCode, ReadRequest};
 
-use super::KvService;
+use super::{KvService, Reading};
+use crate::kv_feed::{Attach, KvFeed};
 
 /// Placeholder block id of a read that waits for a publication under an id the reader
 /// chose (it cannot know the block ids before the publication exists).
@@ -24,10 +26,11 @@ pub const AWAITED_BLOCK: u64 = u64::MAX;
 /// prefill request and its read at the same time, and the read may arrive first.
 const ANNOUNCE_GRACE: Duration = Duration::from_secs(5);
 
-/// Longest wait of an awaited read. Below the readers' 30 s frame timeout, so a slow
-/// prefill fails the read cleanly (the reader then reads by the params the prefill
-/// returns) instead of timing the connection out while blocks are being sent.
-const AWAIT_LIMIT: Duration = Duration::from_secs(20);
+/// Longest wait of an awaited read for its answer frame: for the publication, or for
+/// the prefill to be admitted (a streamed read). Below the readers' 30 s frame timeout,
+/// so a slow prefill fails the read cleanly (the reader then reads by the params the
+/// prefill returns) instead of timing the connection out.
+pub(super) const AWAIT_LIMIT: Duration = Duration::from_secs(20);
 
 /// How often a waiting read looks again even without a wake-up (belt and braces).
 const RECHECK: Duration = Duration::from_millis(250);
@@ -64,12 +67,14 @@ pub(super) fn check_awaited_read(
 #[error("publish_request_id {0:?} is already in use on this worker")]
 pub struct IdInUse(pub String);
 
-/// A prefill running here that will publish under a reader-chosen id. Dropping it (the
-/// prefill published, failed or was cancelled) tells waiting reads to look again.
+/// A prefill running here that will publish under a reader-chosen id, and the feed its
+/// prompt's KV goes to as it is computed. Dropping it (the prefill published, failed or
+/// was cancelled) tells waiting reads to look again.
 #[derive(Debug)]
 pub struct ExpectedPublication {
     service: Arc<KvService>,
     id: String,
+    feed: Arc<KvFeed>,
 }
 
 impl ExpectedPublication {
@@ -77,40 +82,68 @@ impl ExpectedPublication {
     pub fn id(&self) -> &str {
         &self.id
     }
+
+    /// Where the prefill's scheduler puts its prompt's KV as it is computed
+    /// (`GenerationRequest::kv_feed`).
+    pub fn feed(&self) -> &Arc<KvFeed> {
+        &self.feed
+    }
 }
 
 impl Drop for ExpectedPublication {
     fn drop(&mut self) {
-        self.service.lock().expected.remove(&self.id);
+        {
+            let mut st = self.service.lock();
+            st.expected.remove(&self.id);
+            // Nothing is published under the id after this.
+            st.spent.remove(&self.id);
+        }
+        self.feed.close();
         self.service.changed.notify_waiters();
     }
 }
 
+/// A streamed read that found its prefill running and is attached to its feed.
+#[derive(Debug)]
+pub(super) struct AttachedRead {
+    pub feed: Arc<KvFeed>,
+    /// When the read began waiting.
+    pub started: Instant,
+}
+
 impl KvService {
-    /// Announces that a prefill running here will publish under `id`; refused when the
-    /// id is announced, published or being read already.
-    pub fn expect(self: &Arc<Self>, id: &str) -> Result<ExpectedPublication, IdInUse> {
+    /// Announces that a prefill of `prompt` running here will publish under `id`;
+    /// refused when the id is announced, published or being read already.
+    pub fn expect(
+        self: &Arc<Self>,
+        id: &str,
+        prompt: &[u32],
+    ) -> Result<ExpectedPublication, IdInUse> {
+        let feed = Arc::new(KvFeed::new(prompt.to_vec()));
         {
             let mut st = self.lock();
             let taken = st.pins.get(id).is_some()
                 || st.reading.contains_key(id)
-                || !st.expected.insert(id.to_string());
+                || st.expected.contains_key(id);
             if taken {
                 return Err(IdInUse(id.to_string()));
             }
+            st.expected.insert(id.to_string(), feed.clone());
         }
         self.changed.notify_waiters();
         Ok(ExpectedPublication {
             service: self.clone(),
             id: id.to_string(),
+            feed,
         })
     }
 
-    /// Waits until something is published under `id`, or until that cannot happen any
-    /// more: the announced prefill ended without publishing, nobody announced the id
-    /// within [`ANNOUNCE_GRACE`], or [`AWAIT_LIMIT`] passed. The caller then looks the id
-    /// up as for any read.
-    pub(super) async fn await_publication(&self, id: &str) {
+    /// Waits until the prefill announced under `id` runs (the read is then attached to
+    /// its feed, and registered as in progress) or something is published under it, or
+    /// until neither can happen any more: the announced prefill ended without
+    /// publishing, nobody announced the id within [`ANNOUNCE_GRACE`], or [`AWAIT_LIMIT`]
+    /// passed. Without an attachment the caller looks the id up as for any read.
+    pub(super) async fn await_publication(&self, id: &str) -> Option<AttachedRead> {
         let started = Instant::now();
         let mut announced = false;
         loop {
@@ -120,20 +153,36 @@ impl KvService {
             tokio::pin!(changed);
             changed.as_mut().enable();
             {
-                let st = self.lock();
+                let mut st = self.lock();
                 if st.pins.get(id).is_some() {
-                    return;
+                    return None;
                 }
-                if st.expected.contains(id) {
+                if let Some(feed) = st.expected.get(id).cloned() {
                     announced = true;
+                    match feed.attach() {
+                        Attach::Attached => {
+                            // In progress from now on: the publication, when it comes,
+                            // is this read's to free (see `streamed`).
+                            let reading = Reading {
+                                feed: Some(feed.clone()),
+                                ..Reading::default()
+                            };
+                            st.reading.insert(id.to_string(), reading);
+                            return Some(AttachedRead { feed, started });
+                        }
+                        // Computed before any reader came: wait for the publication.
+                        Attach::TooLate => {}
+                        // Another read has it; this one finds nothing published.
+                        Attach::Refused => return None,
+                    }
                 } else if announced || started.elapsed() >= ANNOUNCE_GRACE {
-                    return;
+                    return None;
                 }
             }
             let left = AWAIT_LIMIT.saturating_sub(started.elapsed());
             if left.is_zero() {
                 tracing::warn!(id, "an awaited KV publication did not appear in time");
-                return;
+                return None;
             }
             let _ = tokio::time::timeout(left.min(RECHECK), changed).await;
         }

@@ -33,7 +33,7 @@ pub async fn prepare_prefill(
         None | Some(Value::Null) => None,
         Some(Value::String(id)) if !id.is_empty() => Some(
             service
-                .expect(id)
+                .expect(id, &request.prompt)
                 .map_err(|e| HandoffError::BadPublishId(e.to_string()))?,
         ),
         Some(other) => {
@@ -45,6 +45,8 @@ pub async fn prepare_prefill(
     request.max_new_tokens = 1;
     request.min_new_tokens = 0;
     request.pin_on_finish = true;
+    // Its reader may be waiting already: the blocks go to it as they are computed.
+    request.kv_feed = name.as_ref().map(|n| n.feed().clone());
     if RemoteBlocks::named_by(params) {
         import_conversation_prefix(kv, params, request).await?;
     }
@@ -95,6 +97,8 @@ async fn import_conversation_prefix(
             prefix_cache_tokens: 0,
             earlier_turn_tokens: reused,
         },
+        // Not a decode's wait for its prompt: the prefill side reading its own prefix.
+        landed_at: None,
     });
     Ok(())
 }

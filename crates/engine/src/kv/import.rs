@@ -52,6 +52,7 @@ pub fn use_pulled_prompt_kv(
         // What the prefill worker did not compute either (its prefix-cache hits, an
         // earlier turn's KV) is cached for this request; the rest was computed there.
         reused: pulled.reused.within(needed),
+        landed_at: Some(pulled.received_at),
     });
     Ok(())
 }

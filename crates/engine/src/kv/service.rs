@@ -10,7 +10,8 @@
 //!
 //! A prefill may also be published under an id its reader chose (`publish_request_id`):
 //! the reader then starts its read before the prefill has finished and the read waits
-//! for the publication (see [`awaited`]).
+//! for the publication (see [`awaited`]), or, once the prefill runs, is served its
+//! blocks as they are computed (see [`streamed`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +26,7 @@ use pdserve_protocol::{KvTransferParams, RemoteBlockIds};
 use serde_json::Value;
 use tokio::sync::Notify;
 
+use crate::kv_feed::KvFeed;
 use crate::metrics::Metrics;
 use crate::request::PinnedKv;
 use crate::scheduler::EngineHandle;
@@ -71,18 +73,36 @@ struct Published {
     kept: Option<u64>,
     /// Leading tokens the publishing request did not compute, told to the reader.
     reused: ReusedTokens,
+    /// When the publishing prefill finished (prefill publications only).
+    finished_at: Option<Instant>,
+}
+
+/// An accepted read in progress.
+#[derive(Debug, Default)]
+struct Reading {
+    /// The pinned blocks it frees when it ends (none yet for a streamed read whose
+    /// prefill has not published).
+    blocks: Vec<BlockId>,
+    /// When the publishing prefill finished (prefill publications only).
+    finished_at: Option<Instant>,
+    /// The feed a streamed read takes its blocks from (see [`streamed`]).
+    feed: Option<Arc<KvFeed>>,
 }
 
 #[derive(Debug, Default)]
 struct State {
     pins: PinTable<Published>,
-    /// Blocks of accepted reads in progress, by request id.
-    reading: HashMap<String, Vec<BlockId>>,
+    /// Accepted reads in progress, by request id.
+    reading: HashMap<String, Reading>,
     /// Conversation publications, oldest first (may name entries already gone).
     conversations: VecDeque<String>,
     conversation_blocks: usize,
-    /// Reader-chosen ids whose prefill is running here (see [`awaited`]).
-    expected: HashSet<String>,
+    /// Reader-chosen ids whose prefill is running here, with the feed of its prompt's
+    /// KV (see [`awaited`]).
+    expected: HashMap<String, Arc<KvFeed>>,
+    /// Reader-chosen ids whose streamed read ended before their prefill published: the
+    /// publication is freed as it comes (see [`streamed`]).
+    spent: HashSet<String>,
 }
 
 impl State {
@@ -162,6 +182,15 @@ impl KvService {
         let named_by_reader = request_id.is_some();
         let request_id =
             request_id.unwrap_or_else(|| format!("pdkv-{}", uuid::Uuid::new_v4().simple()));
+        let params = self.params(&pinned, kind, request_id.clone());
+        if named_by_reader && kind == PublishKind::Prefill {
+            let mut st = self.lock();
+            if let Some(route) = self.route_publication(&mut st, &request_id, &pinned) {
+                drop(st);
+                self.settle_streamed(&request_id, route, pinned.blocks);
+                return Some(params);
+            }
+        }
         {
             let mut st = self.lock();
             if kind == PublishKind::Conversation {
@@ -201,14 +230,15 @@ impl KvService {
                 }
             }
             let published = Published {
-                blocks: pinned.blocks.clone(),
+                blocks: pinned.blocks,
                 tokens: pinned.tokens,
                 kind,
                 named_by_reader,
                 kept,
                 reused: pinned.reused,
+                finished_at: (kind == PublishKind::Prefill).then_some(pinned.finished_at),
             };
-            st.pins.insert(request_id.clone(), published, deadline);
+            st.pins.insert(request_id, published, deadline);
         }
         if named_by_reader {
             self.changed.notify_waiters();
@@ -221,9 +251,14 @@ impl KvService {
             self.metrics.kv.evicted.inc();
             self.drop_in_background(entry);
         }
+        Some(params)
+    }
+
+    /// The `kv_transfer_params` naming `pinned` published as `kind` under `request_id`.
+    fn params(&self, pinned: &PinnedKv, kind: PublishKind, request_id: String) -> KvTransferParams {
         let mut extra = serde_json::Map::new();
         extra.insert("tp_size".into(), Value::from(1));
-        Some(KvTransferParams {
+        KvTransferParams {
             // A prefill's answer tells the proxy "decode remotely from here" (as vLLM's
             // NIXL connector does); a decode worker's hand-back is only a handle for the
             // proxy to give the next turn's prefill, so it asks nothing of anyone.
@@ -240,7 +275,7 @@ impl KvService {
             remote_port: Some(self.config.port),
             remote_request_id: Some(request_id),
             extra,
-        })
+        }
     }
 
     /// Frees what is published under `request_id` if no reader has taken it yet (a
@@ -435,7 +470,9 @@ impl KvService {
     async fn export_blocks(&self, request: &ReadRequest) -> Result<Export, (ErrorCode, String)> {
         let awaited = awaited::is_awaited_read(request);
         if awaited {
-            self.await_publication(&request.request_id).await;
+            if let Some(attached) = self.await_publication(&request.request_id).await {
+                return self.export_streamed(request, attached).await;
+            }
         }
         let entry = {
             let mut st = self.lock();
@@ -471,8 +508,12 @@ impl KvService {
             let entry = st
                 .take(&request.request_id)
                 .expect("present under the lock");
-            st.reading
-                .insert(request.request_id.clone(), entry.blocks.clone());
+            let reading = Reading {
+                blocks: entry.blocks.clone(),
+                finished_at: entry.finished_at,
+                feed: None,
+            };
+            st.reading.insert(request.request_id.clone(), reading);
             entry
         };
         if let Some(handle) = entry.kept {
@@ -496,11 +537,7 @@ impl KvService {
             ));
         }
         match self.engine.read_blocks(wanted).await {
-            Ok(blocks) => Ok(Export {
-                matched_tokens: matched,
-                blocks,
-                reused: entry.reused.within(matched),
-            }),
+            Ok(blocks) => Ok(Export::ready(matched, blocks, entry.reused.within(matched))),
             Err(e) => {
                 self.lock().reading.remove(&request.request_id);
                 release(&self.engine, &self.metrics, entry.blocks).await;
@@ -511,13 +548,21 @@ impl KvService {
 
     /// [`BlockSource::finish`] itself.
     fn finish_read(&self, request_id: &str, outcome: ReadOutcome, stats: TransferStats) {
-        let blocks = self.lock().reading.remove(request_id);
+        let reading = self.end_read(request_id);
         match outcome {
             ReadOutcome::Completed => {
                 let kv = &self.metrics.kv;
                 kv.blocks_sent.inc_by(stats.blocks as u64);
                 kv.bytes_sent.inc_by(stats.bytes as u64);
                 kv.transfer_seconds.observe(stats.elapsed.as_secs_f64());
+                let finished = reading.as_ref().and_then(|r| match &r.feed {
+                    Some(feed) => feed.completed_at(),
+                    None => r.finished_at,
+                });
+                if let Some(finished) = finished {
+                    kv.stream_tail_seconds
+                        .observe(finished.elapsed().as_secs_f64());
+                }
                 tracing::debug!(
                     request_id,
                     blocks = stats.blocks,
@@ -530,8 +575,8 @@ impl KvService {
                 tracing::warn!(request_id, %reason, "a KV read broke off; its blocks are freed");
             }
         }
-        if let Some(blocks) = blocks {
-            self.release_in_background(blocks);
+        if let Some(reading) = reading.filter(|r| !r.blocks.is_empty()) {
+            self.release_in_background(reading.blocks);
         }
     }
 }
@@ -551,6 +596,13 @@ mod tests {
 #[path = "awaited.rs"]
 pub mod awaited;
 
+#[path = "streamed.rs"]
+pub mod streamed;
+
 #[cfg(test)]
 #[path = "service_tests.rs"]
 mod service_tests;
+
+#[cfg(test)]
+#[path = "streamed_tests.rs"]
+mod streamed_tests;

@@ -13,8 +13,18 @@ use crate::step_model::fake::FakeModel;
 const DEADLINE: Duration = Duration::from_secs(20);
 
 async fn finished_pinned(engine: &EngineHandle, prompt: Vec<u32>) -> PinnedKv {
+    finished_feeding(engine, prompt, None).await
+}
+
+/// A finished `pin_on_finish` prefill of `prompt` that fed `feed` as it ran.
+pub(super) async fn finished_feeding(
+    engine: &EngineHandle,
+    prompt: Vec<u32>,
+    feed: Option<Arc<crate::kv_feed::KvFeed>>,
+) -> PinnedKv {
     let mut req = GenerationRequest::new(prompt, 1);
     req.pin_on_finish = true;
+    req.kv_feed = feed;
     let mut events = engine.submit(req).unwrap();
     loop {
         match tokio::time::timeout(DEADLINE, events.recv()).await.unwrap() {
@@ -251,15 +261,20 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
     assert!(awaited::is_awaited_read(&awaited_read("x")));
 
     // Announced, read started, then published: the read gets the blocks.
-    let expected = service.expect("pdkv-a").unwrap();
-    assert!(service.expect("pdkv-a").is_err(), "announced twice");
+    let expected = service.expect("pdkv-a", &prompt).unwrap();
+    assert!(
+        service.expect("pdkv-a", &prompt).is_err(),
+        "announced twice"
+    );
     let read = {
         let (addr, read) = (addr.clone(), awaited_read("pdkv-a"));
         tokio::spawn(async move { pull(&addr, &read, 64, &PullConfig::default()).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!read.is_finished(), "the read waits for the publication");
-    let pinned = finished_pinned(&engine, prompt.clone()).await;
+    // The prefill feeds the waiting read as it runs (see `streamed_tests`).
+    let feed = Some(expected.feed().clone());
+    let pinned = finished_feeding(&engine, prompt.clone(), feed).await;
     let params = service
         .publish_as(
             pinned,
@@ -278,7 +293,7 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
     settle(&metrics, 0).await;
 
     // Announced, then abandoned (the prefill failed): the waiting read fails at once.
-    let expected = service.expect("pdkv-b").unwrap();
+    let expected = service.expect("pdkv-b", &prompt).unwrap();
     let read = {
         let (addr, read) = (addr.clone(), awaited_read("pdkv-b"));
         tokio::spawn(async move { pull(&addr, &read, 64, &PullConfig::default()).await })
@@ -310,7 +325,7 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
     let pinned = finished_pinned(&engine, prompt.clone()).await;
     let own = service.publish(pinned, PublishKind::Prefill).unwrap();
     let id = own.remote_request_id.clone().unwrap();
-    assert!(service.expect(&id).is_err(), "the id is in use");
+    assert!(service.expect(&id, &prompt).is_err(), "the id is in use");
     let err = pull(&addr, &awaited_read(&id), 64, &PullConfig::default())
         .await
         .unwrap_err();

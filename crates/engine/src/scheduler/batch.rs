@@ -22,6 +22,7 @@ impl<M: StepModel> Scheduler<M> {
                 num_tokens: seq.num_computed,
                 tokens: seq.tokens[..seq.num_computed].to_vec(),
                 reused: seq.reused(),
+                finished_at: Instant::now(),
             }),
             Err(e) => {
                 tracing::error!("pinning a finished sequence's blocks failed: {e}");
@@ -73,6 +74,16 @@ impl<M: StepModel> Scheduler<M> {
                     seq.num_computed += n;
                     if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
                         tracing::error!("prefix-cache commit failed: {e}");
+                    }
+                    if let Some(feed) = seq.kv_feed() {
+                        // Copied now, while the sequence holds the blocks: a reader
+                        // sends them as the next chunk computes.
+                        let copy = |b: usize| self.model.read_block(seq.blocks[b]);
+                        if seq.num_computed >= seq.prompt_len {
+                            feed.complete(copy);
+                        } else {
+                            feed.offer(seq.num_computed, copy);
+                        }
                     }
                     if seq.num_uncomputed() > 0 {
                         continue; // more prompt chunks to go

@@ -153,7 +153,13 @@ impl<M: StepModel> Scheduler<M> {
                 break;
             };
             if let Some(import) = seq.take_kv_import() {
-                if let Err(e) = self.write_imported(&new_blocks, &import.blocks) {
+                let written = self.write_imported(&new_blocks, &import.blocks);
+                if let (Ok(()), Some(landed)) = (&written, import.landed_at) {
+                    // Its first forward runs in this very step.
+                    let wait = landed.elapsed().as_secs_f64();
+                    self.metrics.kv.import_wait_seconds.observe(wait);
+                }
+                if let Err(e) = written {
                     if let Err(e) = self.blocks.release(&new_blocks) {
                         tracing::error!("releasing blocks of a failed import failed: {e}");
                     }
@@ -194,6 +200,9 @@ impl<M: StepModel> Scheduler<M> {
                     earlier_turn_tokens: cached.earlier_turn_tokens,
                     kv_imported_tokens: imported,
                 });
+                if let Some(feed) = seq.kv_feed() {
+                    feed.admitted(cached);
+                }
                 self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
                 self.metrics
                     .prefix_cache_queries
@@ -208,6 +217,10 @@ impl<M: StepModel> Scheduler<M> {
             seq.hashes = hit.hashes;
             if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
                 tracing::error!("prefix-cache commit failed: {e}");
+            }
+            if let Some(feed) = seq.kv_feed() {
+                // Cached and imported blocks are computed already.
+                feed.offer(seq.num_computed, |b| self.model.read_block(seq.blocks[b]));
             }
             self.release_queue_slot(&mut seq);
             self.running.push(seq);

@@ -334,6 +334,7 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
         num_tokens: 44,
         blocks: bytes.clone(),
         reused: Default::default(),
+        landed_at: None,
     });
     let (ids, end) = collect(&mut decode.submit(req).unwrap());
     assert_eq!(ids, reference(&p, 6), "imported KV continues identically");
@@ -351,6 +352,7 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
             prefix_cache_tokens: 16,
             earlier_turn_tokens: 40,
         },
+        landed_at: None,
     });
     let SeqEvent::Finished { usage, .. } = collect(&mut decode.submit(req).unwrap()).1 else {
         panic!("the import failed")
@@ -371,6 +373,7 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
         num_tokens: 44,
         blocks: vec![vec![1, 2, 3]],
         reused: Default::default(),
+        landed_at: None,
     });
     assert!(matches!(
         collect(&mut decode.submit(bad).unwrap()).1,
@@ -654,6 +657,7 @@ fn prompt_logprobs_score_every_chunk_and_ignore_the_prefix_cache() {
         num_tokens: 16,
         blocks: vec![vec![0; 64]],
         reused: Default::default(),
+        landed_at: None,
     });
     let mut rx = handle.submit(importing).unwrap();
     match rx.blocking_recv() {

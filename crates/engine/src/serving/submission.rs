@@ -8,6 +8,10 @@ use crate::request::GenerationRequest;
 /// other yet repeat from call to call; greedy choices all equal the `n` = 1 output.
 pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRequest {
     let mut request = request.clone();
+    if index > 0 {
+        // A KV feed belongs to one sequence (choice 0's).
+        request.kv_feed = None;
+    }
     if let Some(seed) = request.sampling.seed.as_mut() {
         *seed = seed.wrapping_add(index as u64);
     }
