@@ -17,6 +17,11 @@ use tokio::process::Command;
 use crate::members::{first_exit, spawn, stop_all, wait_ready, Member, StopSignals};
 use crate::placement::{place, CoreLayout, Placement};
 
+/// `--disagg-threshold`'s default: prompts shorter than this are prefilled by the decode
+/// worker while the prefill worker is busy (measured: docs/benchmarks.md, "Conditional
+/// disaggregation").
+const DISAGG_THRESHOLD: usize = 64;
+
 /// How long past its `--shutdown-timeout` a member may take to exit before it is killed.
 const STOP_MARGIN: Duration = Duration::from_secs(5);
 
@@ -70,6 +75,14 @@ pub struct UpArgs {
     /// served model's tokenizer: a prompt goes where most of it is cached, net of load.
     #[arg(long, env = "PDSERVE_POLICY", default_value = "precise_prefix")]
     policy: String,
+    /// P/D through a gateway: a prompt whose uncached part is shorter than this many
+    /// tokens skips the prefill leg, and the decode worker prefills it, while the prefill
+    /// worker is busy with another prompt (the gateway's --disagg-threshold with
+    /// --disagg-min-prefill-load 1): a short prompt no longer waits behind a long
+    /// prefill. 0 turns it off; a --gateway-arg=--disagg-threshold overrides it. The
+    /// default is measured in docs/benchmarks.md ("Conditional disaggregation").
+    #[arg(long, env = "PDSERVE_DISAGG_THRESHOLD", default_value_t = DISAGG_THRESHOLD)]
+    disagg_threshold: usize,
     /// Gateway replicas, on --port, --port + 1, …: each with the same flags, workers and
     /// event subscriptions (as replicas behind a load balancer; spread clients over them
     /// with `pdserve bench serve --url` repeated).
@@ -342,6 +355,21 @@ impl Stack<'_> {
         }
         if !args.aggregated {
             gateway.extend(["--protocol".into(), protocol_name(args.protocol).into()]);
+            let given = |flag: &str| {
+                let with_value = format!("{flag}=");
+                args.gateway_args
+                    .iter()
+                    .any(|a| a == flag || a.starts_with(&with_value))
+            };
+            if args.disagg_threshold > 0 && !given("--disagg-threshold") {
+                gateway.extend([
+                    "--disagg-threshold".into(),
+                    args.disagg_threshold.to_string(),
+                ]);
+                if !given("--disagg-min-prefill-load") {
+                    gateway.extend(["--disagg-min-prefill-load".into(), "1".into()]);
+                }
+            }
         }
         let mut worker_urls = Vec::new();
         let mut summary = Vec::new();

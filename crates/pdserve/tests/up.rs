@@ -142,6 +142,20 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
         assert!(!text.is_empty(), "{body}");
         assert!(body["usage"]["completion_tokens"].as_u64().unwrap() > 0);
     }
+    // Short prompts skip the prefill leg while the prefill worker is busy (the measured
+    // default), on every replica.
+    let gateways: Vec<String> = children_of(up.id())
+        .into_iter()
+        .map(|pid| process_facts(pid).0)
+        .filter(|cmdline| cmdline.contains(" gateway "))
+        .collect();
+    assert_eq!(gateways.len(), 2, "{gateways:?}");
+    for cmdline in &gateways {
+        assert!(
+            cmdline.contains("--disagg-threshold 64 --disagg-min-prefill-load 1"),
+            "{cmdline}"
+        );
+    }
     // Every replica hears every worker's KV events (the workers bind ipc:// sockets in
     // the stack's private folder; each replica subscribes).
     for replica in [port, port + 1] {
