@@ -52,6 +52,8 @@ struct FeedState {
     early: usize,
     /// The prefill ended (published, failed or cancelled): no block comes any more.
     closed: bool,
+    /// The reader gave up waiting for a block.
+    gave_up: bool,
 }
 
 /// One prefill's prompt KV, fed to at most one reader as it is computed.
@@ -82,12 +84,12 @@ pub enum FeedError {
     #[error("the prefill ended before KV block {0} was computed")]
     Ended(usize),
     /// It was not computed within the wait.
-    #[error("KV block {index} was not computed within {secs} s")]
+    #[error("KV block {index} was not computed within {wait:?}")]
     TimedOut {
         /// The block.
         index: usize,
-        /// The wait, in seconds.
-        secs: u64,
+        /// The wait.
+        wait: Duration,
     },
 }
 
@@ -243,13 +245,16 @@ impl KvFeed {
             }
             let left = wait.saturating_sub(started.elapsed());
             if left.is_zero() {
-                return Err(FeedError::TimedOut {
-                    index,
-                    secs: wait.as_secs(),
-                });
+                self.lock().gave_up = true;
+                return Err(FeedError::TimedOut { index, wait });
             }
             let _ = tokio::time::timeout(left, changed).await;
         }
+    }
+
+    /// Whether the reader gave up waiting for a block (the prefill was too slow).
+    pub fn gave_up(&self) -> bool {
+        self.lock().gave_up
     }
 
     /// When the prompt's last chunk was computed, if it was.

@@ -11,6 +11,9 @@ use crate::error::TransferError;
 use crate::frame::{read_frame, write_frame, FrameKind};
 use crate::message::{ErrorMessage, ReadAccepted, ReadRequest, ReusedTokens, WireReadRequest};
 
+/// Largest control frame (read header, error) accepted, in bytes.
+const MAX_CONTROL_FRAME: usize = 64 << 10;
+
 /// Limits of the pulling side.
 #[derive(Debug, Clone)]
 pub struct PullConfig {
@@ -81,9 +84,12 @@ pub async fn pull(
     .await
     .map_err(|_| TransferError::Timeout("sending the read request"))??;
 
-    let header = timeout(config.io_timeout, read_frame(&mut stream, 64 << 10))
-        .await
-        .map_err(|_| TransferError::Timeout("waiting for the read header"))??;
+    let header = timeout(
+        config.io_timeout,
+        read_frame(&mut stream, MAX_CONTROL_FRAME),
+    )
+    .await
+    .map_err(|_| TransferError::Timeout("waiting for the read header"))??;
     let accepted: ReadAccepted = match header.kind {
         FrameKind::ReadAccepted => serde_json::from_slice(&header.payload)
             .map_err(|e| TransferError::Protocol(format!("invalid read header: {e}")))?,
@@ -116,8 +122,11 @@ pub async fn pull(
     }
 
     let mut blocks = Vec::with_capacity(accepted.num_blocks);
+    // An error frame may come instead of any block (a server still computing them
+    // failed): room for its message even where blocks are small.
+    let max_frame = (block_bytes + 4).max(MAX_CONTROL_FRAME);
     for expected in 0..accepted.num_blocks {
-        let frame = timeout(config.io_timeout, read_frame(&mut stream, block_bytes + 4))
+        let frame = timeout(config.io_timeout, read_frame(&mut stream, max_frame))
             .await
             .map_err(|_| TransferError::Timeout("receiving a block"))??;
         match frame.kind {

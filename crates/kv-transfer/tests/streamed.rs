@@ -211,11 +211,10 @@ async fn a_block_that_will_not_come_ends_the_read_with_the_sources_error() {
         let addr = addr.clone();
         tokio::spawn(async move { pull(&addr, &request(3), BLOCK, &PullConfig::default()).await })
     };
+    // Longer than a block frame: an error frame is not held to the block size.
+    let why = "the prefill was cancelled before this block was computed, so it never comes";
     produce
-        .send(Err((
-            ErrorCode::UnknownRequest,
-            "the prefill was cancelled".into(),
-        )))
+        .send(Err((ErrorCode::UnknownRequest, why.into())))
         .unwrap();
     match read.await.unwrap() {
         Err(TransferError::Remote { code, message }) => {

@@ -126,6 +126,8 @@ pub struct KvService {
     changed: Notify,
     /// Source of keep handles for conversation hand-backs.
     next_keep: AtomicU64,
+    /// Longest wait of a streamed read for any one block (see [`streamed`]).
+    block_wait: Duration,
 }
 
 impl KvService {
@@ -138,7 +140,15 @@ impl KvService {
             state: Mutex::new(State::default()),
             changed: Notify::new(),
             next_keep: AtomicU64::new(1),
+            block_wait: streamed::BLOCK_WAIT,
         }
+    }
+
+    /// The same service with streamed reads waiting at most `wait` for any one block
+    /// (default 20 s, under the readers' 30 s frame timeout; tests shorten it).
+    pub fn with_block_wait(mut self, wait: Duration) -> Self {
+        self.block_wait = wait;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

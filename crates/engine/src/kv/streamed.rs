@@ -28,6 +28,8 @@ use crate::request::PinnedKv;
 /// shared with other sequences). Below the readers' 30 s frame timeout
 /// (`kv::pull::IO_TIMEOUT`), so a stalled prefill fails the read with an error frame
 /// instead of the reader's timeout; the server's own frame timeout bounds only writes.
+/// A read that gave up so leaves the publication to be read by the prefill's answer
+/// (the concurrent orchestrator's fallback), as one refused before acceptance does.
 pub(super) const BLOCK_WAIT: Duration = Duration::from_secs(20);
 
 /// What becomes of a prefill publication under a reader-chosen id a streamed read is,
@@ -73,9 +75,14 @@ impl KvService {
             ));
         }
         tracing::debug!(id, num_blocks, "KV read accepted while its prefill runs");
+        let blocks = FeedBlocks {
+            feed,
+            next: 0,
+            wait: self.block_wait,
+        };
         let pending = Pending {
             count: num_blocks,
-            blocks: Box::new(FeedBlocks { feed, next: 0 }),
+            blocks: Box::new(blocks),
         };
         Ok(Export {
             pending: Some(pending),
@@ -100,7 +107,8 @@ impl KvService {
 
     /// Ends the read in progress under `id` and returns it (its blocks are the caller's
     /// to free). A streamed read that ends before its prefill published leaves the id
-    /// spent: the publication is freed as it comes.
+    /// spent (the publication is freed as it comes), unless it gave up waiting for a
+    /// block: its reader may then read the publication by the prefill's answer.
     pub(super) fn end_read(&self, id: &str) -> Option<Reading> {
         let mut st = self.lock();
         let reading = st.reading.remove(id)?;
@@ -108,7 +116,8 @@ impl KvService {
             feed.detach();
             let early = feed.taken_early() as u64;
             self.metrics.kv.blocks_streamed.inc_by(early);
-            if reading.blocks.is_empty() && st.expected.contains_key(id) {
+            let unpublished = reading.blocks.is_empty() && st.expected.contains_key(id);
+            if unpublished && !feed.gave_up() {
                 st.spent.insert(id.to_string());
             }
         }
@@ -154,12 +163,14 @@ impl KvService {
 struct FeedBlocks {
     feed: Arc<KvFeed>,
     next: usize,
+    /// Longest wait for any one block.
+    wait: Duration,
 }
 
 impl PendingBlocks for FeedBlocks {
     fn next_block(&mut self) -> NextBlock<'_> {
         Box::pin(async move {
-            let block = self.feed.take(self.next, BLOCK_WAIT).await.map_err(|e| {
+            let block = self.feed.take(self.next, self.wait).await.map_err(|e| {
                 let code = match e {
                     FeedError::Ended(_) => ErrorCode::UnknownRequest,
                     FeedError::TimedOut { .. } => ErrorCode::Internal,

@@ -41,6 +41,11 @@ impl Drop for Rig {
 
 /// A prefill worker's scheduler (16-token chunks, 60 ms per step) and KV service.
 async fn rig() -> Rig {
+    rig_waiting(streamed::BLOCK_WAIT).await
+}
+
+/// [`rig`] whose streamed reads wait at most `block_wait` for any one block.
+async fn rig_waiting(block_wait: Duration) -> Rig {
     let metrics = Arc::new(Metrics::new());
     let config = SchedulerConfig {
         policy: crate::scheduler::SchedulingPolicy::Fcfs,
@@ -54,19 +59,22 @@ async fn rig() -> Rig {
     let (engine, thread) = spawn(model, config, metrics.clone()).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let service = Arc::new(KvService::new(
-        KvServiceConfig {
-            engine_id: "engine-p".into(),
-            layout: "fake".into(),
-            block_bytes: 64,
-            host: "127.0.0.1".into(),
-            port: listener.local_addr().unwrap().port(),
-            abort_timeout: Duration::from_secs(2),
-            conversation_budget: 4,
-        },
-        engine.clone(),
-        metrics.clone(),
-    ));
+    let service = Arc::new(
+        KvService::new(
+            KvServiceConfig {
+                engine_id: "engine-p".into(),
+                layout: "fake".into(),
+                block_bytes: 64,
+                host: "127.0.0.1".into(),
+                port: listener.local_addr().unwrap().port(),
+                abort_timeout: Duration::from_secs(2),
+                conversation_budget: 4,
+            },
+            engine.clone(),
+            metrics.clone(),
+        )
+        .with_block_wait(block_wait),
+    );
     let server = tokio::spawn(pdserve_kv_transfer::server::serve(
         listener,
         service.clone(),
@@ -385,4 +393,35 @@ async fn reads_refused_before_acceptance_or_too_late_to_stream_read_the_publicat
         0,
         "nothing was streamed"
     );
+}
+
+#[tokio::test]
+async fn a_read_that_gives_up_on_a_slow_prefill_leaves_the_publication_readable() {
+    // Each chunk takes 60 ms; the read waits 10 ms for a block.
+    let rig = rig_waiting(Duration::from_millis(10)).await;
+    let prompt = prompt();
+    let expected = rig.service.expect("pdkv-w", &prompt).unwrap();
+    let read = {
+        let (addr, read) = (rig.addr.clone(), awaited_read("pdkv-w", &prompt));
+        tokio::spawn(async move { pull(&addr, &read, 64, &PullConfig::default()).await })
+    };
+    let mut events = submit_prefill(&rig.engine, &expected);
+    let err = tokio::time::timeout(DEADLINE, read)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(refused_as(&err, ErrorCode::Internal), "{err}");
+    // As the concurrent orchestrator's fallback does: read by the prefill's answer.
+    let params = publish_when_done(&rig.service, &mut events, expected).await;
+    let by_params = ReadRequest {
+        block_ids: params.remote_block_ids.as_ref().unwrap().flatten(),
+        ..awaited_read("pdkv-w", &prompt)
+    };
+    let pulled = pull(&rig.addr, &by_params, 64, &PullConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(pulled.blocks.len(), BLOCKS);
+    settled(&rig).await;
+    assert_eq!(rig.metrics.kv.serve_failures.get(), 1);
 }
