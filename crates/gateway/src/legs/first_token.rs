@@ -24,8 +24,11 @@ use axum::response::Response;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::{stream, StreamExt};
 use http::{header, HeaderValue};
-use pdserve_protocol::sse::data_event;
-use serde_json::{json, Map, Value};
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::Value;
 
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
@@ -123,21 +126,113 @@ pub fn pin_seed(request: &mut ClientRequest) {
 }
 
 /// One choice's first token, as the prefill worker answered it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub(super) struct ChoiceToken {
     pub(super) index: u64,
     pub(super) text: String,
-    pub(super) logprobs: Value,
+    /// Its `logprobs`, as the worker wrote them (JSON).
+    logprobs: Box<RawValue>,
 }
 
 /// The first token of every choice, from the prefill answer.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct FirstToken {
     pub(super) endpoint: Endpoint,
     pub(super) id: String,
-    created: Value,
-    model: Value,
+    /// `created` and `model` as the worker wrote them (JSON).
+    created: Box<RawValue>,
+    model: Box<RawValue>,
     pub(super) choices: Vec<ChoiceToken>,
+}
+
+impl PartialEq for FirstToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.endpoint == other.endpoint
+            && self.id == other.id
+            && self.created.get() == other.created.get()
+            && self.model.get() == other.model.get()
+            && self.choices == other.choices
+    }
+}
+
+impl PartialEq for ChoiceToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.index == other.index
+            && self.text == other.text
+            && self.logprobs.get() == other.logprobs.get()
+    }
+}
+
+/// A prefill answer's fields the first token is made of; the rest is skipped unbuilt.
+#[derive(Deserialize)]
+struct Answer<'a> {
+    #[serde(borrow)]
+    id: Cow<'a, str>,
+    #[serde(default, borrow)]
+    created: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    choices: Vec<AnswerChoice<'a>>,
+}
+
+#[derive(Deserialize)]
+struct AnswerChoice<'a> {
+    index: u64,
+    #[serde(default, borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    message: Option<AnswerMessage<'a>>,
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    logprobs: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct AnswerMessage<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+}
+
+/// One streamed event as the client gets it from the gateway.
+#[derive(Serialize)]
+struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: &'a RawValue,
+    model: &'a RawValue,
+    choices: [ChunkChoice<'a>; 1],
+}
+
+#[derive(Serialize)]
+struct ChunkChoice<'a> {
+    index: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: &'a RawValue,
+    finish_reason: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    content: &'a str,
+}
+
+/// JSON `null`.
+fn null() -> Box<RawValue> {
+    RawValue::from_string("null".into()).expect("null is JSON")
+}
+
+/// `value` as raw JSON (`null` when absent).
+fn raw(value: Option<&Value>) -> Box<RawValue> {
+    value
+        .and_then(|v| serde_json::value::to_raw_value(v).ok())
+        .unwrap_or_else(null)
 }
 
 impl FirstToken {
@@ -149,30 +244,30 @@ impl FirstToken {
     /// (the same seed draws it on both), the others' first tokens come from the decode
     /// worker; an answer with all `n` choices leads every one.
     pub fn from_answer(endpoint: Endpoint, body: &[u8], n: u64) -> Option<Self> {
-        let answer: Map<String, Value> = serde_json::from_slice(body).ok()?;
-        let id = answer.get("id")?.as_str()?.to_string();
-        let list = answer.get("choices")?.as_array()?;
-        if list.len() as u64 != n && list.len() != 1 {
+        if !body.trim_ascii_start().starts_with(b"{") {
             return None;
         }
-        let mut choices = Vec::with_capacity(list.len());
-        for choice in list {
-            let index = choice.get("index")?.as_u64()?;
-            if choice.get("finish_reason")?.as_str()? != "length" {
+        let answer: Answer = serde_json::from_slice(body).ok()?;
+        if answer.choices.len() as u64 != n && answer.choices.len() != 1 {
+            return None;
+        }
+        let mut choices = Vec::with_capacity(answer.choices.len());
+        for choice in answer.choices {
+            if choice.finish_reason.as_deref() != Some("length") {
                 return None;
             }
             let text = match endpoint {
-                Endpoint::Chat => choice.get("message")?.get("content")?.as_str()?,
-                Endpoint::Completions => choice.get("text")?.as_str()?,
+                Endpoint::Chat => choice.message?.content?,
+                Endpoint::Completions => choice.text?,
                 Endpoint::Responses => return None,
             };
             if text.is_empty() || text.contains('\u{FFFD}') {
                 return None;
             }
             choices.push(ChoiceToken {
-                index,
-                text: text.to_string(),
-                logprobs: choice.get("logprobs").cloned().unwrap_or(Value::Null),
+                index: choice.index,
+                text: text.into_owned(),
+                logprobs: choice.logprobs.map_or_else(null, RawValue::to_owned),
             });
         }
         choices.sort_by_key(|c| c.index);
@@ -181,9 +276,9 @@ impl FirstToken {
         }
         Some(Self {
             endpoint,
-            id,
-            created: answer.get("created").cloned().unwrap_or(Value::Null),
-            model: answer.get("model").cloned().unwrap_or(Value::Null),
+            id: answer.id.into_owned(),
+            created: answer.created.map_or_else(null, RawValue::to_owned),
+            model: answer.model.map_or_else(null, RawValue::to_owned),
             choices,
         })
     }
@@ -234,12 +329,12 @@ impl FirstToken {
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_string(),
-            created: event.get("created").cloned().unwrap_or(Value::Null),
-            model: event.get("model").cloned().unwrap_or(Value::Null),
+            created: raw(event.get("created")),
+            model: raw(event.get("model")),
             choices: vec![ChoiceToken {
                 index: 0,
                 text: text.to_string(),
-                logprobs: choice.get("logprobs").cloned().unwrap_or(Value::Null),
+                logprobs: raw(choice.get("logprobs")),
             }],
         })
     }
@@ -248,50 +343,63 @@ impl FirstToken {
     /// completions' token.
     pub fn events(&self) -> Bytes {
         let mut out = BytesMut::new();
+        let none = null();
         for choice in &self.choices {
             match self.endpoint {
                 Endpoint::Chat => {
-                    let role = json!({"role": "assistant", "content": ""});
-                    out.put(data_event(&self.chunk(choice.index, role, &Value::Null)));
-                    let delta = json!({"content": choice.text});
-                    out.put(data_event(&self.chunk(
-                        choice.index,
-                        delta,
-                        &choice.logprobs,
-                    )));
+                    let role = Delta {
+                        role: Some("assistant"),
+                        content: "",
+                    };
+                    self.put_event(&mut out, choice.index, Some(role), None, &none);
+                    let token = Delta {
+                        role: None,
+                        content: &choice.text,
+                    };
+                    self.put_event(&mut out, choice.index, Some(token), None, &choice.logprobs);
                 }
                 _ => {
-                    let text = Value::String(choice.text.clone());
-                    out.put(data_event(&self.chunk(
-                        choice.index,
-                        text,
-                        &choice.logprobs,
-                    )));
+                    let text = Some(choice.text.as_str());
+                    self.put_event(&mut out, choice.index, None, text, &choice.logprobs);
                 }
             }
         }
         out.freeze()
     }
 
-    /// One streamed event of choice `index` carrying `content` (chat's delta, or
-    /// completions' text).
-    fn chunk(&self, index: u64, content: Value, logprobs: &Value) -> Value {
-        let (object, key) = match self.endpoint {
-            Endpoint::Chat => ("chat.completion.chunk", "delta"),
-            _ => ("text_completion", "text"),
+    /// Writes one streamed event of choice `index` (chat's `delta`, or completions'
+    /// `text`) to `out`.
+    fn put_event(
+        &self,
+        out: &mut BytesMut,
+        index: u64,
+        delta: Option<Delta<'_>>,
+        text: Option<&str>,
+        logprobs: &RawValue,
+    ) {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            _ => "text_completion",
         };
-        let mut choice = Map::new();
-        choice.insert("index".into(), index.into());
-        choice.insert(key.into(), content);
-        choice.insert("logprobs".into(), logprobs.clone());
-        choice.insert("finish_reason".into(), Value::Null);
-        json!({
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [Value::Object(choice)],
-        })
+        let chunk = Chunk {
+            id: &self.id,
+            object,
+            created: &self.created,
+            model: &self.model,
+            choices: [ChunkChoice {
+                index,
+                delta,
+                text,
+                logprobs,
+                finish_reason: None,
+            }],
+        };
+        out.put(&b"data: "[..]);
+        let mut writer = out.writer();
+        // Serializing these borrowed fields cannot fail.
+        let _ = serde_json::to_writer(&mut writer, &chunk);
+        let out = writer.into_inner();
+        out.put(&b"\n\n"[..]);
     }
 }
 
