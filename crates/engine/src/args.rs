@@ -100,6 +100,20 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_KV_ABORT_TIMEOUT", default_value_t = 480)]
     pub kv_abort_timeout: u64,
 
+    /// Prefill side: send a prompt's KV blocks to a reader that is already waiting (the
+    /// concurrent orchestrator's, an SGLang bootstrap room's) as the prefill computes
+    /// them, chunk by chunk (`on`), or all once the prefill ends (`off`, as before; to
+    /// compare the handoff's gap, `pdserve_kv_stream_tail_seconds`).
+    #[arg(
+        long,
+        env = "PDSERVE_KV_STREAM",
+        default_value = "on",
+        value_name = "on|off",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::Set
+    )]
+    pub kv_stream: bool,
+
     /// Hosts this worker exchanges KV blocks with, both ways: it connects only to a
     /// `remote_host` listed here (anything else is a 400, nothing is dialled) and serves
     /// KV reads only to connections from them. IP addresses, CIDR ranges
@@ -323,6 +337,14 @@ mod tests {
             (args.role, args.kv_port, args.kv_abort_timeout),
             (WorkerRole::Decode, Some(9000), 5)
         );
+        let stream =
+            |v: &str| Cli::try_parse_from(["worker", "--kv-stream", v]).map(|c| c.args.kv_stream);
+        assert!(args.kv_stream, "KV streams by default");
+        assert_eq!(
+            (stream("off").unwrap(), stream("on").unwrap()),
+            (false, true)
+        );
+        assert!(stream("maybe").is_err());
         let role = |r: &str| Cli::try_parse_from(["worker", "--role", r]).map(|c| c.args.role);
         assert_eq!(role("both").unwrap(), WorkerRole::PrefillDecode);
         assert_eq!(role("prefill_decode").unwrap(), WorkerRole::PrefillDecode);

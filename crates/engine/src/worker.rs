@@ -241,23 +241,26 @@ impl Worker {
                 TcpListener::bind((args.host.as_str(), args.kv_port.unwrap_or(0))).await?;
             let addr = kv_listener.local_addr()?;
             kv_addr = Some(addr);
-            let service = Arc::new(KvService::new(
-                KvServiceConfig {
-                    engine_id: args
-                        .engine_id
-                        .clone()
-                        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-                    layout: kv_layout.clone(),
-                    block_bytes: kv_block_bytes,
-                    host: args.kv_host.clone().unwrap_or_else(|| args.host.clone()),
-                    port: addr.port(),
-                    abort_timeout: Duration::from_secs(args.kv_abort_timeout),
-                    // Conversation hand-backs may hold at most half the pool.
-                    conversation_budget: args.num_kv_blocks / 2,
-                },
-                engine.clone(),
-                metrics.clone(),
-            ));
+            let service = Arc::new(
+                KvService::new(
+                    KvServiceConfig {
+                        engine_id: args
+                            .engine_id
+                            .clone()
+                            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+                        layout: kv_layout.clone(),
+                        block_bytes: kv_block_bytes,
+                        host: args.kv_host.clone().unwrap_or_else(|| args.host.clone()),
+                        port: addr.port(),
+                        abort_timeout: Duration::from_secs(args.kv_abort_timeout),
+                        // Conversation hand-backs may hold at most half the pool.
+                        conversation_budget: args.num_kv_blocks / 2,
+                    },
+                    engine.clone(),
+                    metrics.clone(),
+                )
+                .with_streaming(args.kv_stream),
+            );
             kv_tasks.push(tokio::spawn(pdserve_kv_transfer::server::serve(
                 kv_listener,
                 service.clone(),

@@ -159,7 +159,13 @@ impl KvService {
                 }
                 if let Some(feed) = st.expected.get(id).cloned() {
                     announced = true;
-                    match feed.attach() {
+                    // Not streamed (`--kv-stream off`): wait for the publication.
+                    let attach = if self.streaming {
+                        feed.attach()
+                    } else {
+                        Attach::TooLate
+                    };
+                    match attach {
                         Attach::Attached => {
                             // In progress from now on: the publication, when it comes,
                             // is this read's to free (see `streamed`).

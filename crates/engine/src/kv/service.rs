@@ -128,6 +128,8 @@ pub struct KvService {
     next_keep: AtomicU64,
     /// Longest wait of a streamed read for any one block (see [`streamed`]).
     block_wait: Duration,
+    /// Whether reads that start before their prefill ends are streamed (`--kv-stream`).
+    streaming: bool,
 }
 
 impl KvService {
@@ -141,7 +143,15 @@ impl KvService {
             changed: Notify::new(),
             next_keep: AtomicU64::new(1),
             block_wait: streamed::BLOCK_WAIT,
+            streaming: true,
         }
+    }
+
+    /// The same service streaming reads that start before their prefill ends
+    /// (`--kv-stream`; on by default), or serving them once the prefill published.
+    pub fn with_streaming(mut self, streaming: bool) -> Self {
+        self.streaming = streaming;
+        self
     }
 
     /// The same service with streamed reads waiting at most `wait` for any one block

@@ -140,8 +140,8 @@ impl KvService {
         if reading.feed.is_none() || !reading.blocks.is_empty() {
             return None;
         }
+        // Its tail is timed from the feed's completion, not from here.
         reading.blocks = pinned.blocks.clone();
-        reading.finished_at = Some(pinned.finished_at);
         self.metrics
             .kv
             .pinned_blocks

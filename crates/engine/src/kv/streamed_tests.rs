@@ -41,11 +41,11 @@ impl Drop for Rig {
 
 /// A prefill worker's scheduler (16-token chunks, 60 ms per step) and KV service.
 async fn rig() -> Rig {
-    rig_waiting(streamed::BLOCK_WAIT).await
+    rig_with(|service| service).await
 }
 
-/// [`rig`] whose streamed reads wait at most `block_wait` for any one block.
-async fn rig_waiting(block_wait: Duration) -> Rig {
+/// [`rig`] whose KV service `configure` sets up.
+async fn rig_with(configure: impl FnOnce(KvService) -> KvService) -> Rig {
     let metrics = Arc::new(Metrics::new());
     let config = SchedulerConfig {
         policy: crate::scheduler::SchedulingPolicy::Fcfs,
@@ -59,22 +59,19 @@ async fn rig_waiting(block_wait: Duration) -> Rig {
     let (engine, thread) = spawn(model, config, metrics.clone()).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let service = Arc::new(
-        KvService::new(
-            KvServiceConfig {
-                engine_id: "engine-p".into(),
-                layout: "fake".into(),
-                block_bytes: 64,
-                host: "127.0.0.1".into(),
-                port: listener.local_addr().unwrap().port(),
-                abort_timeout: Duration::from_secs(2),
-                conversation_budget: 4,
-            },
-            engine.clone(),
-            metrics.clone(),
-        )
-        .with_block_wait(block_wait),
-    );
+    let service = Arc::new(configure(KvService::new(
+        KvServiceConfig {
+            engine_id: "engine-p".into(),
+            layout: "fake".into(),
+            block_bytes: 64,
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().unwrap().port(),
+            abort_timeout: Duration::from_secs(2),
+            conversation_budget: 4,
+        },
+        engine.clone(),
+        metrics.clone(),
+    )));
     let server = tokio::spawn(pdserve_kv_transfer::server::serve(
         listener,
         service.clone(),
@@ -398,7 +395,7 @@ async fn reads_refused_before_acceptance_or_too_late_to_stream_read_the_publicat
 #[tokio::test]
 async fn a_read_that_gives_up_on_a_slow_prefill_leaves_the_publication_readable() {
     // Each chunk takes 60 ms; the read waits 10 ms for a block.
-    let rig = rig_waiting(Duration::from_millis(10)).await;
+    let rig = rig_with(|s| s.with_block_wait(Duration::from_millis(10))).await;
     let prompt = prompt();
     let expected = rig.service.expect("pdkv-w", &prompt).unwrap();
     let read = {
@@ -424,4 +421,36 @@ async fn a_read_that_gives_up_on_a_slow_prefill_leaves_the_publication_readable(
     assert_eq!(pulled.blocks.len(), BLOCKS);
     settled(&rig).await;
     assert_eq!(rig.metrics.kv.serve_failures.get(), 1);
+}
+
+#[tokio::test]
+async fn with_streaming_off_a_waiting_read_gets_its_blocks_once_the_prefill_ends() {
+    let rig = rig_with(|s| s.with_streaming(false)).await;
+    let prompt = prompt();
+    let expected = rig.service.expect("pdkv-o", &prompt).unwrap();
+    let mut s = raw_read(&rig.addr, &awaited_read("pdkv-o", &prompt)).await;
+    let mut events = submit_prefill(&rig.engine, &expected);
+    // Streamed, it would be accepted at admission; here nothing comes while it computes.
+    let mut byte = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(200), s.peek(&mut byte)).await;
+    assert!(early.is_err(), "nothing is sent while the prefill computes");
+    assert!(!has_finished(&mut events));
+    let params = publish_when_done(&rig.service, &mut events, expected).await;
+    // Accepted only now, from the publication.
+    let accepted = frame(&mut s).await;
+    assert_eq!(accepted.kind, FrameKind::ReadAccepted);
+    for index in 0..BLOCKS {
+        let block = frame(&mut s).await;
+        assert_eq!(
+            block.payload[4..],
+            fake_block(&prompt, index),
+            "block {index}"
+        );
+    }
+    write_frame(&mut s, FrameKind::ReadComplete, &[])
+        .await
+        .unwrap();
+    assert_eq!(params.remote_request_id.as_deref(), Some("pdkv-o"));
+    settled(&rig).await;
+    assert_eq!(rig.metrics.kv.blocks_streamed.get(), 0);
 }
