@@ -65,7 +65,7 @@ impl RemoteBlocks {
     }
 
     /// A read that waits for `peer` to publish a prompt of `prompt_tokens` tokens under
-    /// `request_id`, an id this worker chose (see [`super::awaited`]).
+    /// `request_id`, an id this worker chose (see [`super::service::awaited`]).
     pub fn awaited(peer: &KvPeer, request_id: String, prompt_tokens: usize, layout: &str) -> Self {
         Self {
             host: peer.host.clone(),

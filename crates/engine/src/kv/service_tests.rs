@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use pdserve_kv_transfer::{pull, PullConfig, ServerConfig, TransferError};
+use pdserve_kv_transfer::{pull, ErrorCode, PullConfig, ReadRequest, ServerConfig, TransferError};
 use tokio::net::TcpListener;
 
 use super::*;

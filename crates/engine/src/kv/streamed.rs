@@ -51,9 +51,14 @@ impl KvService {
     ) -> Result<Export, (ErrorCode, String)> {
         let AttachedRead { feed, started } = attached;
         let id = &request.request_id;
+        // Until accepted, a refusal, or this future dropped mid-wait, undoes the attach.
+        let mut unaccepted = Unaccepted {
+            service: self,
+            id,
+            armed: true,
+        };
         let left = AWAIT_LIMIT.saturating_sub(started.elapsed());
         let Some(reused) = feed.admitted_within(left).await else {
-            self.refuse_streamed(id);
             return Err((
                 ErrorCode::UnknownRequest,
                 format!(
@@ -65,7 +70,6 @@ impl KvService {
         let matched = common_prefix(&request.token_ids, feed.tokens());
         let num_blocks = matched.div_ceil(BLOCK_SIZE);
         if num_blocks > request.block_ids.len() {
-            self.refuse_streamed(id);
             return Err((
                 ErrorCode::BlockMismatch,
                 format!(
@@ -74,6 +78,7 @@ impl KvService {
                 ),
             ));
         }
+        unaccepted.armed = false;
         tracing::debug!(id, num_blocks, "KV read accepted while its prefill runs");
         let blocks = FeedBlocks {
             feed,
@@ -155,6 +160,21 @@ impl KvService {
         if let Route::Free = route {
             tracing::debug!(id, "KV published after its streamed read ended; freed");
             release_unpublished(&self.engine, blocks);
+        }
+    }
+}
+
+/// A streamed read attached to its feed but not accepted yet.
+struct Unaccepted<'a> {
+    service: &'a KvService,
+    id: &'a str,
+    armed: bool,
+}
+
+impl Drop for Unaccepted<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.service.refuse_streamed(self.id);
         }
     }
 }

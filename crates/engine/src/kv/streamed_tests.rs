@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use pdserve_kv_transfer::frame::{read_frame, write_frame, Frame, FrameKind};
-use pdserve_kv_transfer::{pull, PullConfig, ReadAccepted, ServerConfig, TransferError};
+use pdserve_kv_transfer::{
+    pull, ErrorCode, PullConfig, ReadAccepted, ReadRequest, ServerConfig, TransferError,
+};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::awaited::{awaited_block_ids, ExpectedPublication};
