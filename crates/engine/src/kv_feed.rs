@@ -5,7 +5,7 @@
 //! The scheduler copies each block out of the KV pool on its own thread, right after
 //! the chunk that completed it, and only once a reader is attached: the copy is taken
 //! while the sequence still references the block, so nothing can free or reuse it
-//! mid-copy, and no pin outlives the step. The reader takes the copies in order and
+//! mid-copy, and no pin is taken for blocks in flight. The reader takes the copies in order and
 //! sends them; the last (possibly partial) block is copied when the prompt's last chunk
 //! is computed. A prefill that never completes closes the feed and the reader fails.
 //!
