@@ -32,6 +32,11 @@ pub struct GenerationRequest {
     pub prompt_logprobs: Option<usize>,
     /// Keep the sequence's blocks pinned when it finishes, for a peer to read (KV export).
     pub pin_on_finish: bool,
+    /// With `pin_on_finish`: also copy the blocks' bytes out of the pool as the sequence
+    /// finishes (a prefill for a peer), so the peer's read is served from the copy at
+    /// once instead of waiting for the scheduler, which may be in the middle of the next
+    /// prompt's step (up to seconds on CPU).
+    pub copy_on_finish: bool,
     /// Where the prompt's KV goes block by block as it is computed, for a reader already
     /// waiting (a prefill publishing under a reader-chosen id). One sequence's only.
     pub kv_feed: Option<Arc<KvFeed>>,
@@ -57,6 +62,7 @@ impl GenerationRequest {
             logprobs: None,
             prompt_logprobs: None,
             pin_on_finish: false,
+            copy_on_finish: false,
             kv_feed: None,
             kv_import: None,
             priority: 0,
@@ -95,6 +101,18 @@ pub struct PinnedKv {
     /// When the sequence finished (`pdserve_kv_stream_tail_seconds` measures from here
     /// to the read's end).
     pub finished_at: Instant,
+    /// The blocks' bytes, copied as the sequence finished (`copy_on_finish`).
+    pub bytes: Option<BlockBytes>,
+}
+
+/// Exported blocks' bytes, copied out of the KV pool: one buffer per block, in order.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BlockBytes(pub Vec<Vec<u8>>);
+
+impl std::fmt::Debug for BlockBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BlockBytes({} blocks)", self.0.len())
+    }
 }
 
 /// Why a sequence stopped.

@@ -85,6 +85,11 @@ impl Sequence {
         self.request.pin_on_finish
     }
 
+    /// Whether its exported blocks are copied out as it finishes (a prefill for a peer).
+    pub fn copy_on_finish(&self) -> bool {
+        self.request.copy_on_finish
+    }
+
     /// The KV to load at first admission (taken: a preempted sequence recomputes).
     pub fn take_kv_import(&mut self) -> Option<KvImport> {
         self.request.kv_import.take()

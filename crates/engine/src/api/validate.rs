@@ -231,6 +231,7 @@ pub fn generation_request(
         logprobs,
         prompt_logprobs: None,
         pin_on_finish: false,
+        copy_on_finish: false,
         kv_feed: None,
         kv_import: None,
         priority: 0,

@@ -45,6 +45,7 @@ pub async fn prepare_prefill(
     request.max_new_tokens = 1;
     request.min_new_tokens = 0;
     request.pin_on_finish = true;
+    request.copy_on_finish = true;
     // Its reader may be waiting already: the blocks go to it as they are computed.
     request.kv_feed = name.as_ref().map(|n| n.feed().clone());
     if RemoteBlocks::named_by(params) {

@@ -10,6 +10,7 @@ use pdserve_kv_transfer::{
 use pdserve_model::BLOCK_SIZE;
 
 use super::{awaited, common_prefix, release, KvService, Reading};
+use crate::request::BlockBytes;
 
 impl KvService {
     /// Pins a conversation hand-back's kept blocks for the read under `request_id`, or
@@ -145,6 +146,11 @@ impl KvService {
                     wanted.len()
                 ),
             ));
+        }
+        if let Some(BlockBytes(mut bytes)) = entry.bytes {
+            // Copied as the prefill finished: nothing waits for the scheduler.
+            bytes.truncate(wanted.len());
+            return Ok(Export::ready(matched, bytes, entry.reused.within(matched)));
         }
         match self.engine.read_blocks(wanted).await {
             Ok(blocks) => Ok(Export::ready(matched, blocks, entry.reused.within(matched))),

@@ -26,7 +26,7 @@ use tokio::sync::Notify;
 
 use crate::kv_feed::KvFeed;
 use crate::metrics::Metrics;
-use crate::request::PinnedKv;
+use crate::request::{BlockBytes, PinnedKv};
 use crate::scheduler::EngineHandle;
 
 /// Why blocks were published.
@@ -73,6 +73,9 @@ struct Published {
     reused: ReusedTokens,
     /// When the publishing prefill finished (prefill publications only).
     finished_at: Option<Instant>,
+    /// The blocks' bytes, copied as the prefill finished: a read is answered from them
+    /// without waiting for the scheduler.
+    bytes: Option<BlockBytes>,
 }
 
 /// An accepted read in progress.
@@ -256,6 +259,7 @@ impl KvService {
                 kept,
                 reused: pinned.reused,
                 finished_at: (kind == PublishKind::Prefill).then_some(pinned.finished_at),
+                bytes: pinned.bytes.filter(|_| kind == PublishKind::Prefill),
             };
             st.pins.insert(request_id, published, deadline);
         }

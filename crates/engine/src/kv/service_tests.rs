@@ -429,3 +429,76 @@ async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
     engine.shutdown();
     thread.join().unwrap();
 }
+
+#[tokio::test]
+async fn a_prefill_for_a_peer_is_read_from_the_copy_taken_as_it_finished() {
+    let metrics = Arc::new(Metrics::new());
+    let config = SchedulerConfig {
+        policy: crate::scheduler::SchedulingPolicy::Fcfs,
+        max_num_seqs: 4,
+        max_waiting: 8,
+        max_num_batched_tokens: 256,
+        max_model_len: 256,
+    };
+    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let service = Arc::new(KvService::new(
+        KvServiceConfig {
+            engine_id: "engine-p".into(),
+            layout: "fake".into(),
+            block_bytes: 64,
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().unwrap().port(),
+            abort_timeout: Duration::from_secs(20),
+            conversation_budget: 4,
+        },
+        engine.clone(),
+        metrics.clone(),
+    ));
+    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
+        listener,
+        service.clone(),
+        ServerConfig::default(),
+        std::future::pending(),
+    ));
+
+    let prompt: Vec<u32> = (1..=40).collect();
+    let mut req = GenerationRequest::new(prompt.clone(), 1);
+    req.pin_on_finish = true;
+    req.copy_on_finish = true;
+    let mut events = engine.submit(req).unwrap();
+    let pinned = loop {
+        match tokio::time::timeout(DEADLINE, events.recv()).await.unwrap() {
+            Some(SeqEvent::Finished {
+                pinned: Some(p), ..
+            }) => break p,
+            Some(SeqEvent::Finished { .. } | SeqEvent::Failed(_)) | None => {
+                panic!("no pinned blocks")
+            }
+            Some(_) => {}
+        }
+    };
+    // The copy is the pool's content.
+    let copy = pinned.bytes.clone().expect("copied as it finished").0;
+    let pool = engine.read_blocks(pinned.blocks.clone()).await.unwrap();
+    assert_eq!(copy, pool);
+    // A read gets the copy, and the pins go when it completes.
+    let params = service.publish(pinned, PublishKind::Prefill).unwrap();
+    settle(&metrics, 3).await;
+    let pulled = pull(
+        &addr,
+        &read_of(&params, &prompt),
+        64,
+        &PullConfig::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pulled.matched_tokens, 40);
+    assert_eq!(pulled.blocks, pool);
+    settle(&metrics, 0).await;
+    assert_eq!(service.pending_exports(), 0);
+    server.abort();
+    engine.shutdown();
+    thread.join().unwrap();
+}

@@ -8,7 +8,7 @@ use pdserve_model::{ModelError, SequenceStep, BLOCK_SIZE};
 use super::thread::Scheduler;
 use crate::metrics::Metrics;
 use crate::profile::{token_split, StepSpan};
-use crate::request::{FinishReason, PinnedKv, SeqEvent};
+use crate::request::{BlockBytes, FinishReason, PinnedKv, SeqEvent};
 use crate::sequence::Sequence;
 use crate::step_model::StepModel;
 
@@ -18,6 +18,12 @@ impl<M: StepModel> Scheduler<M> {
         let blocks = seq.blocks[..seq.num_computed.div_ceil(BLOCK_SIZE)].to_vec();
         match self.blocks.pin(&blocks) {
             Ok(()) => Some(PinnedKv {
+                // Copied now, between steps: a read of them later would wait for the
+                // scheduler, which may be in the next prompt's step by then.
+                bytes: seq
+                    .copy_on_finish()
+                    .then(|| self.read_pinned(&blocks).ok().map(BlockBytes))
+                    .flatten(),
                 blocks,
                 num_tokens: seq.num_computed,
                 tokens: seq.tokens[..seq.num_computed].to_vec(),

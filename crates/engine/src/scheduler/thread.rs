@@ -137,7 +137,7 @@ impl<M: StepModel> Scheduler<M> {
         }
     }
 
-    fn read_pinned(&self, ids: &[BlockId]) -> Result<Vec<Vec<u8>>, KvError> {
+    pub(super) fn read_pinned(&self, ids: &[BlockId]) -> Result<Vec<Vec<u8>>, KvError> {
         if let Some(&id) = ids.iter().find(|&&id| !self.blocks.is_pinned(id)) {
             return Err(KvError::NotPinned(id));
         }
