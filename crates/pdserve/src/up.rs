@@ -20,7 +20,7 @@ use crate::placement::{place, CoreLayout, Placement};
 /// `--disagg-threshold`'s default: prompts shorter than this are prefilled by the decode
 /// worker while the prefill worker is busy (measured: docs/benchmarks.md, "Conditional
 /// disaggregation").
-const DISAGG_THRESHOLD: usize = 64;
+const DISAGG_THRESHOLD: usize = 512;
 
 /// How long past its `--shutdown-timeout` a member may take to exit before it is killed.
 const STOP_MARGIN: Duration = Duration::from_secs(5);
@@ -78,9 +78,10 @@ pub struct UpArgs {
     /// P/D through a gateway: a prompt whose uncached part is shorter than this many
     /// tokens skips the prefill leg, and the decode worker prefills it, while the prefill
     /// worker is busy with another prompt (the gateway's --disagg-threshold with
-    /// --disagg-min-prefill-load 1): a short prompt no longer waits behind a long
-    /// prefill. 0 turns it off; a --gateway-arg=--disagg-threshold overrides it. The
-    /// default is measured in docs/benchmarks.md ("Conditional disaggregation").
+    /// --disagg-min-prefill-load 1): the decode worker is a second prefill lane instead
+    /// of a queue behind the first. 0 turns it off; a --gateway-arg=--disagg-threshold
+    /// overrides it. The default is measured in docs/benchmarks.md ("Conditional
+    /// disaggregation").
     #[arg(long, env = "PDSERVE_DISAGG_THRESHOLD", default_value_t = DISAGG_THRESHOLD)]
     disagg_threshold: usize,
     /// Gateway replicas, on --port, --port + 1, …: each with the same flags, workers and

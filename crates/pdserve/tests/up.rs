@@ -152,7 +152,7 @@ fn up_serves_through_the_gateway_and_stops_cleanly() {
     assert_eq!(gateways.len(), 2, "{gateways:?}");
     for cmdline in &gateways {
         assert!(
-            cmdline.contains("--disagg-threshold 64 --disagg-min-prefill-load 1"),
+            cmdline.contains("--disagg-threshold 512 --disagg-min-prefill-load 1"),
             "{cmdline}"
         );
     }
