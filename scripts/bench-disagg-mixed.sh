@@ -15,14 +15,8 @@ bin=${PDSERVE:-target/release/pdserve}
 port=${PORT:-18760}
 mkdir -p "$out"
 
-wait_up() {
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "the stack on port $1 did not come up" >&2
-  return 1
-}
+# shellcheck source=lib/stack.sh
+source "$(dirname "$0")/lib/stack.sh"
 
 summary() { # label log
   printf '%s\t%s\n' "$1" "$(grep -E 'Median TTFT|P90 TTFT|P99 ITL|Request goodput' "$2" | awk '{print $NF}' | paste -sd' ')"

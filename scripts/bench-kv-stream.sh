@@ -20,14 +20,8 @@ port=${PORT:-18780}
 chunk=${CHUNK:-128}
 mkdir -p "$out"
 
-wait_up() {
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "the stack on port $1 did not come up" >&2
-  return 1
-}
+# shellcheck source=lib/stack.sh
+source "$(dirname "$0")/lib/stack.sh"
 
 mean() { # metrics-text family
   awk -v f="$2" '$1 == f"_sum" {s=$2} $1 == f"_count" {c=$2} END {if (c > 0) printf "%.1f ms (n=%d)", 1000*s/c, c; else print "none"}' <<<"$1"

@@ -27,14 +27,8 @@ port=${PORT:-18700}
 input_len=${INPUT_LEN:-256}
 output_len=${OUTPUT_LEN:-32}
 
-wait_up() {
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "the stack on port $1 did not come up" >&2
-  return 1
-}
+# shellcheck source=lib/stack.sh
+source "$(dirname "$0")/lib/stack.sh"
 
 # start_stack STACK: `pdserve up` with that stack's flags, in the background ($up).
 start_stack() {

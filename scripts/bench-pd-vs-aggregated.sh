@@ -17,14 +17,8 @@ bin=${PDSERVE:-target/release/pdserve}
 port=${PORT:-18770}
 mkdir -p "$out"
 
-wait_up() {
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "the stack on port $1 did not come up" >&2
-  return 1
-}
+# shellcheck source=lib/stack.sh
+source "$(dirname "$0")/lib/stack.sh"
 
 run_one() { # label seed rate up-args...
   local label=$1 seed=$2 rate=$3

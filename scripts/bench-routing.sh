@@ -20,14 +20,8 @@ bin=${PDSERVE:-target/release/pdserve}
 mkdir -p "$out"
 port=${PORT:-18600}
 
-wait_up() {
-  for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "the stack on port $1 did not come up" >&2
-  return 1
-}
+# shellcheck source=lib/stack.sh
+source "$(dirname "$0")/lib/stack.sh"
 
 run_one() { # topology replicas policy repeat
   local topology=$1 replicas=$2 policy=$3 rep=$4
