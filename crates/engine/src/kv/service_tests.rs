@@ -12,6 +12,60 @@ use crate::step_model::fake::FakeModel;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
+/// A scheduler over the fake model (16 blocks of 16 tokens), and a KV service for it
+/// serving reads on 127.0.0.1:0.
+struct Rig {
+    metrics: Arc<Metrics>,
+    engine: EngineHandle,
+    thread: std::thread::JoinHandle<()>,
+    service: Arc<KvService>,
+    addr: String,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Rig {
+    async fn start(engine_id: &str, abort_timeout: Duration, conversation_budget: usize) -> Self {
+        let metrics = Arc::new(Metrics::new());
+        let config = SchedulerConfig {
+            policy: crate::scheduler::SchedulingPolicy::Fcfs,
+            max_num_seqs: 4,
+            max_waiting: 8,
+            max_num_batched_tokens: 256,
+            max_model_len: 256,
+        };
+        let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let service = Arc::new(KvService::new(
+            KvServiceConfig {
+                engine_id: engine_id.into(),
+                layout: "fake".into(),
+                block_bytes: 64,
+                host: "127.0.0.1".into(),
+                port: listener.local_addr().unwrap().port(),
+                abort_timeout,
+                conversation_budget,
+            },
+            engine.clone(),
+            metrics.clone(),
+        ));
+        let server = tokio::spawn(pdserve_kv_transfer::server::serve(
+            listener,
+            service.clone(),
+            ServerConfig::default(),
+            std::future::pending(),
+        ));
+        Self {
+            metrics,
+            engine,
+            thread,
+            service,
+            addr,
+            server,
+        }
+    }
+}
+
 async fn finished_pinned(engine: &EngineHandle, prompt: Vec<u32>) -> PinnedKv {
     finished_feeding(engine, prompt, None).await
 }
@@ -61,36 +115,14 @@ fn read_of(params: &KvTransferParams, tokens: &[u32]) -> ReadRequest {
 
 #[tokio::test]
 async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
-    let metrics = Arc::new(Metrics::new());
-    let config = SchedulerConfig {
-        policy: crate::scheduler::SchedulingPolicy::Fcfs,
-        max_num_seqs: 4,
-        max_waiting: 8,
-        max_num_batched_tokens: 256,
-        max_model_len: 256,
-    };
-    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let service = Arc::new(KvService::new(
-        KvServiceConfig {
-            engine_id: "engine-p".into(),
-            layout: "fake".into(),
-            block_bytes: 64,
-            host: "127.0.0.1".into(),
-            port: listener.local_addr().unwrap().port(),
-            abort_timeout: Duration::from_millis(200),
-            conversation_budget: 4,
-        },
-        engine.clone(),
-        metrics.clone(),
-    ));
-    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
-        listener,
-        service.clone(),
-        ServerConfig::default(),
-        std::future::pending(),
-    ));
+    let Rig {
+        metrics,
+        engine,
+        thread,
+        service,
+        addr,
+        server,
+    } = Rig::start("engine-p", Duration::from_millis(200), 4).await;
     let pull_config = PullConfig::default();
 
     let prompt: Vec<u32> = (1..=40).collect();
@@ -218,36 +250,14 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
 /// publishing, and the id cannot be announced twice.
 #[tokio::test]
 async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
-    let metrics = Arc::new(Metrics::new());
-    let config = SchedulerConfig {
-        policy: crate::scheduler::SchedulingPolicy::Fcfs,
-        max_num_seqs: 4,
-        max_waiting: 8,
-        max_num_batched_tokens: 256,
-        max_model_len: 256,
-    };
-    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let service = Arc::new(KvService::new(
-        KvServiceConfig {
-            engine_id: "engine-p".into(),
-            layout: "fake".into(),
-            block_bytes: 64,
-            host: "127.0.0.1".into(),
-            port: listener.local_addr().unwrap().port(),
-            abort_timeout: Duration::from_secs(10),
-            conversation_budget: 4,
-        },
-        engine.clone(),
-        metrics.clone(),
-    ));
-    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
-        listener,
-        service.clone(),
-        ServerConfig::default(),
-        std::future::pending(),
-    ));
+    let Rig {
+        metrics,
+        engine,
+        thread,
+        service,
+        addr,
+        server,
+    } = Rig::start("engine-p", Duration::from_secs(10), 4).await;
     let prompt: Vec<u32> = (1..=40).collect();
     let awaited_read = |id: &str| ReadRequest {
         engine_id: "engine-p".into(),
@@ -353,36 +363,14 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
 /// `gone` (the reader computes instead) and the reclaim is counted.
 #[tokio::test]
 async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
-    let metrics = Arc::new(Metrics::new());
-    let config = SchedulerConfig {
-        policy: crate::scheduler::SchedulingPolicy::Fcfs,
-        max_num_seqs: 4,
-        max_waiting: 8,
-        max_num_batched_tokens: 256,
-        max_model_len: 256,
-    };
-    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let service = Arc::new(KvService::new(
-        KvServiceConfig {
-            engine_id: "engine-d".into(),
-            layout: "fake".into(),
-            block_bytes: 64,
-            host: "127.0.0.1".into(),
-            port: listener.local_addr().unwrap().port(),
-            abort_timeout: Duration::from_secs(60),
-            conversation_budget: 8,
-        },
-        engine.clone(),
-        metrics.clone(),
-    ));
-    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
-        listener,
-        service.clone(),
-        ServerConfig::default(),
-        std::future::pending(),
-    ));
+    let Rig {
+        metrics,
+        engine,
+        thread,
+        service,
+        addr,
+        server,
+    } = Rig::start("engine-d", Duration::from_secs(60), 8).await;
     let prompt: Vec<u32> = (1..=40).collect();
     let pinned = finished_pinned(&engine, prompt.clone()).await;
     let params = service.publish(pinned, PublishKind::Conversation).unwrap();
@@ -432,36 +420,14 @@ async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
 
 #[tokio::test]
 async fn a_prefill_for_a_peer_is_read_from_the_copy_taken_as_it_finished() {
-    let metrics = Arc::new(Metrics::new());
-    let config = SchedulerConfig {
-        policy: crate::scheduler::SchedulingPolicy::Fcfs,
-        max_num_seqs: 4,
-        max_waiting: 8,
-        max_num_batched_tokens: 256,
-        max_model_len: 256,
-    };
-    let (engine, thread) = spawn(FakeModel::new(16), config, metrics.clone()).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let service = Arc::new(KvService::new(
-        KvServiceConfig {
-            engine_id: "engine-p".into(),
-            layout: "fake".into(),
-            block_bytes: 64,
-            host: "127.0.0.1".into(),
-            port: listener.local_addr().unwrap().port(),
-            abort_timeout: Duration::from_secs(20),
-            conversation_budget: 4,
-        },
-        engine.clone(),
-        metrics.clone(),
-    ));
-    let server = tokio::spawn(pdserve_kv_transfer::server::serve(
-        listener,
-        service.clone(),
-        ServerConfig::default(),
-        std::future::pending(),
-    ));
+    let Rig {
+        metrics,
+        engine,
+        thread,
+        service,
+        addr,
+        server,
+    } = Rig::start("engine-p", Duration::from_secs(20), 4).await;
 
     let prompt: Vec<u32> = (1..=40).collect();
     let mut req = GenerationRequest::new(prompt.clone(), 1);
