@@ -163,6 +163,13 @@ impl KvFeed {
         }
     }
 
+    /// Whether a reader takes every block from this feed, so the prompt's publication
+    /// will not be read for them.
+    pub fn has_reader(&self) -> bool {
+        let st = self.lock();
+        st.reader == Reader::Attached && !st.closed && !st.gave_up
+    }
+
     // The prefill's publication side.
 
     /// The prefill ended (published, failed or cancelled): a waiting reader gets what

@@ -79,6 +79,11 @@ pub(super) async fn finished_feeding(
     let mut req = GenerationRequest::new(prompt, 1);
     req.pin_on_finish = true;
     req.kv_feed = feed;
+    finished(engine, req).await
+}
+
+/// The pinned blocks `req` (a `pin_on_finish` request) left when it finished.
+async fn finished(engine: &EngineHandle, req: GenerationRequest) -> PinnedKv {
     let mut events = engine.submit(req).unwrap();
     loop {
         match tokio::time::timeout(DEADLINE, events.recv()).await.unwrap() {
@@ -433,18 +438,7 @@ async fn a_prefill_for_a_peer_is_read_from_the_copy_taken_as_it_finished() {
     let mut req = GenerationRequest::new(prompt.clone(), 1);
     req.pin_on_finish = true;
     req.copy_on_finish = true;
-    let mut events = engine.submit(req).unwrap();
-    let pinned = loop {
-        match tokio::time::timeout(DEADLINE, events.recv()).await.unwrap() {
-            Some(SeqEvent::Finished {
-                pinned: Some(p), ..
-            }) => break p,
-            Some(SeqEvent::Finished { .. } | SeqEvent::Failed(_)) | None => {
-                panic!("no pinned blocks")
-            }
-            Some(_) => {}
-        }
-    };
+    let pinned = finished(&engine, req).await;
     // The copy is the pool's content.
     let copy = pinned.bytes.clone().expect("copied as it finished").0;
     let pool = engine.read_blocks(pinned.blocks.clone()).await.unwrap();

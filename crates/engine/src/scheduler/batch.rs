@@ -20,8 +20,8 @@ impl<M: StepModel> Scheduler<M> {
             Ok(()) => Some(PinnedKv {
                 // Copied now, between steps: a read of them later would wait for the
                 // scheduler, which may be in the next prompt's step by then.
-                bytes: seq
-                    .copy_on_finish()
+                // A streamed reader already got every block from the feed.
+                bytes: (seq.copy_on_finish() && !seq.kv_feed().is_some_and(|f| f.has_reader()))
                     .then(|| self.read_pinned(&blocks).ok().map(BlockBytes))
                     .flatten(),
                 blocks,
