@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use pdserve_protocol::WorkerRole;
 
-use crate::orchestrator::HandoffMode;
+use crate::orchestrator::{FirstTokenFromPrefill, HandoffMode};
 
 /// Default `--max-body-bytes`: the gateway's default, so that whatever it accepts a
 /// worker accepts too.
@@ -201,6 +201,22 @@ pub struct WorkerArgs {
     /// blocks) and races the decode against the prefill's answer.
     #[arg(long, env = "PDSERVE_HANDOFF", value_enum, default_value_t = HandoffMode::Sequential)]
     pub handoff: HandoffMode,
+
+    /// With --prefill: whether a request starts from the first token the prefill worker
+    /// sampled (with the request's own sampling; it answers its id, vLLM's
+    /// `return_token_ids`). It is reported as soon as the KV is here and decoding starts
+    /// from the second token, one step sooner; output is the same token for token.
+    /// Requests with logprobs, prompt logprobs or `max_tokens` 1 sample it here. `auto`:
+    /// where the prefill answer carries the id; `on`: the same, and an answer without
+    /// it is a warning; `off`: never. A request's `"first_token_from_prefill":
+    /// true|false` overrides.
+    #[arg(
+        long,
+        env = "PDSERVE_FIRST_TOKEN_FROM_PREFILL",
+        value_enum,
+        default_value_t = FirstTokenFromPrefill::Auto
+    )]
+    pub first_token_from_prefill: FirstTokenFromPrefill,
 
     /// With --prefill: seconds a prefill worker may take to answer a prefill leg; past
     /// it the client gets 504.

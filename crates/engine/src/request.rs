@@ -42,6 +42,12 @@ pub struct GenerationRequest {
     pub kv_feed: Option<Arc<KvFeed>>,
     /// KV computed elsewhere for the leading prompt tokens, loaded instead of computed.
     pub kv_import: Option<KvImport>,
+    /// The first output token, already sampled by the prefill worker that computed the
+    /// prompt (with this request's sampling): the sequence starts with it as generated,
+    /// reports it at once, and its first step computes that token's position, one step
+    /// sooner than recomputing the last prompt position to sample it again. The imported
+    /// KV may then cover the whole prompt.
+    pub first_token: Option<u32>,
     /// vLLM's `priority` (lower is served first; honoured by `--scheduling-policy
     /// priority`, which alone accepts a non-zero one).
     pub priority: i64,
@@ -65,6 +71,7 @@ impl GenerationRequest {
             copy_on_finish: false,
             kv_feed: None,
             kv_import: None,
+            first_token: None,
             priority: 0,
             trace: None,
         }
@@ -74,8 +81,9 @@ impl GenerationRequest {
 /// KV blocks (as `StepModel::read_block` bytes) holding a prompt's first `num_tokens`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvImport {
-    /// Leading prompt tokens the blocks hold (fewer than the prompt: the last prompt
-    /// token is always computed here, to get logits).
+    /// Leading prompt tokens the blocks hold: fewer than the prompt (the last prompt
+    /// token is computed here, to get logits), or the whole prompt for a request that
+    /// starts from a given `first_token` (whose position is computed here instead).
     pub num_tokens: usize,
     /// One entry per block, `ceil(num_tokens / BLOCK_SIZE)` of them.
     pub blocks: Vec<Vec<u8>>,

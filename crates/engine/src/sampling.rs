@@ -164,6 +164,16 @@ impl Sampler {
         token
     }
 
+    /// Takes `token` as sampled elsewhere with these same parameters (a prefill worker's
+    /// first token): remembered for the penalties, and the RNG advanced past the draw
+    /// that chose it, so a seeded sampler continues as if it had drawn the token itself.
+    pub fn replay(&mut self, token: u32) {
+        if self.params.temperature > 0.0 {
+            let _: f32 = self.rng.random();
+        }
+        *self.generated.entry(token).or_default() += 1;
+    }
+
     fn choose(&mut self, logits: &[f32], banned: &[u32]) -> u32 {
         let allowed = |i: usize| !banned.contains(&(i as u32)) && !logits[i].is_nan();
         if self.params.temperature <= 0.0 {
@@ -276,6 +286,23 @@ mod tests {
         let mut s = Sampler::new(SamplingParams::greedy());
         assert_eq!(s.sample(&LOGITS, &[]), 1);
         assert_eq!(s.sample(&LOGITS, &[1]), 4);
+    }
+
+    #[test]
+    fn a_replayed_token_leaves_a_seeded_sampler_where_drawing_it_would() {
+        let params = SamplingParams {
+            temperature: 0.9,
+            seed: Some(7),
+            frequency_penalty: 0.5,
+            ..SamplingParams::default()
+        };
+        let logits: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut drawing = Sampler::new(params.clone());
+        let drawn: Vec<u32> = (0..6).map(|_| drawing.sample(&logits, &[])).collect();
+        let mut replaying = Sampler::new(params);
+        replaying.replay(drawn[0]);
+        let rest: Vec<u32> = (0..5).map(|_| replaying.sample(&logits, &[])).collect();
+        assert_eq!(rest, drawn[1..]);
     }
 
     #[test]

@@ -50,8 +50,16 @@ pub(crate) struct Sequence {
 impl Sequence {
     /// A new sequence for `request`, reporting to `events`.
     pub fn new(request: GenerationRequest, events: mpsc::UnboundedSender<SeqEvent>) -> Self {
+        let mut sampler = Sampler::for_prompt(request.sampling.clone(), &request.prompt);
+        let mut tokens = request.prompt.clone();
+        // A given first token was reported when the request was submitted.
+        let last_token_at = request.first_token.map(|token| {
+            sampler.replay(token);
+            tokens.push(token);
+            Instant::now()
+        });
         Self {
-            tokens: request.prompt.clone(),
+            tokens,
             prompt_len: request.prompt.len(),
             num_computed: 0,
             blocks: Vec::new(),
@@ -61,10 +69,10 @@ impl Sequence {
             kv_imported_tokens: 0,
             holds_queue_slot: true,
             arrived: Instant::now(),
-            last_token_at: None,
+            last_token_at,
             prompt_logprobs: Vec::new(),
             prompt_logprobs_sent: false,
-            sampler: Sampler::for_prompt(request.sampling.clone(), &request.prompt),
+            sampler,
             request,
             events,
         }
@@ -103,6 +111,21 @@ impl Sequence {
     /// Where its prompt's KV goes as it is computed, for a reader already waiting.
     pub fn kv_feed(&self) -> Option<&crate::kv_feed::KvFeed> {
         self.request.kv_feed.as_deref()
+    }
+
+    /// Whether it started from a first token sampled elsewhere.
+    pub fn has_given_first_token(&self) -> bool {
+        self.request.first_token.is_some()
+    }
+
+    /// Whether its given first token already ends it (`max_tokens` 1, or a stop token
+    /// that `min_tokens` does not hold back): nothing would be left to run here.
+    pub fn ends_at_given_token(&self) -> bool {
+        self.request.first_token.is_some_and(|token| {
+            self.request.max_new_tokens <= 1
+                || (self.request.min_new_tokens == 0
+                    && self.request.stop_token_ids.contains(&token))
+        })
     }
 
     /// Whether the prompt is scored (`prompt_logprobs`): the whole prompt is computed,

@@ -134,6 +134,7 @@ fn orchestrator_config(args: &WorkerArgs) -> Result<Option<OrchestratorConfig>, 
     Ok(Some(OrchestratorConfig {
         prefill,
         handoff: args.handoff,
+        first_token_from_prefill: args.first_token_from_prefill,
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
         prewarm_interval: Duration::from_secs(args.prewarm_interval_secs),
         prewarm_attempts: args.prewarm_attempts,

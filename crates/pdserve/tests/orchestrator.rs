@@ -242,6 +242,7 @@ async fn suite() {
     );
 
     oracle(&suite).await;
+    first_token_from_prefill(&suite).await;
     cached_tokens(&suite).await;
     session_affinity(&suite).await;
     prefill_errors(&suite).await;
@@ -322,6 +323,83 @@ async fn oracle(s: &Suite) {
         )
         .await;
     assert_eq!(fallbacks, 0.0, "every concurrent read got its blocks early");
+}
+
+/// The decode starts from the prefill leg's own first token (on by default): seeded
+/// sampling with `n` = 2, streamed and not, gives the aggregated worker's tokens, ids
+/// and usage; a request that turns it off gets the same, sampled here.
+async fn first_token_from_prefill(s: &Suite) {
+    const FIRST: &str = "pdserve_orchestrator_first_token_from_prefill_total";
+    let mut sampled = completion(LONG, false);
+    for (field, value) in [
+        ("temperature", json!(0.8)),
+        ("seed", json!(5)),
+        ("n", json!(2)),
+        ("ignore_eos", json!(true)),
+        ("return_token_ids", json!(true)),
+    ] {
+        sampled[field] = value;
+    }
+    let mut streamed = completion(LONG, true);
+    streamed["temperature"] = json!(0.7);
+    streamed["seed"] = json!(9);
+    let choices = |v: &Value| {
+        let mut list = v["choices"].as_array().unwrap().clone();
+        list.sort_by_key(|c| c["index"].as_u64());
+        list.iter()
+            .map(|c| (c["text"].clone(), c["token_ids"].clone()))
+            .collect::<Vec<_>>()
+    };
+    let counts = |v: &Value| {
+        let u = &v["usage"];
+        (u["prompt_tokens"].clone(), u["completion_tokens"].clone())
+    };
+    let expected = s.ok(&s.agg, "/v1/completions", &sampled).await;
+    let listed = choices(&expected);
+    assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0].1.as_array().map(Vec::len), Some(12), "{expected}");
+    let expected_stream = text_of(&s.ok(&s.agg, "/v1/completions", &streamed).await);
+
+    for d in [&s.seq, &s.conc] {
+        let used = s.metric(d, FIRST, &["outcome=\"used\""]).await;
+        let asked = s.metric(d, FIRST, &[]).await;
+        let got = s.ok(d, "/v1/completions", &sampled).await;
+        assert_eq!(choices(&got), listed, "{d}: seeded, n = 2");
+        assert_eq!(counts(&got), counts(&expected), "{d}: usage");
+        let got = s.ok(d, "/v1/completions", &streamed).await;
+        assert_eq!(text_of(&got), expected_stream, "{d}: seeded stream");
+        assert_eq!(
+            s.metric(d, FIRST, &["outcome=\"used\""]).await - used,
+            2.0,
+            "{d}: both started from the prefill's token"
+        );
+        let mut off = sampled.clone();
+        off["first_token_from_prefill"] = json!(false);
+        let got = s.ok(d, "/v1/completions", &off).await;
+        assert_eq!(choices(&got), listed, "{d}: sampled here");
+        assert_eq!(s.metric(d, FIRST, &[]).await - asked, 2.0, "{d}: not asked");
+    }
+
+    let mut bad = completion("Hi", false);
+    bad["first_token_from_prefill"] = json!("yes");
+    let (status, body) = s.post(&s.seq, "/v1/completions", &bad).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "first_token_from_prefill");
+    let mut chat_ids = chat("Hi", false);
+    chat_ids["return_token_ids"] = json!(true);
+    let answer = s.ok(&s.agg, "/v1/chat/completions", &chat_ids).await;
+    assert_eq!(
+        answer["choices"][0]["token_ids"].as_array().map(Vec::len),
+        answer["usage"]["completion_tokens"]
+            .as_u64()
+            .map(|n| n as usize),
+        "{answer}"
+    );
+    let mut streamed_ids = completion("Hi", true);
+    streamed_ids["return_token_ids"] = json!(true);
+    let (status, body) = s.post(&s.agg, "/v1/completions", &streamed_ids).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "return_token_ids");
 }
 
 /// A prompt sent twice in one session (so to one prefill worker): the second time the

@@ -20,7 +20,8 @@ use super::prepared::{serve, session_key, Prepared, PromptRun, Reply};
 use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
-    check_model, choice_count, generation_request, output_options, request_priority, top_logprobs,
+    boolean_field, check_model, choice_count, generation_request, output_options, request_priority,
+    return_token_ids, top_logprobs,
 };
 use super::AppState;
 
@@ -44,7 +45,9 @@ async fn prepare(
 ) -> Result<Prepared<ChatFormat>, ApiError> {
     check_model(req.model.as_deref(), &app.serving.limits)?;
     check_unsupported(&req.extra)?;
-    let options = output_options(&req.transport, &req.generation)?;
+    let mut options = output_options(&req.transport, &req.generation)?;
+    options.return_token_ids = return_token_ids(&req.extra, options.stream)?;
+    let first_token_from_prefill = boolean_field(&req.extra, "first_token_from_prefill")?;
     let choices = choice_count(req.generation.n)?;
     let want_logprobs = req.logprobs.unwrap_or(false);
     let top = match req.top_logprobs {
@@ -76,6 +79,7 @@ async fn prepare(
     Ok(Prepared {
         prompts: vec![PromptRun::plain(request)],
         session: session_key(headers, &req.extra),
+        first_token_from_prefill,
         bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
         choices,
         kv_transfer_params: req.transport.kv_transfer_params,
@@ -238,7 +242,10 @@ impl ResponseFormat for ChatFormat {
                     content: lps.into_iter().map(token_logprob).collect(),
                 }),
                 finish_reason: Some(choice.finish_reason.into()),
-                extra: Default::default(),
+                extra: choice
+                    .token_ids
+                    .map(|ids| serde_json::Map::from_iter([("token_ids".into(), ids.into())]))
+                    .unwrap_or_default(),
             })
             .collect();
         Json(ChatCompletionResponse {

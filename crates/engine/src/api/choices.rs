@@ -90,7 +90,7 @@ fn choice_events<F: ResponseFormat>(
                         }
                         ChoiceEvent::Chunk(chunks)
                     }
-                    Piece::Token { text, logprob } => {
+                    Piece::Token { text, logprob, .. } => {
                         if text.is_empty() && logprob.is_none() {
                             continue;
                         }
@@ -205,16 +205,25 @@ pub fn stream_response<F: ResponseFormat>(
 async fn collect_choice(
     mut generation: Generation,
     want_logprobs: bool,
+    want_token_ids: bool,
 ) -> Result<(ChoiceOutput, Usage, Option<KvTransferParams>), ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    let mut token_ids = Vec::new();
     let mut prompt = None;
     while let Some(piece) = generation.next().await {
         match piece {
             Piece::Prompt(p) => prompt = Some(p),
-            Piece::Token { text: t, logprob } => {
+            Piece::Token {
+                id,
+                text: t,
+                logprob,
+            } => {
                 text.push_str(&t);
                 logprobs.extend(logprob);
+                if want_token_ids {
+                    token_ids.push(id);
+                }
             }
             Piece::Tail(t) => text.push_str(&t),
             Piece::End {
@@ -226,6 +235,7 @@ async fn collect_choice(
                     prompt,
                     text,
                     logprobs: want_logprobs.then_some(logprobs),
+                    token_ids: want_token_ids.then_some(token_ids),
                     finish_reason,
                 };
                 return Ok((output, usage, kv_transfer_params));
@@ -243,13 +253,14 @@ pub async fn collect_response<F: ResponseFormat>(
     submitted: Submitted,
     format: F,
     want_logprobs: bool,
+    want_token_ids: bool,
 ) -> Response {
     let per = submitted.choices / submitted.generations.len().max(1);
     let prompts = submitted.prompts;
     let runs = submitted
         .generations
         .into_iter()
-        .map(|g| collect_choice(g, want_logprobs));
+        .map(|g| collect_choice(g, want_logprobs, want_token_ids));
     let finished = match futures::future::try_join_all(runs).await {
         Ok(finished) => finished,
         Err(e) => return e.into_response(),

@@ -19,7 +19,8 @@ use super::prepared::{serve, session_key, Prepared, PromptRun, Reply};
 use super::response_format::{response_id, ChoiceOutput, ResolvedLogprob, ResponseFormat};
 use super::unsupported::check_unsupported;
 use super::validate::{
-    check_model, choice_count, generation_request, output_options, request_priority, top_logprobs,
+    boolean_field, check_model, choice_count, generation_request, output_options, request_priority,
+    return_token_ids, top_logprobs,
 };
 use super::AppState;
 use crate::serving::{EchoPlan, PromptEcho, PromptScores};
@@ -51,7 +52,9 @@ async fn prepare(
         )?),
     };
     check_unsupported(&req.extra)?;
-    let options = output_options(&req.transport, &req.generation)?;
+    let mut options = output_options(&req.transport, &req.generation)?;
+    options.return_token_ids = return_token_ids(&req.extra, options.stream)?;
+    let first_token_from_prefill = boolean_field(&req.extra, "first_token_from_prefill")?;
     let choices = choice_count(req.generation.n)?;
     let echo = req.echo == Some(true);
     let logprobs = req
@@ -148,6 +151,7 @@ async fn prepare(
     Ok(Prepared {
         prompts,
         session: session_key(headers, &req.extra),
+        first_token_from_prefill,
         bootstrap: crate::bootstrap::fields(&req.transport, choices)?,
         choices,
         kv_transfer_params: req.transport.kv_transfer_params,
@@ -409,6 +413,9 @@ impl ResponseFormat for CompletionFormat {
                 let mut choice = Self::choice(index, c.text, logprobs, Some(c.finish_reason));
                 if let Some(prompt) = &c.prompt {
                     self.prompt_part(prompt, &mut choice);
+                }
+                if let Some(ids) = c.token_ids {
+                    choice.extra.insert("token_ids".into(), ids.into());
                 }
                 choice
             })

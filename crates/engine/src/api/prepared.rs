@@ -56,6 +56,9 @@ pub struct Prepared<F> {
     pub model: Option<String>,
     /// The request's session key (see [`session_key`]).
     pub session: Option<String>,
+    /// Its `first_token_from_prefill` field (an orchestrating worker's choice per
+    /// request).
+    pub first_token_from_prefill: Option<bool>,
     /// How to answer.
     pub reply: Reply<F>,
 }
@@ -66,6 +69,8 @@ pub struct Reply<F> {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
+    /// List each choice's token ids (vLLM's `return_token_ids`).
+    token_ids: bool,
 }
 
 impl<F: ResponseFormat> Reply<F> {
@@ -76,6 +81,7 @@ impl<F: ResponseFormat> Reply<F> {
             stream: options.stream,
             include_usage: options.include_usage,
             logprobs,
+            token_ids: options.return_token_ids,
         }
     }
 
@@ -102,7 +108,7 @@ impl<F: ResponseFormat> Reply<F> {
         if self.stream {
             stream_response(generations, self.format, self.include_usage)
         } else {
-            collect_response(generations, self.format, self.logprobs).await
+            collect_response(generations, self.format, self.logprobs, self.token_ids).await
         }
     }
 }
@@ -145,6 +151,7 @@ pub(super) async fn serve<F: ResponseFormat>(
         choices,
         session,
         reply,
+        first_token_from_prefill,
         ..
     } = prepared;
     if prompts.len() > 1 && !matches!(handoff, Handoff::Local | Handoff::Orchestrated(_)) {
@@ -169,6 +176,7 @@ pub(super) async fn serve<F: ResponseFormat>(
                     session: session.clone(),
                     prime: reply.is_stream(),
                     echo,
+                    first_token_from_prefill,
                 };
                 orchestrator
                     .serve(&app.serving, orchestrated)

@@ -215,6 +215,7 @@ async fn prepare(
     Ok(Prepared {
         prompts: vec![PromptRun::plain(request)],
         session,
+        first_token_from_prefill: None,
         bootstrap: crate::bootstrap::fields(&req.transport, 1)?,
         choices: 1,
         kv_transfer_params: req.transport.kv_transfer_params,

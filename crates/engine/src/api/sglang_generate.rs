@@ -429,7 +429,7 @@ impl Output {
         let mut progress = Progress::default();
         loop {
             match self.generation.next().await {
-                Some(Piece::Token { text, logprob }) => {
+                Some(Piece::Token { text, logprob, .. }) => {
                     progress.completion_tokens += 1;
                     progress.text.push_str(&text);
                     progress.logprobs.extend(logprob);
@@ -520,7 +520,7 @@ fn stream(outputs: Vec<Output>, batch: bool, started: Instant) -> Response {
             };
             loop {
                 let event = match output.generation.next().await? {
-                    Piece::Token { text, logprob } => {
+                    Piece::Token { text, logprob, .. } => {
                         p.completion_tokens += 1;
                         let silent = text.is_empty() && logprob.is_none();
                         p.text.push_str(&text);

@@ -26,6 +26,9 @@ pub struct OutputOptions {
     pub include_usage: bool,
     /// Stop strings, cut from the output.
     pub stop: Vec<String>,
+    /// List each choice's generated token ids (vLLM's `return_token_ids`; answered on
+    /// non-streamed requests).
+    pub return_token_ids: bool,
 }
 
 /// 404 unless `model` is absent or names the served model.
@@ -104,6 +107,7 @@ pub fn output_options(
         stream,
         include_usage,
         stop,
+        return_token_ids: false,
     })
 }
 
@@ -142,6 +146,38 @@ pub fn request_priority(
             )
         }),
     }
+}
+
+/// An optional boolean request field the typed request leaves in `extra`
+/// (`return_token_ids`, `first_token_from_prefill`): 400 for any other type.
+pub fn boolean_field(
+    extra: &serde_json::Map<String, serde_json::Value>,
+    name: &str,
+) -> Result<Option<bool>, ApiError> {
+    match extra.get(name) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
+        Some(value) => Err(invalid(
+            name,
+            format!("{name} must be a boolean, got {value}"),
+        )),
+    }
+}
+
+/// vLLM's `return_token_ids`, answered on non-streamed requests (a stream asking for it
+/// is refused rather than answered without the ids).
+pub fn return_token_ids(
+    extra: &serde_json::Map<String, serde_json::Value>,
+    stream: bool,
+) -> Result<bool, ApiError> {
+    let asked = boolean_field(extra, "return_token_ids")?.unwrap_or(false);
+    if asked && stream {
+        return Err(invalid(
+            "return_token_ids",
+            "return_token_ids is answered on non-streamed requests only".into(),
+        ));
+    }
+    Ok(asked)
 }
 
 /// The scheduler request for `prompt` with the sampling fields of `params` (all but
@@ -234,6 +270,7 @@ pub fn generation_request(
         copy_on_finish: false,
         kv_feed: None,
         kv_import: None,
+        first_token: None,
         priority: 0,
         trace: None,
     })

@@ -3,7 +3,10 @@
 //!
 //! Every prompt position but the last is imported; the last prompt token is computed
 //! here, as the prefix cache always does, so the first token comes from this worker's
-//! own logits and greedy output is token for token the aggregated one.
+//! own logits and greedy output is token for token the aggregated one. A request that
+//! starts from the prefill worker's own first token (`GenerationRequest::first_token`)
+//! imports the whole prompt, as far as the peer holds it, and computes that token's
+//! position instead.
 
 use pdserve_kv_transfer::PulledBlocks;
 use pdserve_model::BLOCK_SIZE;
@@ -40,18 +43,20 @@ pub fn use_pulled_prompt_kv(
             prompt_tokens: request.prompt.len(),
         });
     }
-    if needed == 0 {
+    let most = needed + usize::from(request.first_token.is_some());
+    let taken = pulled.matched_tokens.min(most);
+    if taken == 0 {
         return Ok(());
     }
     let mut blocks = pulled.blocks;
-    blocks.truncate(needed.div_ceil(BLOCK_SIZE));
-    kv.metrics.kv.imported_tokens.inc_by(needed as u64);
+    blocks.truncate(taken.div_ceil(BLOCK_SIZE));
+    kv.metrics.kv.imported_tokens.inc_by(taken as u64);
     request.kv_import = Some(KvImport {
-        num_tokens: needed,
+        num_tokens: taken,
         blocks,
         // What the prefill worker did not compute either (its prefix-cache hits, an
         // earlier turn's KV) is cached for this request; the rest was computed there.
-        reused: pulled.reused.within(needed),
+        reused: pulled.reused.within(taken),
         landed_at: Some(pulled.received_at),
     });
     Ok(())

@@ -14,6 +14,30 @@ pub enum HandoffMode {
     Concurrent,
 }
 
+/// Whether a request starts from the prefill worker's first token
+/// (`--first-token-from-prefill`): the prefill leg samples it with the request's own
+/// sampling and answers its id (`return_token_ids`); this worker reports it at once and
+/// decodes from the second token, one step sooner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FirstTokenFromPrefill {
+    /// Per answer: used where the prefill answer carries the token's id (a pdserve
+    /// worker, vLLM with `return_token_ids`); otherwise this worker samples it again.
+    #[default]
+    Auto,
+    /// As `auto`, and a prefill answer without the id is logged as a warning.
+    On,
+    /// Never; a request's own `"first_token_from_prefill": true` still turns it on.
+    Off,
+}
+
+impl FirstTokenFromPrefill {
+    /// Whether a request that says `choice` (its `first_token_from_prefill` field)
+    /// takes the prefill's token under this mode.
+    pub fn wanted(self, choice: Option<bool>) -> bool {
+        choice.unwrap_or(self != Self::Off)
+    }
+}
+
 /// What `--prefill` and its companion flags configure.
 #[derive(Debug, Clone)]
 pub struct OrchestratorConfig {
@@ -21,6 +45,8 @@ pub struct OrchestratorConfig {
     pub prefill: Vec<String>,
     /// Sequential or concurrent handoff.
     pub handoff: HandoffMode,
+    /// Whether requests start from the prefill worker's first token.
+    pub first_token_from_prefill: FirstTokenFromPrefill,
     /// Longest wait for a prefill worker's answer.
     pub prefill_timeout: Duration,
     /// Time between pre-warm attempts, and between health probes of warm workers.

@@ -12,8 +12,10 @@
 //!   awaited or aborted (dropping the request aborts it), never left behind.
 //!
 //! Either way the decode imports every prompt position but the last and computes that
-//! one itself, so greedy output is token for token the aggregated worker's. With `n` > 1
-//! the prompt is prefilled and read once; choice 0 imports it and the others reuse its
+//! one itself, so greedy output is token for token the aggregated worker's; or, when the
+//! prefill leg answered the first token's id ([`super::first_token`]), it imports the
+//! whole prompt and starts from that token. With `n` > 1 the prompt is prefilled and
+//! read once; choice 0 imports it (and takes the first token) and the others reuse its
 //! blocks here.
 
 use std::future::Future;
@@ -24,6 +26,7 @@ use std::task::{Context, Poll};
 use pdserve_protocol::{ApiError, KvTransferParams};
 use tokio::task::{JoinError, JoinHandle};
 
+use super::first_token;
 use super::leg::prefill_body;
 use super::{
     OrchestrateError, OrchestratedRequest, Orchestrator, PrefillAnswer, PrefillError, PrefillWorker,
@@ -50,11 +53,19 @@ pub async fn sequential(
         prime,
         choices,
         echo,
+        first_token_from_prefill: choice,
         ..
     } = orchestrated;
     let scored = request.prompt_logprobs.take();
-    let body = prefill_body(model.as_deref(), &request.prompt, None, scored);
+    let mut body = prefill_body(model.as_deref(), &request.prompt, None, scored);
+    let first = orchestrator.wants_first_token(ctx, choice, &request, scored);
+    if first {
+        first_token::ask(&mut body, &request);
+    }
     let answer = orchestrator.prefill(worker, &body).await?;
+    if first {
+        request.first_token = orchestrator.first_token(ctx, worker, &answer, &request);
+    }
     let echo = echo.map(|mut plan| {
         plan.scores = match answer.prompt_logprobs {
             Some(scores) => PromptScores::Given(scores),
@@ -65,6 +76,7 @@ pub async fn sequential(
     let params = answer.kv_transfer_params;
     match params.as_ref().filter(|p| RemoteBlocks::named_by(p)) {
         Some(params) => import_prompt_kv(&ctx.kv, params, &mut request).await?,
+        // The given first token, if any, then comes after the prompt computed here.
         None => tracing::warn!(
             prefill = %worker.url,
             "the prefill worker answered without kv_transfer_params (it keeps no KV?); \
@@ -89,6 +101,7 @@ pub async fn concurrent(
         prime,
         choices,
         echo,
+        first_token_from_prefill: choice,
         ..
     } = orchestrated;
     // Never scored here (the orchestrator sends scored prompts the sequential way).
@@ -98,7 +111,11 @@ pub async fn concurrent(
         plan
     });
     let id = format!("pdkv-{}", uuid::Uuid::new_v4().simple());
-    let body = prefill_body(model.as_deref(), &request.prompt, Some(&id), None);
+    let mut body = prefill_body(model.as_deref(), &request.prompt, Some(&id), None);
+    let first = orchestrator.wants_first_token(ctx, choice, &request, None);
+    if first {
+        first_token::ask(&mut body, &request);
+    }
     let mut prefill = {
         let (orchestrator, worker) = (orchestrator.clone(), worker.clone());
         // The leg's span goes under this request's, though it runs on a task of its own.
@@ -113,13 +130,14 @@ pub async fn concurrent(
         worker,
         id: &id,
     };
-    let (pulled, prefill_pending) = {
+    let (pulled, mut answered) = {
         let read = pull_blocks(&ctx.kv, remote, &request.prompt);
         tokio::pin!(read);
         tokio::select! {
             // A failed prefill wins the race: dropping the read closes its connection.
             joined = &mut prefill => {
-                let params = prefill_result(joined)?;
+                let answer = prefill_result(joined)?;
+                let params = answer.kv_transfer_params.clone();
                 let pulled = if fallback.published_elsewhere(params.as_ref()) {
                     // It published under an id of its own: the early read would only wait
                     // for nothing.
@@ -131,17 +149,29 @@ pub async fn concurrent(
                         Err(e) => fallback.read(params, &request, e).await?,
                     }
                 };
-                (pulled, false)
+                (pulled, Some(answer))
             }
             pulled = &mut read => match pulled {
-                Ok(pulled) => (pulled, true),
+                Ok(pulled) => (pulled, None),
                 Err(e) => {
-                    let params = prefill_result(prefill.await_result().await)?;
-                    (fallback.read(params, &request, e).await?, false)
+                    let answer = prefill_result(prefill.await_result().await)?;
+                    let params = answer.kv_transfer_params.clone();
+                    (fallback.read(params, &request, e).await?, Some(answer))
                 }
             },
         }
     };
+    if first {
+        if answered.is_none() {
+            // The blocks are here; the answer with the token follows them at once (the
+            // prefill worker answers as the same step ends).
+            answered = Some(prefill_result(prefill.await_result().await)?);
+        }
+        if let Some(answer) = &answered {
+            request.first_token = orchestrator.first_token(ctx, worker, answer, &request);
+        }
+    }
+    let prefill_pending = answered.is_none();
     use_pulled_prompt_kv(&ctx.kv, pulled, &mut request)?;
     // The blocks are here, but the prefill worker has not answered yet: the output
     // stands only if it answers with success.
@@ -204,9 +234,9 @@ impl Fallback<'_> {
 
 fn prefill_result(
     joined: Result<Result<PrefillAnswer, PrefillError>, JoinError>,
-) -> Result<Option<KvTransferParams>, OrchestrateError> {
+) -> Result<PrefillAnswer, OrchestrateError> {
     match joined {
-        Ok(result) => Ok(result?.kv_transfer_params),
+        Ok(result) => Ok(result?),
         Err(e) => Err(ApiError::internal(format!("the prefill leg's task failed: {e}")).into()),
     }
 }

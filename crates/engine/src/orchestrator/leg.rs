@@ -11,6 +11,7 @@ use pdserve_protocol::{
 };
 use serde_json::Value;
 
+use super::first_token;
 use crate::kv::PUBLISH_REQUEST_ID;
 use crate::sampling::TokenLogprobs;
 
@@ -62,6 +63,8 @@ pub struct PrefillAnswer {
     /// Its `choices[0].prompt_logprobs`, when the leg asked for them: entry `i` scores
     /// prompt token `i` (`None` for the first).
     pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+    /// The id of the token it sampled, when the leg asked for it and the answer lists it.
+    pub first_token: Option<u32>,
 }
 
 /// Reads vLLM's `prompt_logprobs` list against the prompt it scores: each entry's own
@@ -332,9 +335,15 @@ fn answer(
             Some(parsed)
         }
     };
+    let first_token = if sent.get(first_token::RETURN_TOKEN_IDS) == Some(&Value::Bool(true)) {
+        first_token::read(&answer)
+    } else {
+        None
+    };
     Ok(PrefillAnswer {
         kv_transfer_params,
         prompt_logprobs,
+        first_token,
     })
 }
 

@@ -27,6 +27,10 @@ pub struct OrchestratorMetrics {
     /// Concurrent handoffs whose early KV read failed and that read by the prefill's
     /// answer instead.
     pub concurrent_fallbacks: Counter,
+    /// Requests that asked the prefill leg for its first token, by whether the decode
+    /// started from it (`used`), the answer had none (`missing`) or one that could not
+    /// start it (`unusable`: a stop token, outside the vocabulary).
+    pub first_tokens: Family<PrefillLabels, Counter>,
 }
 
 impl Default for OrchestratorMetrics {
@@ -37,6 +41,7 @@ impl Default for OrchestratorMetrics {
             warm_prefill_workers: Gauge::default(),
             prewarms: Family::default(),
             concurrent_fallbacks: Counter::default(),
+            first_tokens: Family::default(),
         }
     }
 }
@@ -56,6 +61,13 @@ impl OrchestratorMetrics {
     /// Counts one pre-warm attempt.
     pub fn prewarm(&self, outcome: &'static str) {
         self.prewarms
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .inc();
+    }
+
+    /// Counts one first token asked of a prefill leg, by what became of it.
+    pub fn first_token(&self, outcome: &'static str) {
+        self.first_tokens
             .get_or_create(&vec![("outcome", outcome.to_string())])
             .inc();
     }
@@ -87,6 +99,11 @@ impl OrchestratorMetrics {
             "concurrent_fallbacks",
             "Concurrent handoffs that read the KV by the prefill's answer after the early read failed",
             self.concurrent_fallbacks.clone(),
+        );
+        r.register(
+            "first_token_from_prefill",
+            "Requests that asked the prefill leg for its first token, by outcome (used, missing, unusable)",
+            self.first_tokens.clone(),
         );
     }
 }

@@ -8,6 +8,7 @@
 //! - [`pool`]: the prefill workers, which are warm, and which one a request goes to
 //!   (round-robin, or rendezvous hashing on a session key).
 //! - [`leg`]: the prefill leg over HTTP and how it fails.
+//! - [`first_token`]: the prefill leg's own first token, which the decode starts from.
 //! - [`handoff`]: sequential (prefill answers, then the KV read) and concurrent (the KV
 //!   read starts with the prefill and waits for its blocks) handoff.
 //! - [`prewarm`]: one tiny request through each prefill → this worker pair at start and
@@ -26,13 +27,14 @@ use crate::request::GenerationRequest;
 use crate::serving::{EchoPlan, ServingContext, Submitted};
 
 pub mod config;
+pub mod first_token;
 pub mod handoff;
 pub mod leg;
 pub mod metrics;
 pub mod pool;
 pub mod prewarm;
 
-pub use config::{prefill_url, HandoffMode, OrchestratorConfig};
+pub use config::{prefill_url, FirstTokenFromPrefill, HandoffMode, OrchestratorConfig};
 pub use leg::{PrefillAnswer, PrefillError};
 pub use metrics::OrchestratorMetrics;
 pub use pool::{PrefillPool, PrefillWorker};
@@ -92,6 +94,8 @@ pub struct OrchestratedRequest {
     /// What the answer reports of the prompt; prompt scores are computed by the
     /// prefill worker.
     pub echo: Option<EchoPlan>,
+    /// The request's own `first_token_from_prefill` field, when it has one.
+    pub first_token_from_prefill: Option<bool>,
 }
 
 impl Orchestrator {
@@ -158,6 +162,55 @@ impl Orchestrator {
             // unknown, and a worker that ignores `publish_request_id` cannot be read
             // early at all.
             _ => handoff::sequential(self, ctx, &worker, request).await,
+        }
+    }
+
+    /// Whether `request` (whose own field says `choice`; `scored` when its prompt is)
+    /// asks its prefill leg for the first token.
+    pub fn wants_first_token(
+        &self,
+        ctx: &ServingContext,
+        choice: Option<bool>,
+        request: &GenerationRequest,
+        scored: Option<usize>,
+    ) -> bool {
+        scored.is_none()
+            && first_token::wanted(
+                self.config.first_token_from_prefill,
+                choice,
+                request,
+                ctx.limits.max_model_len,
+            )
+    }
+
+    /// The first token `answer` gives `request` to start from, counted by what became of
+    /// it; `None` (this worker samples it again) when the answer has none or one that
+    /// cannot start the decode.
+    pub fn first_token(
+        &self,
+        ctx: &ServingContext,
+        worker: &PrefillWorker,
+        answer: &PrefillAnswer,
+        request: &GenerationRequest,
+    ) -> Option<u32> {
+        let metrics = &self.metrics.orchestrator;
+        let Some(token) = answer.first_token else {
+            metrics.first_token("missing");
+            if self.config.first_token_from_prefill == FirstTokenFromPrefill::On {
+                tracing::warn!(
+                    prefill = %worker.url,
+                    "the prefill answer lists no token_ids (return_token_ids); \
+                     sampling the first token here"
+                );
+            }
+            return None;
+        };
+        if first_token::usable(token, request, ctx.limits.vocab_size) {
+            metrics.first_token("used");
+            Some(token)
+        } else {
+            metrics.first_token("unusable");
+            None
         }
     }
 

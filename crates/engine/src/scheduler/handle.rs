@@ -71,6 +71,11 @@ impl EngineHandle {
             return Err(SubmitError::QueueFull(self.max_waiting));
         }
         let (tx, rx) = mpsc::unbounded_channel();
+        if let Some(id) = request.first_token {
+            // Reported now, not when the scheduler thread next looks at its queue (after
+            // the step it may be in the middle of).
+            let _ = tx.send(SeqEvent::Token { id, logprobs: None });
+        }
         if self
             .commands
             .send(Command::Submit(Box::new(request), tx))

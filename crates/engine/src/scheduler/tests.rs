@@ -391,6 +391,87 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
     stop(decode, decode_thread);
 }
 
+/// A decode that starts from the prefill's own first token imports the whole prompt's
+/// KV, reports that token at once, and continues exactly as the aggregated run; a given
+/// token that leaves nothing to run is refused.
+#[test]
+fn a_decode_from_the_prefills_first_token_continues_identically() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (prefill, prefill_thread, _) = start(FakeModel::new(16), config());
+    let p = prompt(45, 12);
+    let mut req = request(p.clone(), 1);
+    req.pin_on_finish = true;
+    let (first, end) = collect(&mut prefill.submit(req).unwrap());
+    let SeqEvent::Finished {
+        pinned: Some(pinned),
+        ..
+    } = end
+    else {
+        panic!("{end:?}")
+    };
+    let bytes = rt
+        .block_on(prefill.read_blocks(pinned.blocks.clone()))
+        .unwrap();
+    let import = |num_tokens| KvImport {
+        num_tokens,
+        blocks: bytes.clone(),
+        reused: Default::default(),
+        landed_at: None,
+    };
+
+    let (decode, decode_thread, decode_metrics) = start(FakeModel::new(16), config());
+    let mut req = request(p.clone(), 6);
+    req.first_token = Some(first[0]);
+    req.kv_import = Some(import(45));
+    let mut rx = decode.submit(req).unwrap();
+    assert_eq!(
+        rx.try_recv(),
+        Ok(SeqEvent::Token {
+            id: first[0],
+            logprobs: None
+        }),
+        "the given token is reported as the request is submitted"
+    );
+    let (rest, end) = collect(&mut rx);
+    let mut ids = vec![first[0]];
+    ids.extend(rest);
+    assert_eq!(ids, reference(&p, 6), "token for token the aggregated run");
+    let SeqEvent::Finished { usage, .. } = end else {
+        panic!("{end:?}")
+    };
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.kv_imported_tokens
+        ),
+        (45, 6, 45)
+    );
+    // Five tokens were sampled here: the first came with the request.
+    assert_eq!(decode_metrics.generation_tokens.get(), 5);
+
+    // Without a given token the last prompt position must be left to compute.
+    let mut whole = request(p.clone(), 6);
+    whole.kv_import = Some(import(45));
+    assert!(matches!(
+        collect(&mut decode.submit(whole).unwrap()).1,
+        SeqEvent::Failed(_)
+    ));
+    // A given token that would already end the request is refused.
+    let mut ends = request(p.clone(), 1);
+    ends.first_token = Some(first[0]);
+    assert!(matches!(
+        collect(&mut decode.submit(ends).unwrap()).1,
+        SeqEvent::Failed(_)
+    ));
+
+    rt.block_on(prefill.unpin(pinned.blocks)).unwrap();
+    stop(prefill, prefill_thread);
+    stop(decode, decode_thread);
+}
+
 /// Submits a `long_len`-token prompt, and once it is admitted (its prefill running in
 /// chunks of `budget`) a `short_len`-token one; checks both outputs and answers which of
 /// the two sampled its first token first.

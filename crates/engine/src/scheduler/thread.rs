@@ -150,28 +150,42 @@ impl<M: StepModel> Scheduler<M> {
         if seq.prompt_len == 0 {
             return Err("the prompt is empty".into());
         }
+        if seq.has_given_first_token() && (seq.scores_prompt() || seq.ends_at_given_token()) {
+            return Err(
+                "a given first token needs max_tokens above 1, no prompt logprobs, \
+                        and must not be a stop token"
+                    .into(),
+            );
+        }
         if let Some(import) = seq.kv_import() {
             if seq.scores_prompt() {
                 return Err("prompt logprobs need the whole prompt computed here, \
                             not imported KV"
                     .into());
             }
+            // At least one position is left to compute: the last prompt token's, or the
+            // given first token's.
+            let most = seq.tokens.len() - 1;
             if import.num_tokens == 0
-                || import.num_tokens >= seq.prompt_len
+                || import.num_tokens > most
                 || import.blocks.len() != import.num_tokens.div_ceil(BLOCK_SIZE)
             {
                 return Err(format!(
-                    "imported KV must cover 1..{} prompt tokens in whole blocks; got {} blocks for {} tokens",
-                    seq.prompt_len,
+                    "imported KV must cover 1..={most} prompt tokens in whole blocks; got {} blocks for {} tokens",
                     import.blocks.len(),
                     import.num_tokens
                 ));
             }
         }
-        if seq.prompt_len >= self.config.max_model_len {
+        if seq.tokens.len() >= self.config.max_model_len {
             return Err(format!(
-                "the prompt has {} tokens; this worker's limit is {}",
+                "the prompt has {} tokens{}; this worker's limit is {}",
                 seq.prompt_len,
+                if seq.has_given_first_token() {
+                    " and a given first token"
+                } else {
+                    ""
+                },
                 self.config.max_model_len.saturating_sub(1)
             ));
         }

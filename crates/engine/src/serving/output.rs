@@ -42,6 +42,8 @@ pub enum Piece {
     Prompt(PromptEcho),
     /// Output text for one generated token (possibly empty), with its logprob if asked.
     Token {
+        /// The token's id.
+        id: u32,
         /// Text to append.
         text: String,
         /// Present when the request asked for logprobs.
@@ -340,6 +342,7 @@ impl Generation {
                         }]);
                     }
                     return Some(Piece::Token {
+                        id,
                         text: step.text,
                         logprob,
                     });
@@ -421,6 +424,8 @@ pub struct ChoiceOutput {
     pub text: String,
     /// Per-token logprobs, when the request asked for them.
     pub logprobs: Option<Vec<ResolvedLogprob>>,
+    /// The generated token ids, when the request asked for them (`return_token_ids`).
+    pub token_ids: Option<Vec<u32>>,
     /// OpenAI `finish_reason`.
     pub finish_reason: &'static str,
 }

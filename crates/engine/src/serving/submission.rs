@@ -9,8 +9,10 @@ use crate::request::GenerationRequest;
 pub fn choice_request(request: &GenerationRequest, index: usize) -> GenerationRequest {
     let mut request = request.clone();
     if index > 0 {
-        // A KV feed belongs to one sequence (choice 0's).
+        // A KV feed, and a first token sampled by the prefill worker, belong to one
+        // sequence (choice 0's).
         request.kv_feed = None;
+        request.first_token = None;
     }
     if let Some(seed) = request.sampling.seed.as_mut() {
         *seed = seed.wrapping_add(index as u64);
