@@ -545,6 +545,18 @@ async fn prefill_errors(s: &Suite) {
         assert_eq!(text_of(&got), expected);
     }
     assert_eq!(s.metric(&s.stubbed, fallbacks, &[]).await - before, 1.0);
+
+    // A prefill worker that does not know return_token_ids: its answer lists no token
+    // id, so the first token is sampled here, with the same output.
+    s.stub.set(Mode::ProxyWithoutTokenIds);
+    let first = "pdserve_orchestrator_first_token_from_prefill_total";
+    let missing = s.metric(&s.stubbed, first, &["outcome=\"missing\""]).await;
+    let got = s.ok(&s.stubbed, "/v1/chat/completions", &body).await;
+    assert_eq!(text_of(&got), expected);
+    assert_eq!(
+        s.metric(&s.stubbed, first, &["outcome=\"missing\""]).await - missing,
+        1.0
+    );
     s.stub.set(Mode::Proxy);
 }
 

@@ -28,6 +28,9 @@ pub enum Mode {
     /// Forward without `kv_transfer_params.publish_request_id`, as a prefill worker that
     /// predates it would see the request (it publishes under an id of its own).
     ProxyWithoutPublishId,
+    /// Forward without `return_token_ids`, as a prefill worker that predates it would
+    /// see the request (its answer lists no token ids).
+    ProxyWithoutTokenIds,
 }
 
 /// The stub's 400 body, OpenAI-shaped with a field the engine does not know.
@@ -81,11 +84,17 @@ async fn serve(mut socket: TcpStream, mode: Mode, http: reqwest::Client, upstrea
             let mut sink = [0u8; 64];
             while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
         }
-        Mode::Proxy | Mode::Drop | Mode::ProxyWithoutPublishId => {
+        Mode::Proxy | Mode::Drop | Mode::ProxyWithoutPublishId | Mode::ProxyWithoutTokenIds => {
             let body = if mode == Mode::ProxyWithoutPublishId {
                 let mut json: serde_json::Value = serde_json::from_slice(&body).unwrap();
                 if let Some(params) = json["kv_transfer_params"].as_object_mut() {
                     params.remove("publish_request_id");
+                }
+                serde_json::to_vec(&json).unwrap()
+            } else if mode == Mode::ProxyWithoutTokenIds {
+                let mut json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                if let Some(fields) = json.as_object_mut() {
+                    fields.remove("return_token_ids");
                 }
                 serde_json::to_vec(&json).unwrap()
             } else {
