@@ -12,7 +12,8 @@
 #
 # Env: PDSERVE (binary, default target/release/pdserve), GSP_GROUPS (16), PER_GROUP (12),
 # SYSTEM_LEN (768), QUESTION_LEN (48), OUTPUT_LEN (8), CONCURRENCY (8), TOPOLOGIES
-# ("aggregated pd"), REPLICAS ("1 2"), POLICIES ("round_robin cache_aware precise_prefix").
+# ("aggregated pd"; `up` is `pdserve up`'s own P/D layout), REPLICAS ("1 2"), POLICIES
+# ("round_robin cache_aware precise_prefix"; `default` gives no --policy).
 set -euo pipefail
 out=${1:?usage: bench-routing.sh OUT_DIR [REPEATS]}
 repeats=${2:-1}
@@ -26,12 +27,14 @@ source "$(dirname "$0")/lib/stack.sh"
 run_one() { # topology replicas policy repeat
   local topology=$1 replicas=$2 policy=$3 rep=$4
   local label="${topology}-r${replicas}-${policy}-${rep}"
-  local stack=(--port "$port" --gateway-replicas "$replicas" --policy "$policy")
-  if [ "$topology" = aggregated ]; then
-    stack+=(--aggregated --workers 2)
-  else
-    stack+=(--prefill 2 --decode 1)
-  fi
+  local stack=(--port "$port" --gateway-replicas "$replicas")
+  # `default`: whatever `pdserve up` routes with when no --policy is given.
+  if [ "$policy" != default ]; then stack+=(--policy "$policy"); fi
+  case $topology in
+    aggregated) stack+=(--aggregated --workers 2) ;;
+    pd) stack+=(--prefill 2 --decode 1) ;;
+    up) ;; # `pdserve up`'s own P/D layout (one prefill, one decode worker)
+  esac
   if [ "$policy" = cache_aware ]; then
     stack+=(--gateway-arg=--cache-source --gateway-arg=approximate)
   fi

@@ -21,10 +21,23 @@ use crate::serving::{LegSettings, Serving, ServingMetrics};
 use crate::sessions::conversation::ConversationCache;
 use crate::sessions::response_chains::ResponseChains;
 
-/// State shared by the server's routes and tasks (cheap to clone: axum hands each
-/// handler its own copy, or only the part it names, through [`FromRef`]).
+/// State shared by the server's routes and tasks. axum copies the router's state for
+/// every request, so it is one `Arc` (a count, not a copy of each part); handlers take
+/// only the part they name, through [`FromRef`].
 #[derive(Debug, Clone)]
-pub struct AppState {
+pub struct AppState(Arc<SharedState>);
+
+impl std::ops::Deref for AppState {
+    type Target = SharedState;
+
+    fn deref(&self) -> &SharedState {
+        &self.0
+    }
+}
+
+/// What [`AppState`] holds.
+#[derive(Debug)]
+pub struct SharedState {
     /// The resolved configuration.
     pub config: Arc<GatewayConfig>,
     /// What generation requests share: the fleet, routing, client, sessions.
@@ -120,7 +133,7 @@ impl AppState {
             kv_events: kv_events.clone(),
             fleet_metrics: metrics.fleet.clone(),
         });
-        Ok(Self {
+        Ok(Self(Arc::new(SharedState {
             serving: Arc::new(serving),
             metrics,
             instance,
@@ -128,7 +141,7 @@ impl AppState {
             admin,
             worker_check,
             config: Arc::new(config),
-        })
+        })))
     }
 }
 
