@@ -13,7 +13,8 @@
 # Env: PDSERVE (binary, default target/release/pdserve), GSP_GROUPS (16), PER_GROUP (12),
 # SYSTEM_LEN (768), QUESTION_LEN (48), OUTPUT_LEN (8), CONCURRENCY (8), TOPOLOGIES
 # ("aggregated pd"; `up` is `pdserve up`'s own P/D layout), REPLICAS ("1 2"), POLICIES
-# ("round_robin cache_aware precise_prefix"; `default` gives no --policy).
+# ("round_robin cache_aware precise_prefix"; `default` gives no --policy), UP_ARGS (more
+# `pdserve up` flags for every run, e.g. "--disagg-threshold 0").
 set -euo pipefail
 out=${1:?usage: bench-routing.sh OUT_DIR [REPEATS]}
 repeats=${2:-1}
@@ -38,7 +39,8 @@ run_one() { # topology replicas policy repeat
   if [ "$policy" = cache_aware ]; then
     stack+=(--gateway-arg=--cache-source --gateway-arg=approximate)
   fi
-  "$bin" up "${stack[@]}" >"$out/$label.up.log" 2>&1 &
+  read -r -a extra <<<"${UP_ARGS:-}"
+  "$bin" up "${stack[@]}" ${extra[@]+"${extra[@]}"} >"$out/$label.up.log" 2>&1 &
   local up=$!
   wait_up "$port"
   for r in $(seq 1 $((replicas - 1))); do wait_up $((port + r)); done

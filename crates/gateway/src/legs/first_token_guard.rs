@@ -5,7 +5,11 @@
 
 use std::sync::Arc;
 
+use std::borrow::Cow;
+
 use bytes::{BufMut, Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::endpoint::Endpoint;
@@ -125,6 +129,9 @@ impl FirstTokenGuard {
 
     /// What becomes of one event while a choice still awaits its first token.
     fn edit(&mut self, data: &[u8]) -> Result<Edit, Mismatch> {
+        if self.drops_whole(data) {
+            return Ok(Edit::Drop);
+        }
         let Ok(Value::Object(mut event)) = serde_json::from_slice::<Value>(data) else {
             return Ok(Edit::Keep);
         };
@@ -244,6 +251,63 @@ impl FirstTokenGuard {
         Ok(Edit::Replace(Vec::new()))
     }
 
+    /// The usual case, read without building a JSON tree: an event whose every choice
+    /// is a role event or exactly the token already sent (not finished), which is
+    /// dropped whole. True when it is (its choices then continue); anything else is
+    /// left to [`Self::edit`]'s full reading, which this mirrors.
+    fn drops_whole(&mut self, data: &[u8]) -> bool {
+        // An `"error"` key, even null, is the full reading's to judge.
+        if memchr::memmem::find(data, b"\"error\"").is_some() {
+            return false;
+        }
+        let Ok(event) = serde_json::from_slice::<EventView>(data) else {
+            return false;
+        };
+        let chat = self.sent.endpoint == Endpoint::Chat;
+        let Some(choices) = event.choices.as_deref() else {
+            return false;
+        };
+        let mut seen = Vec::with_capacity(choices.len());
+        let mut continued = Vec::with_capacity(choices.len());
+        for choice in choices {
+            let Some(at) = choice.index.map(|i| i as usize) else {
+                return false;
+            };
+            if self.progress.get(at) != Some(&Progress::Awaiting)
+                || choice.finish_reason.is_some()
+                || seen.contains(&at)
+            {
+                return false;
+            }
+            seen.push(at);
+            let text = match (chat, &choice.delta, &choice.text) {
+                (true, Some(delta), _) => delta.content.as_deref().unwrap_or(""),
+                (false, _, text) => text.as_deref().unwrap_or(""),
+                (true, None, _) => return false,
+            };
+            if !text.is_empty() {
+                if text != self.sent.choices[at].text {
+                    return false;
+                }
+                continued.push(at);
+            }
+        }
+        if choices.is_empty() {
+            return false;
+        }
+        for at in continued {
+            self.progress[at] = Progress::Continued;
+        }
+        if let Some(id) = event.id.as_deref() {
+            if id != self.sent.id && self.id_swap.is_none() {
+                let head = format!("data: {{\"id\":\"{id}\"").into_bytes();
+                let prefill = format!("data: {{\"id\":{}", json!(self.sent.id)).into_bytes();
+                self.id_swap = Some((head, prefill));
+            }
+        }
+        true
+    }
+
     fn mismatch(&self, index: u64, got: String) -> Mismatch {
         Mismatch {
             index,
@@ -256,6 +320,43 @@ impl FirstTokenGuard {
             got,
         }
     }
+}
+
+/// The parts of a decode stream event the guard's usual case reads, borrowed.
+#[derive(Deserialize)]
+struct EventView<'a> {
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<ChoiceView<'a>>>,
+}
+
+/// One choice of an [`EventView`].
+#[derive(Deserialize)]
+struct ChoiceView<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    /// Chat's; a delta with more than a role and content fails the reading (it is left
+    /// to the full one).
+    #[serde(borrow, default)]
+    delta: Option<DeltaView<'a>>,
+    /// Completions'.
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    /// Any value but null: the choice ends here.
+    #[serde(borrow, default)]
+    finish_reason: Option<&'a RawValue>,
+}
+
+/// A chat delta that says nothing but its role and content.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeltaView<'a> {
+    #[serde(borrow, default)]
+    #[allow(dead_code)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
 }
 
 /// What the guard does with an event or a choice.

@@ -137,3 +137,46 @@ fn the_last_token_keeps_its_finish_reason() {
     assert_eq!(events[0]["choices"][0]["finish_reason"], "length");
     assert_eq!(events[0]["choices"][0]["delta"], json!({}));
 }
+
+/// The usual events are judged without a JSON tree; anything else the quick reading
+/// does not cover (a delta with more than role and content, an `error` key, a choice
+/// listed twice) gets the full reading, with the same outcome as before.
+#[test]
+fn events_the_quick_reading_does_not_cover_get_the_full_one() {
+    let mut first = guard(&chat_answer(&["Hello"], "length"), Endpoint::Chat, 1);
+    let mut quick = guard(&chat_answer(&["Hello"], "length"), Endpoint::Chat, 1);
+    let role = chat_event(0, json!({"role": "assistant", "content": ""}), Value::Null);
+    let data = |event: &str| event.trim_end().strip_prefix("data: ").unwrap().to_string();
+    assert!(
+        quick.drops_whole(data(&role).as_bytes()),
+        "the role event is read quickly"
+    );
+    let token = chat_event(0, json!({"content": "Hello"}), Value::Null);
+    assert!(quick.drops_whole(data(&token).as_bytes()));
+    assert!(quick.settled() && quick.id_swap.is_some());
+    let role_and_more = chat_event(
+        0,
+        json!({"role": "assistant", "content": "", "reasoning_content": "hm"}),
+        Value::Null,
+    );
+    let out = first.filter(Bytes::from(role_and_more)).unwrap();
+    let events = texts(&out);
+    assert_eq!(events.len(), 1, "kept, without its role");
+    assert_eq!(events[0]["choices"][0]["delta"]["reasoning_content"], "hm");
+    assert!(events[0]["choices"][0]["delta"].get("role").is_none());
+    assert_eq!(events[0]["id"], "chatcmpl-P");
+
+    let with_error = "data: {\"id\":\"chatcmpl-D\",\"error\":null,\"choices\":[{\"index\":0,\
+                      \"delta\":{\"content\":\"Hello\"},\"finish_reason\":null}]}\n\n";
+    let out = first.filter(Bytes::from(with_error)).unwrap();
+    assert_eq!(texts(&out).len(), 1, "an event with an error key is kept");
+
+    let mut twice = guard(&chat_answer(&["Hello"], "length"), Endpoint::Chat, 1);
+    let listed_twice = "data: {\"id\":\"chatcmpl-D\",\"choices\":[\
+                        {\"index\":0,\"delta\":{\"content\":\"Hello\"},\"finish_reason\":null},\
+                        {\"index\":0,\"delta\":{\"content\":\" again\"},\"finish_reason\":null}]}\n\n";
+    let out = twice.filter(Bytes::from(listed_twice)).unwrap();
+    let events = texts(&out);
+    assert_eq!(events[0]["choices"].as_array().map(Vec::len), Some(1));
+    assert_eq!(events[0]["choices"][0]["delta"]["content"], " again");
+}

@@ -20,7 +20,7 @@ mod random;
 mod round_robin;
 mod session;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
