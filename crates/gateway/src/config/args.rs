@@ -83,9 +83,7 @@ pub struct GatewayArgs {
 
     /// Skip the prefill leg for requests whose uncached prompt part is shorter than this
     /// many tokens (estimated from the prompt; exact when the cache_aware policy knows the
-    /// prefix): a decode worker prefills them itself, unless a decode worker reports more
-    /// than half its KV cache held by running requests (its cached prefix would not last).
-    /// Off when unset.
+    /// prefix): a decode worker prefills them itself. Off when unset.
     #[arg(long, env = "PDSERVE_DISAGG_THRESHOLD")]
     pub disagg_threshold: Option<usize>,
 

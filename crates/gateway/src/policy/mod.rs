@@ -20,7 +20,7 @@ mod random;
 mod round_robin;
 mod session;
 #[cfg(test)]
-pub(crate) mod testing;
+mod testing;
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
