@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use pdserve_kv_transfer::{pull, ErrorCode, PullConfig, ReadRequest, ServerConfig, TransferError};
+use pdserve_kv_transfer::{
+    pull, ErrorCode, PullConfig, PulledBlocks, ReadRequest, ServerConfig, TransferError,
+};
 use tokio::net::TcpListener;
 
 use super::*;
@@ -96,6 +98,26 @@ async fn finished(engine: &EngineHandle, req: GenerationRequest) -> PinnedKv {
             Some(_) => {}
         }
     }
+}
+
+/// Stops what a [`Rig`] started: the KV service, then the scheduler thread.
+fn stop(
+    server: tokio::task::JoinHandle<()>,
+    engine: EngineHandle,
+    thread: std::thread::JoinHandle<()>,
+) {
+    server.abort();
+    engine.shutdown();
+    thread.join().unwrap();
+}
+
+/// Reads `prompt`'s blocks named by `params` from the service at `addr`.
+async fn read_prompt(
+    addr: &str,
+    params: &KvTransferParams,
+    prompt: &[u32],
+) -> Result<PulledBlocks, TransferError> {
+    pull(addr, &read_of(params, prompt), 64, &PullConfig::default()).await
 }
 
 async fn settle(metrics: &Metrics, pinned: i64) {
@@ -245,9 +267,7 @@ async fn published_blocks_are_read_once_then_freed_or_expire_unread() {
     service.sweep().await;
     settle(&metrics, 0).await;
 
-    server.abort();
-    engine.shutdown();
-    thread.join().unwrap();
+    stop(server, engine, thread);
 }
 
 /// A read that waits for a publication under an id its reader chose: it gets the blocks
@@ -359,9 +379,7 @@ async fn awaited_reads_wait_for_their_publication_or_its_abandonment() {
         .unwrap();
     settle(&metrics, 0).await;
 
-    server.abort();
-    engine.shutdown();
-    thread.join().unwrap();
+    stop(server, engine, thread);
 }
 
 /// A hand-back's blocks are reclaimed when the pool needs them; a later read is answered
@@ -398,14 +416,7 @@ async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
         assert!(start.elapsed() < DEADLINE, "reclaims never counted");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let err = pull(
-        &addr,
-        &read_of(&params, &prompt),
-        64,
-        &PullConfig::default(),
-    )
-    .await
-    .unwrap_err();
+    let err = read_prompt(&addr, &params, &prompt).await.unwrap_err();
     assert!(
         matches!(
             err,
@@ -418,9 +429,7 @@ async fn handback_blocks_are_reclaimed_under_pressure_and_reads_get_gone() {
     );
     settle(&metrics, 0).await;
 
-    server.abort();
-    engine.shutdown();
-    thread.join().unwrap();
+    stop(server, engine, thread);
 }
 
 #[tokio::test]
@@ -446,19 +455,10 @@ async fn a_prefill_for_a_peer_is_read_from_the_copy_taken_as_it_finished() {
     // A read gets the copy, and the pins go when it completes.
     let params = service.publish(pinned, PublishKind::Prefill).unwrap();
     settle(&metrics, 3).await;
-    let pulled = pull(
-        &addr,
-        &read_of(&params, &prompt),
-        64,
-        &PullConfig::default(),
-    )
-    .await
-    .unwrap();
+    let pulled = read_prompt(&addr, &params, &prompt).await.unwrap();
     assert_eq!(pulled.matched_tokens, 40);
     assert_eq!(pulled.blocks, pool);
     settle(&metrics, 0).await;
     assert_eq!(service.pending_exports(), 0);
-    server.abort();
-    engine.shutdown();
-    thread.join().unwrap();
+    stop(server, engine, thread);
 }
