@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use lru::LruCache;
 
-use crate::fleet::kv_events::{prompt_keys, BlockKey, KvEventsHub};
+use crate::fleet::kv_events::{prompt_keys, BlockKey, KvEventsHub, WorkerEvents};
 use crate::fleet::registry::Worker;
 
 /// How long a prompt sent to a worker counts as cached there before its events say so.
@@ -62,10 +62,11 @@ impl EventMatcher {
 
     /// What `worker` holds of `tokens`.
     pub fn held(&self, worker: &Worker, tokens: &[u32]) -> Held {
-        let events = self.hub.worker(&worker.base).filter(|e| !e.is_stale());
-        let indexed = events.is_some();
-        let cached = events.and_then(|e| e.cached_tokens(tokens)).unwrap_or(0);
-        let pending = self.pending_tokens(&worker.base, tokens);
+        let events = self.hub.worker(&worker.base);
+        let trusted = events.as_ref().filter(|e| !e.is_stale());
+        let indexed = trusted.is_some();
+        let cached = trusted.and_then(|e| e.cached_tokens(tokens)).unwrap_or(0);
+        let pending = self.pending_tokens(&worker.base, events.as_deref(), tokens);
         Held {
             tokens: cached.max(pending),
             indexed,
@@ -73,17 +74,22 @@ impl EventMatcher {
     }
 
     /// Tokens of `tokens` from the start that this gateway sent `worker` within
-    /// `PENDING_FOR`, in whole blocks of its block size.
-    fn pending_tokens(&self, worker: &str, tokens: &[u32]) -> usize {
+    /// `PENDING_FOR`, in whole blocks of its block size, less what its `events` removed
+    /// after it was sent (the worker cached it, then evicted it: it is gone, however
+    /// recently sent).
+    fn pending_tokens(&self, worker: &str, events: Option<&WorkerEvents>, tokens: &[u32]) -> usize {
         let block_size = self.block_size(worker);
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let Some(blocks) = pending.get_mut(worker) else {
             return 0;
         };
-        let fresh = |at: &Instant| at.elapsed() < PENDING_FOR;
+        let index = events.map(WorkerEvents::lock);
+        let held = |key: &BlockKey, at: &Instant| {
+            at.elapsed() < PENDING_FOR && !index.as_ref().is_some_and(|i| i.removed_since(key, *at))
+        };
         prompt_keys(tokens, block_size)
             .iter()
-            .take_while(|key| blocks.get(*key).is_some_and(fresh))
+            .take_while(|key| blocks.get(*key).is_some_and(|at| held(key, at)))
             .count()
             * block_size
     }
@@ -111,5 +117,66 @@ impl EventMatcher {
     pub fn retain_workers(&self, live: &[&str]) {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         pending.retain(|base, _| live.contains(&base.as_str()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdserve_protocol::kv_events::{EngineBlockHash, KvCacheEvent};
+    use pdserve_protocol::WorkerRole;
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::fleet::kv_events::{KvEventMetrics, KvEventsConfig};
+    use crate::policy::testing::workers;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvCacheEvent {
+        KvCacheEvent::BlockStored {
+            block_hashes: hashes.iter().map(|h| EngineBlockHash::Int(*h)).collect(),
+            parent_block_hash: parent.map(EngineBlockHash::Int),
+            token_ids: tokens.to_vec(),
+            block_size: 16,
+            lora_id: None,
+            medium: None,
+            lora_name: None,
+        }
+    }
+
+    #[test]
+    fn a_sent_prompt_counts_as_held_until_the_workers_events_remove_it() {
+        let metrics = Arc::new(KvEventMetrics::register(&mut Registry::default()));
+        let hub = Arc::new(KvEventsHub::new(KvEventsConfig::default(), metrics));
+        let matcher = EventMatcher::new(hub.clone());
+        let worker = &workers(WorkerRole::Decode, &[1])[0];
+        let events = hub.collected(&worker.base).unwrap();
+        let prompt: Vec<u32> = (0..40).collect();
+        let held = || matcher.held(worker, &prompt).tokens;
+        // An unrelated block says the worker's block size.
+        events.lock().apply(&stored(&[99], None, &[7; 16])).unwrap();
+        matcher.sent(worker, &prompt, 0);
+        assert_eq!(held(), 32, "sent, not yet in its events");
+        // The worker computes both blocks, then evicts the second: sent or not, only
+        // the first is there.
+        events
+            .lock()
+            .apply(&stored(&[1, 2], None, &prompt[..32]))
+            .unwrap();
+        events
+            .lock()
+            .apply(&KvCacheEvent::BlockRemoved {
+                block_hashes: vec![EngineBlockHash::Int(2)],
+                medium: None,
+            })
+            .unwrap();
+        assert_eq!(held(), 16);
+        // Sent again after the eviction: on its way back.
+        matcher.sent(worker, &prompt, 16);
+        assert_eq!(held(), 32);
+        // A clear takes everything sent before it.
+        events
+            .lock()
+            .apply(&KvCacheEvent::AllBlocksCleared)
+            .unwrap();
+        assert_eq!(held(), 0);
     }
 }

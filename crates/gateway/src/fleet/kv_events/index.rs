@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::num::NonZeroUsize;
+use std::time::Instant;
 
 use lru::LruCache;
 use pdserve_protocol::kv_events::{EngineBlockHash, KvCacheEvent};
@@ -77,6 +78,11 @@ pub struct BlockIndex {
     block_size: Option<u32>,
     blocks: LruCache<BlockKey, EngineBlockHash>,
     by_engine: HashMap<EngineBlockHash, BlockKey>,
+    /// When blocks not stored again since were removed: a prompt the gateway sent the
+    /// worker before that no longer counts as held there (see [`Self::removed_since`]).
+    removed_at: LruCache<BlockKey, Instant>,
+    /// When the worker last said it cleared everything.
+    cleared_at: Option<Instant>,
 }
 
 impl BlockIndex {
@@ -86,6 +92,8 @@ impl BlockIndex {
             block_size: None,
             blocks: LruCache::new(capacity),
             by_engine: HashMap::new(),
+            removed_at: LruCache::new(capacity),
+            cleared_at: None,
         }
     }
 
@@ -108,7 +116,20 @@ impl BlockIndex {
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.by_engine.clear();
+        self.removed_at.clear();
+        self.cleared_at = None;
         self.block_size = None;
+    }
+
+    /// Whether the worker's events removed block `key` (or cleared everything) after
+    /// `at` and have not stored it again: a prompt sent the worker at `at` may have been
+    /// cached there since, but is gone now.
+    pub fn removed_since(&self, key: &BlockKey, at: Instant) -> bool {
+        self.cleared_at.is_some_and(|cleared| cleared > at)
+            || self
+                .removed_at
+                .peek(key)
+                .is_some_and(|removed| *removed > at)
     }
 
     /// Applies one event.
@@ -159,6 +180,7 @@ impl BlockIndex {
                     if let Some(old) = self.by_engine.insert(engine.clone(), key) {
                         if old != key {
                             self.blocks.pop(&old);
+                            self.removed_at.put(old, Instant::now());
                         }
                     }
                     if let Some((evicted_key, evicted)) = self.blocks.push(key, engine.clone()) {
@@ -170,16 +192,19 @@ impl BlockIndex {
                             self.by_engine.remove(&evicted);
                         }
                     }
+                    self.removed_at.pop(&key);
                     applied.stored += 1;
                     parent = Some(key);
                 }
             }
             KvCacheEvent::BlockRemoved { block_hashes, .. } => {
+                let now = Instant::now();
                 for engine in block_hashes {
                     if let Some(key) = self.by_engine.remove(engine) {
                         if self.blocks.pop(&key).is_some() {
                             applied.removed += 1;
                         }
+                        self.removed_at.put(key, now);
                     }
                 }
             }
@@ -189,6 +214,7 @@ impl BlockIndex {
                 self.clear();
                 // A clear empties the cache; it does not change the engine.
                 self.block_size = block_size;
+                self.cleared_at = Some(Instant::now());
             }
         }
         Ok(applied)
@@ -262,7 +288,19 @@ mod tests {
             idx.apply(&stored(&[6], None, &[1], 2)).unwrap().malformed,
             1
         );
+        // The removal is remembered against what was sent before it, not after.
+        let key = keys[1];
+        let before = Instant::now();
+        idx.apply(&removed(&[900])).unwrap();
+        assert!(idx.removed_since(&keys[0], before));
+        assert!(!idx.removed_since(&keys[0], Instant::now()));
+        assert!(!idx.removed_since(&key, Instant::now()));
+        // Stored again: no longer removed.
+        idx.apply(&stored(&[900], None, &prompt[..2], 2)).unwrap();
+        assert!(!idx.removed_since(&keys[0], before));
+        let before = Instant::now();
         idx.apply(&KvCacheEvent::AllBlocksCleared).unwrap();
+        assert!(idx.removed_since(&keys[4], before));
         assert!(idx.is_empty());
         assert_eq!(idx.block_size(), Some(2), "a clear keeps the block size");
     }
