@@ -3,7 +3,8 @@
 # model with two workers (aggregated, or P/D with two prefill workers), one gateway or two
 # replicas, and round_robin / cache_aware on its approximate tree / precise_prefix on the
 # workers' KV events, under SGLang's generated-shared-prefix workload spread over the
-# replicas. One result JSON per run, and a table of them (`pdserve bench compare`).
+# replicas. One result JSON per run, its gateway's disaggregation counts (LABEL.counts),
+# and a table of them (`pdserve bench compare`).
 # The default shape — 16 groups sharing 768-token system prompts — is a working set
 # (12k tokens) that fits the two workers' caches (8k tokens each) only when each group
 # stays on one worker, as llm-d's published run is shaped against its pods.
@@ -14,7 +15,8 @@
 # SYSTEM_LEN (768), QUESTION_LEN (48), OUTPUT_LEN (8), CONCURRENCY (8), TOPOLOGIES
 # ("aggregated pd"; `up` is `pdserve up`'s own P/D layout), REPLICAS ("1 2"), POLICIES
 # ("round_robin cache_aware precise_prefix"; `default` gives no --policy), UP_ARGS (more
-# `pdserve up` flags for every run, e.g. "--disagg-threshold 0").
+# `pdserve up` flags for every run, e.g. "--disagg-threshold 0"), SEED_ONLY (run only this
+# seed, once).
 set -euo pipefail
 out=${1:?usage: bench-routing.sh OUT_DIR [REPEATS]}
 repeats=${2:-1}
@@ -52,12 +54,16 @@ run_one() { # topology replicas policy repeat
     --gsp-output-len "${OUTPUT_LEN:-8}" --concurrency "${CONCURRENCY:-8}" \
     --seed "$rep" --label "$label" --result-json "$out/$label.json" \
     >"$out/$label.bench.log" 2>&1 || echo "bench failed: $label (see $out/$label.bench.log)" >&2
+  # How many requests skipped the prefill leg (conditional disaggregation).
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^pdserve_gateway_disaggregation' \
+    >"$out/$label.counts" || true
   kill -INT "$up"
   wait "$up" || true
   grep -E "cached|TTFT|throughput" "$out/$label.bench.log" | sed "s/^/$label: /" || true
 }
 
-for rep in $(seq 1 "$repeats"); do
+# SEED_ONLY=N runs only seed N (one repeat).
+for rep in ${SEED_ONLY:-$(seq 1 "$repeats")}; do
   for topology in ${TOPOLOGIES:-aggregated pd}; do
     for replicas in ${REPLICAS:-1 2}; do
       for policy in ${POLICIES:-round_robin cache_aware precise_prefix}; do
