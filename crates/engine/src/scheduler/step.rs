@@ -132,17 +132,26 @@ impl<M: StepModel> Scheduler<M> {
                 self.waiting.push_front(seq);
                 break;
             }
-            // Imported KV replaces the prefix-cache lookup.
             let (imported, reused) = seq.kv_import().map_or((0, Default::default()), |i| {
                 (i.num_tokens, i.reused.within(i.num_tokens))
             });
             // A scored prompt is computed whole: cached blocks have no logits (as vLLM).
-            let hit = if imported > 0 || seq.scores_prompt() {
+            // Imported KV is written only past what this worker's own prefix cache holds
+            // of it: an import of a prompt sharing a cached prefix takes blocks for its
+            // new part only, and leaves the other cached prefixes in place.
+            let hit = if seq.scores_prompt() {
                 PrefixHit::default()
+            } else if imported > 0 {
+                // Submission checked that a token past the import is left to compute.
+                self.blocks.match_prefix(&seq.tokens[..=imported])
             } else {
                 self.blocks.match_prefix(&seq.tokens)
             };
-            let start = hit.num_tokens() + imported;
+            let start = if imported > 0 {
+                imported
+            } else {
+                hit.num_tokens()
+            };
             let num_new = (seq.tokens.len() - start).min(*budget);
             let missing = (start + num_new).div_ceil(BLOCK_SIZE) - hit.blocks.len();
             let Some(new_blocks) = self.blocks.allocate(missing) else {
@@ -153,14 +162,15 @@ impl<M: StepModel> Scheduler<M> {
                 break;
             };
             if let Some(import) = seq.take_kv_import() {
-                let written = self.write_imported(&new_blocks, &import.blocks);
+                let written = self.write_imported(&new_blocks, &import.blocks[hit.blocks.len()..]);
                 if let (Ok(()), Some(landed)) = (&written, import.landed_at) {
                     // Its first forward runs in this very step.
                     let wait = landed.elapsed().as_secs_f64();
                     self.metrics.kv.import_wait_seconds.observe(wait);
                 }
                 if let Err(e) = written {
-                    if let Err(e) = self.blocks.release(&new_blocks) {
+                    let taken = [hit.blocks.as_slice(), &new_blocks].concat();
+                    if let Err(e) = self.blocks.release(&taken) {
                         tracing::error!("releasing blocks of a failed import failed: {e}");
                     }
                     self.release_queue_slot(&mut seq);

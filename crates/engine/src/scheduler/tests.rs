@@ -391,6 +391,59 @@ fn pinned_blocks_can_be_read_and_imported_by_another_engine() {
     stop(decode, decode_thread);
 }
 
+/// An import of a prompt whose prefix this engine already caches takes new blocks only
+/// for the rest: the cached blocks serve (the import's copies of them are never
+/// written), the prefix cache counts them, and the output is unchanged.
+#[test]
+fn an_import_writes_only_what_the_prefix_cache_lacks() {
+    let (decode, thread, metrics) = start(FakeModel::new(16), config());
+    let p = prompt(45, 11);
+    // A prompt sharing p's first two blocks, computed here.
+    let sibling = [&p[..32], &prompt(8, 99)[..]].concat();
+    assert_eq!(
+        collect(&mut decode.submit(request(sibling.clone(), 1)).unwrap()).0,
+        reference(&sibling, 1)
+    );
+    assert_eq!(metrics.prefix_cache_hits.get(), 0);
+    // The fake model's block bytes: each slot's token, u32::MAX where empty.
+    let block = |tokens: &[u32]| -> Vec<u8> {
+        (0..BLOCK_SIZE)
+            .flat_map(|i| tokens.get(i).copied().unwrap_or(u32::MAX).to_le_bytes())
+            .collect()
+    };
+    // p's first two blocks as another prompt's KV: wrong output if they were written.
+    let wrong = prompt(16, 77);
+    let mut req = request(p.clone(), 6);
+    req.kv_import = Some(KvImport {
+        num_tokens: 44,
+        blocks: vec![block(&wrong), block(&wrong), block(&p[32..44])],
+        reused: Default::default(),
+        landed_at: None,
+    });
+    let (ids, end) = collect(&mut decode.submit(req).unwrap());
+    assert_eq!(ids, reference(&p, 6), "the cached prefix served");
+    let SeqEvent::Finished { usage, .. } = end else {
+        panic!("{end:?}")
+    };
+    assert_eq!((usage.cached_tokens, usage.kv_imported_tokens), (0, 44));
+    assert_eq!(metrics.prefix_cache_hits.get(), 32);
+    // Nothing cached: every imported block is written (and the wrong ones show).
+    let other = prompt(45, 5);
+    let mut req = request(other.clone(), 6);
+    req.kv_import = Some(KvImport {
+        num_tokens: 44,
+        blocks: vec![block(&wrong), block(&other[16..32]), block(&other[32..44])],
+        reused: Default::default(),
+        landed_at: None,
+    });
+    assert_ne!(
+        collect(&mut decode.submit(req).unwrap()).0,
+        reference(&other, 6)
+    );
+    wait_for_blocks_used(&metrics, 0);
+    stop(decode, thread);
+}
+
 /// A decode that starts from the prefill's own first token imports the whole prompt's
 /// KV, reports that token at once, and continues exactly as the aggregated run; a given
 /// token that leaves nothing to run is refused.
