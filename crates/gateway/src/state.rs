@@ -117,6 +117,7 @@ impl AppState {
             tokenizer,
             routing_reads_tokens,
             admission,
+            local_prefills: Default::default(),
             metrics: serving_metrics,
         };
         let instance = Arc::new(Instance::new());

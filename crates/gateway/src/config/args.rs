@@ -83,7 +83,8 @@ pub struct GatewayArgs {
 
     /// Skip the prefill leg for requests whose uncached prompt part is shorter than this
     /// many tokens (estimated from the prompt; exact when the cache_aware policy knows the
-    /// prefix): a decode worker prefills them itself. Off when unset.
+    /// prefix): a decode worker prefills them itself, one at a time per decode worker
+    /// (until its answer starts; the others get their prefill leg). Off when unset.
     #[arg(long, env = "PDSERVE_DISAGG_THRESHOLD")]
     pub disagg_threshold: Option<usize>,
 

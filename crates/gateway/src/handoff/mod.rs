@@ -88,11 +88,15 @@ async fn disaggregated(
 ) -> Result<Response, Failure> {
     let roster = state.registry.snapshot();
     let route = ctx.route_for(&request, conversation_id.as_deref());
-    if conditional::skips_prefill(state, &roster, &route) {
+    if let Some(turn) = conditional::skips_prefill(state, &roster, &route) {
         state.metrics.record_disaggregation("prefill_skipped");
         // The decode worker's final KV handle still serves the conversation's next
         // turn, as after a handoff.
-        return aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode).await;
+        let answer =
+            aggregated::serve(state, ctx, request, conversation_id, WorkerRole::Decode).await;
+        // Its answer has started: the prompt is computed.
+        drop(turn);
+        return answer;
     }
     state.metrics.record_disaggregation("disaggregated");
     if state.settings.protocol == crate::serving::Protocol::Sglang {

@@ -170,6 +170,8 @@ async fn serve(
         ..ctx.route_for(turn.chat, root)
     };
     let stream = turn.request.stream;
+    // A decode worker's turn at prefilling alone, held until its answer starts.
+    let mut local_prefill = None;
     let alone = if mode == Mode::Aggregated {
         // The owner continues from its own store (and prefix cache); any other worker is
         // sent the conversation, unless only the owner knows it (then it is that worker's
@@ -186,13 +188,17 @@ async fn serve(
     } else {
         // The decode worker is sent the conversation as the prefill worker is, so that
         // both compute the same prompt whichever decode worker a retry lands on.
-        conditional::skips_prefill(state, &roster, &route)
+        local_prefill = conditional::skips_prefill(state, &roster, &route);
+        local_prefill
+            .is_some()
             .then(|| ("prefill_skipped", turn.request.expanded(turn.before)))
     };
     if let Some((outcome, body)) = alone {
         state.metrics.record_disaggregation(outcome);
         let edits = turn.edits(state, None);
-        return single(state, ctx, &route, role, body, stream, edits).await;
+        let answer = single(state, ctx, &route, role, body, stream, edits).await;
+        drop(local_prefill);
+        return answer;
     }
     let body = turn.request.expanded(turn.before);
     state.metrics.record_disaggregation("disaggregated");

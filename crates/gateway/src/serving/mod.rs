@@ -47,6 +47,9 @@ pub struct Serving {
     pub routing_reads_tokens: bool,
     /// Overload control (`--max-concurrent-requests`).
     pub admission: Arc<Admission>,
+    /// Prompts a decode worker is prefilling itself (`--disagg-threshold`), until its
+    /// answer starts.
+    pub local_prefills: Arc<std::sync::atomic::AtomicUsize>,
     /// The request path's counters (and the dashboard's history finished requests are
     /// filed into).
     pub metrics: Arc<ServingMetrics>,

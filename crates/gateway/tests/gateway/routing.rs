@@ -430,6 +430,53 @@ async fn conditional_disaggregation_sends_short_prompts_straight_to_decode() {
     .await;
 }
 
+/// A decode worker computes one skipped prompt at a time (it stalls the streams it
+/// serves while it does): a short prompt that comes while D is still answering the
+/// last one gets a prefill leg; once D's answer has come, the next one skips again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_prefills_one_short_prompt_at_a_time() {
+    bounded(async {
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.disagg_threshold = Some(64);
+        let gw = Gateway::start(config).await;
+        let short =
+            json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                   "max_tokens": 3});
+        let ask = || {
+            let url = gw.at("/v1/chat/completions");
+            let body = short.clone();
+            async move {
+                client()
+                    .post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            }
+        };
+        d.set(Behavior::Delay(Duration::from_millis(1500)));
+        let first = tokio::spawn(ask());
+        d.wait_for_requests(1).await;
+        assert_eq!(ask().await, 200);
+        assert_eq!(p.requests().len(), 1, "D was busy with a prompt: a prefill leg");
+        assert_eq!(first.await.unwrap(), 200);
+        d.set(Behavior::Normal);
+        assert_eq!(ask().await, 200);
+        assert_eq!(p.requests().len(), 1, "D's turn came back with its answer");
+        let text = metrics(&gw).await;
+        for needle in [
+            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"} 2"#,
+            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 1"#,
+        ] {
+            assert!(text.contains(needle), "missing {needle} in {text}");
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_min_prefill_load_keeps_short_prompts_on_an_idle_prefill_worker() {
     bounded(async {
