@@ -43,8 +43,8 @@ fn uncached_tokens(
 ///
 /// A decode worker computes such a prompt between the steps of the streams it serves,
 /// which wait for it; two or more at once add up. Under the shared-prefix workload
-/// (`pdserve up --prefill 2`, c=8, 2026-12-06) unbounded local prefills ran at 1.97
-/// req/s with inter-token p99 3.3 s, against 3.29 req/s and 236 ms with the threshold off.
+/// (`pdserve up --prefill 2`, c=8, four seeds, docs/benchmarks.md) one at a time held
+/// inter-token p99 to 205–243 ms in three runs of four, against 281–963 ms unbounded.
 #[derive(Debug)]
 pub struct LocalPrefill(Arc<AtomicUsize>);
 
