@@ -67,7 +67,7 @@ pub fn skips_prefill(
     if !prefill_pool_busy(roster, state.settings.disagg_min_prefill_load) {
         return None;
     }
-    if !uncached_tokens(state, roster, route).is_some_and(|uncached| uncached < threshold) {
+    if uncached_tokens(state, roster, route).is_none_or(|uncached| uncached >= threshold) {
         return None;
     }
     take_turn(&state.local_prefills, roster.live(WorkerRole::Decode).len())
