@@ -374,14 +374,52 @@ async fn data_parallel_ranks_rotate_and_routing_headers_name_the_workers() {
     .await;
 }
 
+/// A gateway with `--disagg-threshold 64` and `--disagg-min-prefill-load min_load` over
+/// one prefill and one decode double.
+async fn threshold_pair(min_load: u32) -> (Double, Double, Gateway) {
+    let p = Double::start(Role::Prefill, "P").await;
+    let d = Double::start(Role::Decode, "D").await;
+    let mut config = pd_config(&[&p], &[&d]);
+    config.disagg_threshold = Some(64);
+    config.disagg_min_prefill_load = min_load;
+    let gw = Gateway::start(config).await;
+    (p, d, gw)
+}
+
+/// A short chat prompt (~10 tokens) to `gw`; its status.
+fn ask_short(gw: &Gateway) -> impl std::future::Future<Output = reqwest::StatusCode> + 'static {
+    let url = gw.at("/v1/chat/completions");
+    async move {
+        client()
+            .post(url)
+            .json(
+                &json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                          "max_tokens": 3}),
+            )
+            .send()
+            .await
+            .unwrap()
+            .status()
+    }
+}
+
+/// Checks `gw`'s counts of requests that skipped the prefill leg and that were handed off.
+async fn assert_disaggregation(gw: &Gateway, skipped: u32, disaggregated: u32) {
+    let text = metrics(gw).await;
+    for needle in [
+        format!(r#"pdserve_gateway_disaggregation_total{{outcome="prefill_skipped"}} {skipped}"#),
+        format!(
+            r#"pdserve_gateway_disaggregation_total{{outcome="disaggregated"}} {disaggregated}"#
+        ),
+    ] {
+        assert!(text.contains(&needle), "missing {needle} in {text}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conditional_disaggregation_sends_short_prompts_straight_to_decode() {
     bounded(async {
-        let p = Double::start(Role::Prefill, "P").await;
-        let d = Double::start(Role::Decode, "D").await;
-        let mut config = pd_config(&[&p], &[&d]);
-        config.disagg_threshold = Some(64);
-        let gw = Gateway::start(config).await;
+        let (p, d, gw) = threshold_pair(0).await;
         let ask = |content: String, stream: bool| {
             let url = gw.at("/v1/chat/completions");
             async move {
@@ -419,13 +457,7 @@ async fn conditional_disaggregation_sends_short_prompts_straight_to_decode() {
             d.requests()[2].body["kv_transfer_params"]["remote_engine_id"],
             "engine-P"
         );
-        let text = metrics(&gw).await;
-        for needle in [
-            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"} 2"#,
-            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 1"#,
-        ] {
-            assert!(text.contains(needle), "missing {needle} in {text}");
-        }
+        assert_disaggregation(&gw, 2, 1).await;
     })
     .await;
 }
@@ -436,43 +468,22 @@ async fn conditional_disaggregation_sends_short_prompts_straight_to_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_prefills_one_short_prompt_at_a_time() {
     bounded(async {
-        let p = Double::start(Role::Prefill, "P").await;
-        let d = Double::start(Role::Decode, "D").await;
-        let mut config = pd_config(&[&p], &[&d]);
-        config.disagg_threshold = Some(64);
-        let gw = Gateway::start(config).await;
-        let short =
-            json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                   "max_tokens": 3});
-        let ask = || {
-            let url = gw.at("/v1/chat/completions");
-            let body = short.clone();
-            async move {
-                client()
-                    .post(url)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-            }
-        };
+        let (p, d, gw) = threshold_pair(0).await;
+        let ask = || ask_short(&gw);
         d.set(Behavior::Delay(Duration::from_millis(1500)));
         let first = tokio::spawn(ask());
         d.wait_for_requests(1).await;
         assert_eq!(ask().await, 200);
-        assert_eq!(p.requests().len(), 1, "D was busy with a prompt: a prefill leg");
+        assert_eq!(
+            p.requests().len(),
+            1,
+            "D was busy with a prompt: a prefill leg"
+        );
         assert_eq!(first.await.unwrap(), 200);
         d.set(Behavior::Normal);
         assert_eq!(ask().await, 200);
         assert_eq!(p.requests().len(), 1, "D's turn came back with its answer");
-        let text = metrics(&gw).await;
-        for needle in [
-            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"} 2"#,
-            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 1"#,
-        ] {
-            assert!(text.contains(needle), "missing {needle} in {text}");
-        }
+        assert_disaggregation(&gw, 2, 1).await;
     })
     .await;
 }
@@ -480,28 +491,8 @@ async fn a_decode_worker_prefills_one_short_prompt_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_min_prefill_load_keeps_short_prompts_on_an_idle_prefill_worker() {
     bounded(async {
-        let p = Double::start(Role::Prefill, "P").await;
-        let d = Double::start(Role::Decode, "D").await;
-        let mut config = pd_config(&[&p], &[&d]);
-        config.disagg_threshold = Some(64);
-        config.disagg_min_prefill_load = 1;
-        let gw = Gateway::start(config).await;
-        let short =
-            json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                   "max_tokens": 3});
-        let ask = || {
-            let url = gw.at("/v1/chat/completions");
-            let body = short.clone();
-            async move {
-                client()
-                    .post(url)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-            }
-        };
+        let (p, d, gw) = threshold_pair(1).await;
+        let ask = || ask_short(&gw);
         // P is idle: the short prompt still gets its handoff.
         assert_eq!(ask().await, 200);
         assert_eq!(p.requests().len(), 1);
@@ -521,13 +512,7 @@ async fn a_min_prefill_load_keeps_short_prompts_on_an_idle_prefill_worker() {
             d.requests()[2].body["kv_transfer_params"]["remote_engine_id"],
             "engine-P"
         );
-        let text = metrics(&gw).await;
-        for needle in [
-            r#"pdserve_gateway_disaggregation_total{outcome="prefill_skipped"} 1"#,
-            r#"pdserve_gateway_disaggregation_total{outcome="disaggregated"} 2"#,
-        ] {
-            assert!(text.contains(needle), "missing {needle} in {text}");
-        }
+        assert_disaggregation(&gw, 1, 2).await;
     })
     .await;
 }
