@@ -80,7 +80,9 @@ pub struct BlockIndex {
     by_engine: HashMap<EngineBlockHash, BlockKey>,
     /// When blocks not stored again since were removed: a prompt the gateway sent the
     /// worker before that no longer counts as held there (see [`Self::removed_since`]).
+    /// Grows as removals come (at most `capacity`), not allocated up front.
     removed_at: LruCache<BlockKey, Instant>,
+    capacity: NonZeroUsize,
     /// When the worker last said it cleared everything.
     cleared_at: Option<Instant>,
 }
@@ -92,7 +94,8 @@ impl BlockIndex {
             block_size: None,
             blocks: LruCache::new(capacity),
             by_engine: HashMap::new(),
-            removed_at: LruCache::new(capacity),
+            removed_at: LruCache::unbounded(),
+            capacity,
             cleared_at: None,
         }
     }
@@ -119,6 +122,14 @@ impl BlockIndex {
         self.removed_at.clear();
         self.cleared_at = None;
         self.block_size = None;
+    }
+
+    /// Records that the worker removed block `key` now.
+    fn note_removed(&mut self, key: BlockKey) {
+        self.removed_at.put(key, Instant::now());
+        if self.removed_at.len() > self.capacity.get() {
+            self.removed_at.pop_lru();
+        }
     }
 
     /// Whether the worker's events removed block `key` (or cleared everything) after
@@ -180,7 +191,7 @@ impl BlockIndex {
                     if let Some(old) = self.by_engine.insert(engine.clone(), key) {
                         if old != key {
                             self.blocks.pop(&old);
-                            self.removed_at.put(old, Instant::now());
+                            self.note_removed(old);
                         }
                     }
                     if let Some((evicted_key, evicted)) = self.blocks.push(key, engine.clone()) {
@@ -198,13 +209,12 @@ impl BlockIndex {
                 }
             }
             KvCacheEvent::BlockRemoved { block_hashes, .. } => {
-                let now = Instant::now();
                 for engine in block_hashes {
                     if let Some(key) = self.by_engine.remove(engine) {
                         if self.blocks.pop(&key).is_some() {
                             applied.removed += 1;
                         }
-                        self.removed_at.put(key, now);
+                        self.note_removed(key);
                     }
                 }
             }
@@ -327,5 +337,11 @@ mod tests {
         // The newest survive.
         assert_eq!(idx.cached_prefix(&prompt_keys(&[999, 0], 2)), 1);
         assert_eq!(idx.cached_prefix(&prompt_keys(&[0, 0], 2)), 0);
+        // Remembered removals stay under the cap too.
+        for i in 0..1000u64 {
+            idx.apply(&stored(&[i], None, &[i as u32, 1], 2)).unwrap();
+            idx.apply(&removed(&[i])).unwrap();
+        }
+        assert_eq!(idx.removed_at.len(), 3);
     }
 }
