@@ -93,13 +93,16 @@ struct Idle {
 impl Idle {
     /// Closes expired connections of every worker, at most once per `timeout`: a worker
     /// that left the roster gets no more check-ins, and its idle sockets would stay open.
-    fn sweep(&mut self, timeout: Duration) {
-        if self.swept.is_some_and(|at| at.elapsed() < timeout) {
+    fn sweep(&mut self, timeout: Duration, now: Instant) {
+        if self
+            .swept
+            .is_some_and(|at| now.duration_since(at) < timeout)
+        {
             return;
         }
-        self.swept = Some(Instant::now());
+        self.swept = Some(now);
         self.by_addr.retain(|_, list| {
-            list.retain(|(_, since)| since.elapsed() < timeout);
+            list.retain(|(_, since)| now.duration_since(*since) < timeout);
             !list.is_empty()
         });
     }
@@ -198,13 +201,16 @@ impl DirectClient {
         if !conn.usable() {
             return;
         }
+        // One clock read per check-in, not one per idle connection (a busy worker has
+        // dozens, and every leg checks one in).
+        let now = Instant::now();
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let timeout = self.idle_timeout;
-        idle.sweep(timeout);
+        idle.sweep(timeout, now);
         let list = idle.by_addr.entry(addr).or_default();
-        list.retain(|(_, since)| since.elapsed() < timeout);
+        list.retain(|(_, since)| now.duration_since(*since) < timeout);
         if list.len() < MAX_IDLE_PER_WORKER {
-            list.push((IdleConn(conn), Instant::now()));
+            list.push((IdleConn(conn), now));
         }
     }
 
