@@ -84,8 +84,11 @@ impl EventMatcher {
             return 0;
         };
         let index = events.map(WorkerEvents::lock);
+        // One clock read for the whole prompt, not one per block.
+        let now = Instant::now();
         let held = |key: &BlockKey, at: &Instant| {
-            at.elapsed() < PENDING_FOR && !index.as_ref().is_some_and(|i| i.removed_since(key, *at))
+            now.duration_since(*at) < PENDING_FOR
+                && !index.as_ref().is_some_and(|i| i.removed_since(key, *at))
         };
         prompt_keys(tokens, block_size)
             .iter()
