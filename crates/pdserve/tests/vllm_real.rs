@@ -54,9 +54,11 @@ const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/vllm-cp
 /// The served model name the instances answer to.
 const MODEL: &str = "SmolLM2-135M-Instruct";
 /// NixlConnector on CPU memory; the prefill/decode pair of one test.
-const NIXL: &str = r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":300,"kv_lease_duration":10}}"#;
+const NIXL: &str = r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":300,"kv_lease_duration":20}}"#;
 /// NIXL's `kv_lease_duration` above: prefill blocks nobody read are released (and logged) after it.
-const KV_LEASE: Duration = Duration::from_secs(10);
+/// Until the decode instance has the request and heartbeats, this is all the time it has
+/// to take it: 10 s ran out once on a CI machine running at half speed.
+const KV_LEASE: Duration = Duration::from_secs(20);
 /// How long one vLLM instance may take to answer `/health` (about 60 s here).
 const START_LIMIT_SECS: u64 = 400;
 /// Every request's client-side limit: nothing hangs.
@@ -105,6 +107,33 @@ fn script() -> Command {
 }
 
 /// The tail of a text, at most `n` bytes.
+/// The wall clock (UTC, `HH:MM:SS`), to line a check up with the vLLM logs' timestamps.
+fn clock() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        % 86_400;
+    format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+/// The gateway's log lines about the requests a vLLM log names in `lines`: vLLM's
+/// request id is `chatcmpl-<X-Request-Id>-<suffix>` (or `cmpl-`), and the gateway sends
+/// its own request id as `X-Request-Id`.
+fn gateway_lines_for(lines: &[&str], gateway_log: &str) -> Vec<String> {
+    let ids: Vec<&str> = lines
+        .iter()
+        .filter_map(|line| {
+            let at = line.find("cmpl-")? + "cmpl-".len();
+            line.get(at..at + 36)
+        })
+        .collect();
+    gateway_log
+        .lines()
+        .filter(|line| ids.iter().any(|id| line.contains(id)))
+        .map(str::to_string)
+        .collect()
+}
+
 fn tail(text: &str, n: usize) -> &str {
     let start = text.len().saturating_sub(n);
     &text[text.floor_char_boundary(start)..]
@@ -495,6 +524,7 @@ impl Checks {
         check: impl Future<Output = Result<()>>,
     ) -> bool {
         let started = Instant::now();
+        let from = clock();
         let outcome = match tokio::time::timeout(limit, check).await {
             Ok(r) => r,
             Err(_) => Err(anyhow!("timed out after {limit:?}")),
@@ -502,11 +532,17 @@ impl Checks {
         let secs = started.elapsed().as_secs_f64();
         match outcome {
             Ok(()) => {
-                say(&format!("{}: ok   {name} ({secs:.1} s)", self.test));
+                say(&format!(
+                    "{}: ok   {name} ({secs:.1} s from {from} UTC)",
+                    self.test
+                ));
                 true
             }
             Err(e) => {
-                say(&format!("{}: FAIL {name} ({secs:.1} s): {e:#}", self.test));
+                say(&format!(
+                    "{}: FAIL {name} ({secs:.1} s from {from} UTC): {e:#}",
+                    self.test
+                ));
                 self.failed.push(format!("{name}: {e:#}"));
                 false
             }
@@ -1003,7 +1039,14 @@ async fn pd_checks(prefill: &Vllm, decode: &Vllm, events: [u16; 2]) {
                     .filter(|line| NIXL_TROUBLE.iter().any(|m| line.contains(m)))
                     .take(4)
                     .collect();
-                ensure!(found.is_empty(), "prefill log has {found:?}: {lines:#?}");
+                ensure!(
+                    found.is_empty(),
+                    "prefill log has {found:?}: {lines:#?}\nthe gateway on those requests: {:#?}",
+                    gateway_lines_for(
+                        &lines,
+                        &std::fs::read_to_string(&gateway.log).unwrap_or_default()
+                    )
+                );
                 let text = metrics(&http, &prefill.url).await?;
                 for name in [
                     "vllm:nixl_num_kv_expired_reqs_total",
@@ -1066,7 +1109,16 @@ async fn pd_checks(prefill: &Vllm, decode: &Vllm, events: [u16; 2]) {
                 .collect();
             // The gateway serves each choice with its own P/D pair (vLLM's decode reads a
             // handle once per choice): every handle is read once, in time.
-            ensure!(found.is_empty(), "n=2: the prefill log has {found:?}");
+            let lines: Vec<&str> = new
+                .lines()
+                .filter(|line| NIXL_TROUBLE.iter().any(|m| line.contains(m)))
+                .take(4)
+                .collect();
+            ensure!(
+                found.is_empty(),
+                "n=2: the prefill log has {found:?}: {lines:#?}\nthe gateway on those requests: {:#?}",
+                gateway_lines_for(&lines, &std::fs::read_to_string(&gateway.log).unwrap_or_default())
+            );
             Ok(())
         })
         .await;
