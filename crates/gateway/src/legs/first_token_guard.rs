@@ -76,7 +76,7 @@ impl FirstTokenGuard {
             return Ok(lines);
         }
         let mut out = BytesMut::with_capacity(lines.len());
-        for line in lines.split_inclusive(|&b| b == b'\n') {
+        for line in split_lines(&lines) {
             let bare = line.strip_suffix(b"\n").unwrap_or(line);
             let bare = bare.strip_suffix(b"\r").unwrap_or(bare);
             if std::mem::take(&mut self.skip_blank) && bare.is_empty() {
@@ -392,6 +392,21 @@ fn drop_first_logprob(choice: &mut Value, chat: bool, none_left: bool) {
             }
         }
     }
+}
+
+/// `bytes` cut after each `\n` (the last piece may lack one), found with `memchr`: a
+/// decode stream passes here whole, event by event.
+fn split_lines(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = bytes;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let end = memchr::memchr(b'\n', rest).map_or(rest.len(), |at| at + 1);
+        let (line, tail) = rest.split_at(end);
+        rest = tail;
+        Some(line)
+    })
 }
 
 #[cfg(test)]

@@ -180,3 +180,18 @@ fn events_the_quick_reading_does_not_cover_get_the_full_one() {
     assert_eq!(events[0]["choices"].as_array().map(Vec::len), Some(1));
     assert_eq!(events[0]["choices"][0]["delta"]["content"], " again");
 }
+
+#[test]
+fn lines_are_cut_after_each_newline_as_split_inclusive_cuts_them() {
+    for text in [
+        &b""[..],
+        b"\n",
+        b"data: a\n\n",
+        b"data: a\n\ndata: b",
+        b"no newline",
+        b"\r\n\r\ndata: [DONE]\r\n\r\n",
+    ] {
+        let want: Vec<&[u8]> = text.split_inclusive(|&b| b == b'\n').collect();
+        assert_eq!(split_lines(text).collect::<Vec<_>>(), want, "{text:?}");
+    }
+}
