@@ -71,21 +71,25 @@ pub fn router(state: AppState) -> Router {
             pdserve_telemetry::enabled()
                 .then(|| axum::middleware::from_fn(pdserve_telemetry::http::trace_requests)),
         ))
-        // --api-key on the OpenAI routes (inside the access log: 401s are logged too).
-        .layer(axum::middleware::from_fn_with_state(
-            crate::routes::auth::ApiKey(state.config.api_key.as_deref().map(Arc::from)),
-            crate::routes::auth::require_api_key,
+        // --api-key on the OpenAI routes (inside the access log: 401s are logged too);
+        // without a key, no layer at all.
+        .layer(tower::util::option_layer(
+            state.config.api_key.as_deref().map(|key| {
+                axum::middleware::from_fn_with_state(
+                    crate::routes::auth::ApiKey(Some(Arc::from(key))),
+                    crate::routes::auth::require_api_key,
+                )
+            }),
         ))
         // Before anything is forwarded: a request that looped back is refused here.
-        .layer(axum::middleware::from_fn_with_state(
-            Arc::new(crate::ingress::hops::HopGuard {
+        .layer(crate::ingress::hops::HopGuardLayer(Arc::new(
+            crate::ingress::hops::HopGuard {
                 own_id: state.instance.id().to_string(),
                 own_header: state.instance.header().clone(),
                 max_hops: state.config.max_hops,
                 refused: state.metrics.loops.clone(),
-            }),
-            crate::ingress::hops::guard,
-        ))
+            },
+        )))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http())
         // One access-log line per request, with the id set by the layer outside it.

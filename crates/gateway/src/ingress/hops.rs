@@ -3,17 +3,20 @@
 //! through `--max-hops` gateways, rather than forward it round a loop until the client
 //! gives up.
 
+use std::future::{ready, Ready};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
-use axum::extract::{Request, State};
-use axum::middleware::Next;
+use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
+use futures::future::Either;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use pdserve_protocol::ApiError;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use tower::{Layer, Service};
 
 /// The hop header: the instance ids of the gateways a request passed through, in order,
 /// comma-separated.
@@ -110,61 +113,108 @@ pub struct HopGuard {
     pub refused: Arc<LoopMetrics>,
 }
 
-/// Middleware: 508 for a looping request; otherwise the hop header is rewritten to the
-/// received ids plus this gateway's, so that every leg sent for it carries the chain.
-pub async fn guard(
-    State(state): State<Arc<HopGuard>>,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    // The common case, a request straight from a client, allocates nothing.
-    if !request.headers().contains_key(X_PDSERVE_HOPS) {
-        request
-            .headers_mut()
-            .insert(X_PDSERVE_HOPS, state.own_header.clone());
-        return next.run(request).await;
-    }
-    let own = state.own_id.as_str();
-    let hops = received(request.headers());
-    if let Err(why) = check(&hops, own, state.max_hops) {
-        state.refused.inc(why);
-        let chain = hops.join(",");
-        tracing::warn!(
-            path = request.uri().path(),
-            hops = %chain,
-            reason = why.reason(),
-            "refused a routing loop"
-        );
-        let message = match why {
-            Loop::OwnId => format!(
-                "Loop detected: this request has already passed through this gateway \
-                 (instance {own}; hops: {chain}). A gateway is registered as a worker of \
-                 itself, directly or through other gateways."
-            ),
-            Loop::MaxHops => format!(
-                "Loop detected: this request has passed through {} gateways (hops: {chain}), \
-                 the most --max-hops ({}) allows.",
-                hops.len(),
-                state.max_hops
-            ),
-        };
-        return ApiError::new(StatusCode::LOOP_DETECTED, "loop_detected", message).into_response();
-    }
-    let mut chain = hops.join(",");
-    if !chain.is_empty() {
-        chain.push(',');
-    }
-    chain.push_str(own);
-    match HeaderValue::from_str(&chain) {
-        Ok(value) => {
-            request.headers_mut().insert(X_PDSERVE_HOPS, value);
-        }
-        // Ids that are not visible ASCII were dropped by `received`; what is left is.
-        Err(_) => {
-            request.headers_mut().remove(X_PDSERVE_HOPS);
+/// The loop guard as a layer: 508 for a looping request; otherwise the hop header is
+/// rewritten to the received ids plus this gateway's, so that every leg sent for it
+/// carries the chain. A plain service, not `from_fn`: every request passes it, and a
+/// `from_fn` middleware boxes a copy of the service stack below it per request.
+#[derive(Debug, Clone)]
+pub struct HopGuardLayer(pub Arc<HopGuard>);
+
+impl<S> Layer<S> for HopGuardLayer {
+    type Service = HopGuardService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        HopGuardService {
+            guard: self.0.clone(),
+            inner,
         }
     }
-    next.run(request).await
+}
+
+/// The service [`HopGuardLayer`] wraps around the routes.
+#[derive(Debug, Clone)]
+pub struct HopGuardService<S> {
+    guard: Arc<HopGuard>,
+    inner: S,
+}
+
+impl<S> Service<Request> for HopGuardService<S>
+where
+    S: Service<Request, Response = Response>,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Either<Ready<Result<Response, S::Error>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request) -> Self::Future {
+        match self.guard.refuse(&mut request) {
+            None => Either::Right(self.inner.call(request)),
+            Some(refused) => Either::Left(ready(Ok(refused))),
+        }
+    }
+}
+
+impl HopGuard {
+    /// The 508 answer for a request that loops; for one that may go on, `None`, its hop
+    /// header rewritten for its legs.
+    fn refuse(&self, request: &mut Request) -> Option<Response> {
+        let headers = request.headers();
+        // The common case, a request straight from a client, allocates nothing.
+        if !headers.contains_key(X_PDSERVE_HOPS) {
+            request
+                .headers_mut()
+                .insert(X_PDSERVE_HOPS, self.own_header.clone());
+            return None;
+        }
+        let own = self.own_id.as_str();
+        let hops = received(headers);
+        if let Err(why) = check(&hops, own, self.max_hops) {
+            self.refused.inc(why);
+            let chain = hops.join(",");
+            tracing::warn!(
+                path = request.uri().path(),
+                hops = %chain,
+                reason = why.reason(),
+                "refused a routing loop"
+            );
+            let message = match why {
+                Loop::OwnId => format!(
+                    "Loop detected: this request has already passed through this gateway \
+                     (instance {own}; hops: {chain}). A gateway is registered as a worker of \
+                     itself, directly or through other gateways."
+                ),
+                Loop::MaxHops => format!(
+                    "Loop detected: this request has passed through {} gateways (hops: {chain}), \
+                     the most --max-hops ({}) allows.",
+                    hops.len(),
+                    self.max_hops
+                ),
+            };
+            return Some(
+                ApiError::new(StatusCode::LOOP_DETECTED, "loop_detected", message).into_response(),
+            );
+        }
+        let mut chain = hops.join(",");
+        if !chain.is_empty() {
+            chain.push(',');
+        }
+        chain.push_str(own);
+        let headers = request.headers_mut();
+        match HeaderValue::from_str(&chain) {
+            Ok(value) => {
+                headers.insert(X_PDSERVE_HOPS, value);
+            }
+            // Ids that are not visible ASCII were dropped by `received`; what is left is.
+            Err(_) => {
+                headers.remove(X_PDSERVE_HOPS);
+            }
+        }
+        None
+    }
 }
 
 #[cfg(test)]
