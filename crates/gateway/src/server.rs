@@ -93,7 +93,7 @@ pub fn router(state: AppState) -> Router {
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http())
         // One access-log line per request, with the id set by the layer outside it.
-        .layer(axum::middleware::from_fn(crate::ingress::access::log))
+        .layer(crate::ingress::access::AccessLogLayer)
         // Outermost: every request (and so both legs and the response) has an id.
         .layer(SetRequestIdLayer::x_request_id(RandomRequestId))
         .with_state(state)
