@@ -45,8 +45,9 @@ pub struct RequestContext {
     pub route: &'static str,
     /// Headers sent on every leg.
     pub headers: ForwardHeaders,
-    /// The client's headers, for routing policies.
-    pub client_headers: HeaderMap,
+    /// The client's headers, for routing policies (shared: a streamed P/D answer's
+    /// decode leg runs on a clone of the context).
+    pub client_headers: std::sync::Arc<HeaderMap>,
     /// When the client request arrived.
     pub started: Instant,
     /// The prompt's token ids as the workers will compute them (`--tokenizer`).
@@ -71,7 +72,7 @@ impl RequestContext {
             endpoint,
             route,
             headers: forward,
-            client_headers: headers,
+            client_headers: std::sync::Arc::new(headers),
             started,
             prompt_tokens: None,
             routing_notes: None,
