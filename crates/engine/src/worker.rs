@@ -104,7 +104,7 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
         }
     }
     orchestrator_config(args)?;
-    crate::kv::security::peers_from_args(args).map_err(WorkerError::InvalidArgs)?;
+    crate::args::kv_security::peers_from_args(args).map_err(WorkerError::InvalidArgs)?;
     if args.bootstrap_port.is_some() && args.role != WorkerRole::Prefill {
         return Err(WorkerError::InvalidArgs(format!(
             "--bootstrap-port serves a prefill worker's rooms: it needs --role prefill, not {}",
@@ -229,9 +229,9 @@ impl Worker {
         // Who may read this worker's KV and whom it reads from (`--kv-peers`,
         // `PDSERVE_KV_SECRET`): the KV transfer service and every pull check them.
         let kv_peers = Arc::new(
-            crate::kv::security::peers_from_args(&args).map_err(WorkerError::InvalidArgs)?,
+            crate::args::kv_security::peers_from_args(&args).map_err(WorkerError::InvalidArgs)?,
         );
-        let kv_secret = crate::kv::security::secret_from_args(&args);
+        let kv_secret = crate::args::kv_security::secret_from_args(&args);
         let kv_server_config = pdserve_kv_transfer::ServerConfig {
             peers: Some(kv_peers.clone()),
             secret: kv_secret.clone(),

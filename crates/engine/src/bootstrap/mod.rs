@@ -19,12 +19,9 @@ use pdserve_protocol::{ApiError, BootstrapParams, OneOrMany, TransportParams, Wo
 use crate::metrics::Metrics;
 
 pub(crate) mod decode;
-pub mod metrics;
 pub(crate) mod prefill;
 pub mod rooms;
 pub mod source;
-
-pub use metrics::BootstrapMetrics;
 
 /// The engine id room reads name: the decode worker knows only the bootstrap address.
 pub const BOOTSTRAP_ENGINE_ID: &str = "pdserve-bootstrap";

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::BootstrapMetrics;
 use crate::kv::KvService;
+use crate::metrics::BootstrapMetrics;
 
 /// How often a waiting side looks again even without a wake-up (belt and braces).
 const RECHECK: Duration = Duration::from_millis(250);

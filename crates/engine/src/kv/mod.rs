@@ -13,7 +13,6 @@ mod error;
 pub mod export;
 pub mod import;
 pub mod pull;
-pub mod security;
 pub mod service;
 
 pub use error::HandoffError;

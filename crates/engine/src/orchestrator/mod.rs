@@ -30,13 +30,11 @@ pub mod config;
 pub mod first_token;
 pub mod handoff;
 pub mod leg;
-pub mod metrics;
 pub mod pool;
 pub mod prewarm;
 
 pub use config::{prefill_url, FirstTokenFromPrefill, HandoffMode, OrchestratorConfig};
 pub use leg::{PrefillAnswer, PrefillError};
-pub use metrics::OrchestratorMetrics;
 pub use pool::{PrefillPool, PrefillWorker};
 
 /// A decode worker's orchestration of prefill workers.

@@ -6,6 +6,8 @@ use pdserve_protocol::WorkerRole;
 
 use crate::orchestrator::{FirstTokenFromPrefill, HandoffMode};
 
+pub mod kv_security;
+
 /// Default `--max-body-bytes`: the gateway's default, so that whatever it accepts a
 /// worker accepts too.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;

@@ -4,7 +4,7 @@
 
 use pdserve_kv_transfer::{PeerAllowList, TransferSecret};
 
-use crate::args::WorkerArgs;
+use super::WorkerArgs;
 
 /// The allow-list `args` configure: `--kv-peers` when given (exactly those), else
 /// loopback plus the hosts this worker is told about (`--host`, `--kv-host`, the hosts

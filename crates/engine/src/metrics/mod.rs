@@ -7,8 +7,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-#[path = "metrics_vllm.rs"]
+mod bootstrap;
+mod orchestrator;
 mod vllm;
+pub use bootstrap::BootstrapMetrics;
+pub use orchestrator::OrchestratorMetrics;
 pub use vllm::VllmMetrics;
 
 /// Label set naming a finish reason.
@@ -65,9 +68,9 @@ pub struct Metrics {
     /// token-id prompt, so an orchestrated request counts once, on the decode worker.
     pub prompts_tokenized: Counter,
     /// Decode-as-orchestrator metrics (`--prefill`).
-    pub orchestrator: crate::orchestrator::metrics::OrchestratorMetrics,
+    pub orchestrator: OrchestratorMetrics,
     /// SGLang bootstrap rendezvous metrics (`--bootstrap-port`, `bootstrap_room`).
-    pub bootstrap: crate::bootstrap::metrics::BootstrapMetrics,
+    pub bootstrap: BootstrapMetrics,
 }
 
 /// Metrics of the KV transfer service and of pulls from peers.
