@@ -106,7 +106,6 @@ fn script() -> Command {
     command
 }
 
-/// The tail of a text, at most `n` bytes.
 /// The wall clock (UTC, `HH:MM:SS`), to line a check up with the vLLM logs' timestamps.
 fn clock() -> String {
     let secs = std::time::SystemTime::now()
@@ -134,6 +133,7 @@ fn gateway_lines_for(lines: &[&str], gateway_log: &str) -> Vec<String> {
         .collect()
 }
 
+/// The tail of a text, at most `n` bytes.
 fn tail(text: &str, n: usize) -> &str {
     let start = text.len().saturating_sub(n);
     &text[text.floor_char_boundary(start)..]
