@@ -542,15 +542,11 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: WorkerArgs,
-    }
+    use crate::args::WorkerCli;
 
     fn check(argv: &[&str]) -> Result<(), WorkerError> {
         let argv = std::iter::once("worker").chain(argv.iter().copied());
-        check_args(&Cli::try_parse_from(argv).unwrap().args)
+        check_args(&WorkerCli::try_parse_from(argv).unwrap().args)
     }
 
     #[test]

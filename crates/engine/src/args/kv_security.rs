@@ -51,15 +51,11 @@ mod tests {
     use super::*;
     use clap::Parser;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: WorkerArgs,
-    }
+    use crate::args::WorkerCli;
 
     fn args(argv: &[&str]) -> WorkerArgs {
         let argv = std::iter::once("worker").chain(argv.iter().copied());
-        Cli::try_parse_from(argv).unwrap().args
+        WorkerCli::try_parse_from(argv).unwrap().args
     }
 
     #[test]

@@ -271,22 +271,27 @@ pub struct WorkerArgs {
     pub tracing: pdserve_telemetry::TracingArgs,
 }
 
+/// `pdserve worker`'s flags alone, for the tests that parse them.
+#[cfg(test)]
+#[derive(clap::Parser)]
+pub(crate) struct WorkerCli {
+    #[command(flatten)]
+    pub(crate) args: WorkerArgs,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::{CommandFactory, Parser};
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: WorkerArgs,
-    }
-
     #[test]
     fn scheduling_policy_flags_name_a_policy_or_a_clear_error() {
         let parse = |extra: &[&str]| {
             let argv = ["worker"].iter().chain(extra).copied();
-            Cli::try_parse_from(argv).unwrap().args.scheduling_policy()
+            WorkerCli::try_parse_from(argv)
+                .unwrap()
+                .args
+                .scheduling_policy()
         };
         assert_eq!(parse(&[]), Ok(crate::scheduler::SchedulingPolicy::Fcfs));
         assert_eq!(
@@ -310,14 +315,14 @@ mod tests {
 
     #[test]
     fn flags_are_consistent_and_default_sensibly() {
-        Cli::command().debug_assert();
-        let args = Cli::try_parse_from(["worker"]).unwrap().args;
+        WorkerCli::command().debug_assert();
+        let args = WorkerCli::try_parse_from(["worker"]).unwrap().args;
         assert_eq!(
             (args.role, args.host.as_str(), args.port),
             (WorkerRole::PrefillDecode, "127.0.0.1", 8100)
         );
         assert!(args.model.is_none() && args.max_model_len.is_none());
-        let args = Cli::try_parse_from([
+        let args = WorkerCli::try_parse_from([
             "worker",
             "--port",
             "0",
@@ -340,7 +345,7 @@ mod tests {
             ),
             (480, 30, 30)
         );
-        let args = Cli::try_parse_from([
+        let args = WorkerCli::try_parse_from([
             "worker",
             "--role",
             "decode",
@@ -355,15 +360,17 @@ mod tests {
             (args.role, args.kv_port, args.kv_abort_timeout),
             (WorkerRole::Decode, Some(9000), 5)
         );
-        let stream =
-            |v: &str| Cli::try_parse_from(["worker", "--kv-stream", v]).map(|c| c.args.kv_stream);
+        let stream = |v: &str| {
+            WorkerCli::try_parse_from(["worker", "--kv-stream", v]).map(|c| c.args.kv_stream)
+        };
         assert!(args.kv_stream, "KV streams by default");
         assert_eq!(
             (stream("off").unwrap(), stream("on").unwrap()),
             (false, true)
         );
         assert!(stream("maybe").is_err());
-        let role = |r: &str| Cli::try_parse_from(["worker", "--role", r]).map(|c| c.args.role);
+        let role =
+            |r: &str| WorkerCli::try_parse_from(["worker", "--role", r]).map(|c| c.args.role);
         assert_eq!(role("both").unwrap(), WorkerRole::PrefillDecode);
         assert_eq!(role("prefill_decode").unwrap(), WorkerRole::PrefillDecode);
         assert_eq!(role("prefill").unwrap(), WorkerRole::Prefill);
@@ -374,14 +381,14 @@ mod tests {
 
     #[test]
     fn prefill_urls_repeat_or_comma_separate() {
-        let args = Cli::try_parse_from(["worker"]).unwrap().args;
+        let args = WorkerCli::try_parse_from(["worker"]).unwrap().args;
         assert!(args.prefill.is_empty());
         assert_eq!(
             (args.handoff, args.prefill_timeout_secs),
             (HandoffMode::Sequential, 300)
         );
         assert_eq!((args.prewarm_interval_secs, args.prewarm_attempts), (5, 60));
-        let args = Cli::try_parse_from([
+        let args = WorkerCli::try_parse_from([
             "worker",
             "--role",
             "decode",
