@@ -124,9 +124,9 @@ impl BlockIndex {
         self.block_size = None;
     }
 
-    /// Records that the worker removed block `key` now.
-    fn note_removed(&mut self, key: BlockKey) {
-        self.removed_at.put(key, Instant::now());
+    /// Records that the worker removed block `key` at `now`.
+    fn note_removed(&mut self, key: BlockKey, now: Instant) {
+        self.removed_at.put(key, now);
         if self.removed_at.len() > self.capacity.get() {
             self.removed_at.pop_lru();
         }
@@ -191,7 +191,7 @@ impl BlockIndex {
                     if let Some(old) = self.by_engine.insert(engine.clone(), key) {
                         if old != key {
                             self.blocks.pop(&old);
-                            self.note_removed(old);
+                            self.note_removed(old, Instant::now());
                         }
                     }
                     if let Some((evicted_key, evicted)) = self.blocks.push(key, engine.clone()) {
@@ -209,12 +209,14 @@ impl BlockIndex {
                 }
             }
             KvCacheEvent::BlockRemoved { block_hashes, .. } => {
+                // One clock read for the event, not one per block it removes.
+                let now = Instant::now();
                 for engine in block_hashes {
                     if let Some(key) = self.by_engine.remove(engine) {
                         if self.blocks.pop(&key).is_some() {
                             applied.removed += 1;
                         }
-                        self.note_removed(key);
+                        self.note_removed(key, now);
                     }
                 }
             }
