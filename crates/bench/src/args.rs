@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::{ArgGroup, Args, FromArgMatches, Subcommand, ValueEnum};
 
 use crate::priority::{PriorityClass, PriorityMix};
+use crate::trace_gen::TraceGenArgs;
 
 /// `Args` and `FromArgMatches` for `$checked`, a flag set whose values are checked
 /// together: clap parses `$flags`, then `$checked::checked` turns them into the value
@@ -77,6 +78,10 @@ pub enum BenchCommand {
     /// Side-by-side table (ratios against the first file) and an optional SVG plot of
     /// result files written with `--result-json`.
     Compare(CompareArgs),
+    /// Write a synthetic trace in Mooncake's format (for `serve --dataset mooncake`):
+    /// Poisson arrivals with optional bursts, shared prefixes of Zipf-distributed
+    /// popularity, and multi-turn sessions whose prompts grow turn by turn.
+    TraceGen(TraceGenArgs),
 }
 
 /// The endpoint a benchmark sends its requests to.
@@ -409,13 +414,13 @@ pub struct CompareArgs {
     pub plot: Option<PathBuf>,
 }
 
-fn parse_f64(s: &str) -> Result<f64, String> {
+pub(crate) fn parse_f64(s: &str) -> Result<f64, String> {
     s.trim()
         .parse::<f64>()
         .map_err(|e| format!("`{s}` is not a number: {e}"))
 }
 
-fn positive_finite(s: &str, what: &str) -> Result<f64, String> {
+pub(crate) fn positive_finite(s: &str, what: &str) -> Result<f64, String> {
     let v = parse_f64(s)?;
     if v.is_finite() && v > 0.0 {
         Ok(v)
@@ -426,19 +431,19 @@ fn positive_finite(s: &str, what: &str) -> Result<f64, String> {
     }
 }
 
-fn positive_seconds(s: &str) -> Result<f64, String> {
+pub(crate) fn positive_seconds(s: &str) -> Result<f64, String> {
     positive_finite(s, "a timeout in seconds")
 }
 
-fn positive_ms(s: &str) -> Result<f64, String> {
+pub(crate) fn positive_ms(s: &str) -> Result<f64, String> {
     positive_finite(s, "an SLO in milliseconds")
 }
 
-fn positive_rate(s: &str) -> Result<f64, String> {
+pub(crate) fn positive_rate(s: &str) -> Result<f64, String> {
     positive_finite(s, "a request rate (use --concurrency for all-at-once)")
 }
 
-fn range_ratio(s: &str) -> Result<f64, String> {
+pub(crate) fn range_ratio(s: &str) -> Result<f64, String> {
     let v = parse_f64(s)?;
     if (0.0..1.0).contains(&v) {
         Ok(v)

@@ -16,11 +16,14 @@ pub mod report;
 pub mod responses_client;
 pub mod schedule;
 pub mod serve;
+pub mod trace;
+pub mod trace_gen;
 
 use std::path::PathBuf;
 
 pub use args::{BenchArgs, BenchCommand, CompareArgs, MultiTurnArgs, ServeArgs};
 pub use report::{BenchResult, SCHEMA_VERSION};
+pub use trace_gen::TraceGenArgs;
 
 /// Errors that stop a benchmark.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +91,9 @@ pub enum BenchError {
     /// Ctrl-C stopped the run (the partial results were printed).
     #[error("interrupted; partial results above")]
     Interrupted,
+    /// A trace (`--dataset-path`) could not be read or has a bad line.
+    #[error(transparent)]
+    Trace(#[from] trace::TraceError),
     /// Every request failed (the reasons were printed).
     #[error("all {0} requests failed; see the failure reasons above")]
     AllFailed(u64),
@@ -132,5 +138,6 @@ pub async fn run(args: BenchArgs) -> Result<(), BenchError> {
             emit(&result, &args.output)
         }
         BenchCommand::Compare(args) => compare::run_compare(&args),
+        BenchCommand::TraceGen(args) => trace_gen::run_trace_gen(&args),
     }
 }
