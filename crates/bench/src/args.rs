@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-use clap::{ArgGroup, Args, FromArgMatches, Subcommand, ValueEnum};
+use clap::{Args, FromArgMatches, Subcommand, ValueEnum};
 
+use crate::load::Load;
 use crate::priority::{PriorityClass, PriorityMix};
 use crate::trace_gen::TraceGenArgs;
 
@@ -58,6 +59,9 @@ macro_rules! checked_args {
     };
 }
 
+// Other modules' checked flag sets (`load`) use it too.
+pub(crate) use checked_args;
+
 /// `pdserve bench` subcommands and flags.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -70,7 +74,8 @@ pub struct BenchArgs {
 #[derive(Debug, Clone, Subcommand)]
 pub enum BenchCommand {
     /// Load test: N synthetic streaming requests at a fixed concurrency or a Poisson
-    /// request rate; reports TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.
+    /// request rate, or a Mooncake-format trace replayed at its timestamps; reports TTFT,
+    /// TPOT, ITL, end-to-end latency, throughput, goodput and the bench's own lateness.
     Serve(ServeArgs),
     /// Conversations that grow turn by turn (each prompt carries the previous answers):
     /// per-turn TTFT and the share of prompt tokens the server reports as cached.
@@ -167,23 +172,23 @@ pub struct OutputArgs {
     pub label: Option<String>,
 }
 
+/// `--num-prompts` of `serve` when it is not given (random prompts).
+pub const DEFAULT_NUM_PROMPTS: u64 = 100;
+
 /// `pdserve bench serve`.
 #[derive(Debug, Clone, Args)]
-#[command(group(ArgGroup::new("load").required(true).args(["concurrency", "request_rate"])))]
 pub struct ServeArgs {
     /// Where the server is and how to talk to it.
     #[command(flatten)]
     pub server: ServerArgs,
-    /// Number of requests to send.
-    #[arg(long, env = "PDSERVE_BENCH_NUM_PROMPTS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
-    pub num_prompts: u64,
-    /// Keep this many requests in flight (closed loop).
-    #[arg(long, env = "PDSERVE_BENCH_CONCURRENCY", value_parser = clap::value_parser!(u64).range(1..))]
-    pub concurrency: Option<u64>,
-    /// Send requests as a Poisson process with this mean rate, in requests per second
-    /// (open loop).
-    #[arg(long, env = "PDSERVE_BENCH_REQUEST_RATE", value_parser = positive_rate)]
-    pub request_rate: Option<f64>,
+    /// Number of requests to send (default: 100). With `--dataset mooncake`: replay only
+    /// the trace's first N requests (default: all of them).
+    #[arg(long, env = "PDSERVE_BENCH_NUM_PROMPTS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub num_prompts: Option<u64>,
+    /// The pacing (`--concurrency`, `--request-rate` or a trace's timestamps) and the
+    /// prompts (`--dataset`, `--dataset-path`, `--trace-speedup`).
+    #[command(flatten)]
+    pub load: Load,
     /// Prompt length in tokens (approximate, see `--endpoint`; the server's `usage` gives
     /// the exact count, which is what the report uses).
     #[arg(long, env = "PDSERVE_BENCH_INPUT_LEN", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
@@ -202,13 +207,6 @@ pub struct ServeArgs {
     /// message (the chat template adds a few tokens).
     #[arg(long, env = "PDSERVE_BENCH_ENDPOINT", value_enum, default_value_t = Endpoint::Completions)]
     pub endpoint: Endpoint,
-    /// The prompts: `random` (distinct random words, `--input-len`), or `shared-prefix`
-    /// (SGLang's generated-shared-prefix set: `--gsp-num-groups` groups of
-    /// `--gsp-prompts-per-group` prompts, each a group's system prompt followed by its own
-    /// question, in a seeded random order; `--num-prompts`, `--input-len`, `--output-len`
-    /// and `--range-ratio` do not apply).
-    #[arg(long, env = "PDSERVE_BENCH_DATASET", value_enum, default_value_t = Dataset::Random)]
-    pub dataset: Dataset,
     /// shared-prefix: groups, each with its own system prompt.
     #[arg(long, env = "PDSERVE_BENCH_GSP_NUM_GROUPS", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     pub gsp_num_groups: u64,
@@ -235,6 +233,13 @@ pub struct ServeArgs {
     pub output: OutputArgs,
 }
 
+impl ServeArgs {
+    /// `--num-prompts`, or its default for random prompts.
+    pub fn num_prompts_or_default(&self) -> u64 {
+        self.num_prompts.unwrap_or(DEFAULT_NUM_PROMPTS)
+    }
+}
+
 /// Where `serve`'s prompts come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -243,6 +248,8 @@ pub enum Dataset {
     Random,
     /// Groups of prompts sharing a long system prompt (SGLang's generated-shared-prefix).
     SharedPrefix,
+    /// A trace in Mooncake's format (`--dataset-path`), replayed at its timestamps.
+    Mooncake,
 }
 
 /// `pdserve bench multi-turn`.

@@ -46,6 +46,9 @@ const ROWS: &[(&str, Extract)] = &[
     ("Mean E2E (ms)", |s| stat(&s.e2e_ms, |d| d.mean)),
     ("P50 E2E (ms)", |s| stat(&s.e2e_ms, |d| d.p50)),
     ("P99 E2E (ms)", |s| stat(&s.e2e_ms, |d| d.p99)),
+    ("P99 send lateness (ms)", |s| {
+        stat(&s.send_lateness_ms, |d| d.p99)
+    }),
 ];
 
 /// Run labels, made unique by appending `#2`, `#3`, ... to repeats.
@@ -88,13 +91,7 @@ fn setup_rows(runs: &[BenchResult]) -> Vec<Vec<String>> {
     let describe: [(&str, Describe); 4] = [
         ("Benchmark", |r| r.kind.name().to_string()),
         ("Model", |r| r.config.model.clone()),
-        ("Load", |r| {
-            match (r.config.concurrency, r.config.request_rate) {
-                (_, Some(rate)) => format!("{rate} req/s"),
-                (Some(n), None) => format!("{n} in flight"),
-                _ => "-".into(),
-            }
-        }),
+        ("Load", |r| r.config.load_description()),
         ("Input / output tokens", |r| match &r.config.shared_prefix {
             Some(gsp) => format!(
                 "{} shared + {} / {}",

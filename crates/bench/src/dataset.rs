@@ -82,6 +82,11 @@ impl PromptTokenizer {
         }))
     }
 
+    /// The GGUF file the tokenizer came from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     fn error(&self, e: pdserve_model::ModelError) -> BenchError {
         BenchError::Tokenizer {
             path: self.path.clone(),

@@ -6,6 +6,7 @@ pub mod args;
 pub mod client;
 pub mod compare;
 pub mod dataset;
+pub mod load;
 pub mod metrics;
 pub mod multi_turn;
 pub mod plot;
@@ -18,6 +19,8 @@ pub mod schedule;
 pub mod serve;
 pub mod trace;
 pub mod trace_gen;
+pub mod trace_prompt;
+pub mod workload;
 
 use std::path::PathBuf;
 

@@ -27,6 +27,10 @@ pub struct RequestRecord {
     pub turn: Option<u64>,
     /// Send time, seconds from the start of the run.
     pub start_s: f64,
+    /// Open loop (request rate, trace): the planned send time, seconds from the start of
+    /// the run; `None` in a closed loop, and absent in files written before it.
+    #[serde(default)]
+    pub scheduled_s: Option<f64>,
     /// Whether the request completed.
     pub ok: bool,
     /// The failure reason, when it did not.
@@ -77,6 +81,7 @@ impl RequestRecord {
             conversation: None,
             turn: None,
             start_s: start.as_secs_f64(),
+            scheduled_s: None,
             ok: outcome.is_ok(),
             error: None,
             http_status: None,
@@ -113,6 +118,13 @@ impl RequestRecord {
             }
         }
         record
+    }
+
+    /// How late the bench sent this request: send time minus planned send time, ms
+    /// (open loop only). The timer never fires early, so it is not negative.
+    pub fn send_lateness_ms(&self) -> Option<f64> {
+        self.scheduled_s
+            .map(|planned| ((self.start_s - planned) * 1e3).max(0.0))
     }
 
     /// Prompt tokens: the server's count when given, else the requested count.
@@ -240,6 +252,11 @@ pub struct Summary {
     pub itl_ms: Option<Distribution>,
     /// End-to-end latency.
     pub e2e_ms: Option<Distribution>,
+    /// Open loop: how late the bench sent its requests (send time minus planned send
+    /// time), over every request sent; `None` in a closed loop and in files written
+    /// before it. A high p99 means the client, not the server, shaped the load.
+    #[serde(default)]
+    pub send_lateness_ms: Option<Distribution>,
 }
 
 /// The share of prompt tokens served from cache, over records reporting it.
@@ -286,6 +303,13 @@ pub fn summarize(
         tpot_ms: Distribution::of(&collect(|r| r.tpot_ms)),
         itl_ms: Distribution::of(&itl),
         e2e_ms: Distribution::of(&collect(|r| r.e2e_ms)),
+        // Failed requests were sent too: lateness is the client's, whatever the answer.
+        send_lateness_ms: Distribution::of(
+            &records
+                .iter()
+                .filter_map(RequestRecord::send_lateness_ms)
+                .collect::<Vec<_>>(),
+        ),
     }
 }
 
@@ -316,6 +340,7 @@ mod tests {
             conversation: None,
             turn: None,
             start_s: 0.0,
+            scheduled_s: None,
             ok,
             error: (!ok).then(|| "HTTP 503: busy".to_string()),
             http_status: (!ok).then_some(503),

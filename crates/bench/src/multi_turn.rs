@@ -198,6 +198,7 @@ pub async fn run_multi_turn(
             api: Some(api),
             system_prompt_len: Some(args.system_prompt_len),
             priorities: Vec::new(),
+            trace: None,
         },
         summary: summarize(&records, planned, duration, &slo),
         failures: failures(&records),

@@ -15,6 +15,10 @@ use crate::BenchError;
 /// Version of the result-file schema; bumped on any change a reader could notice.
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// Above this p99 send lateness (ms) the report says the open loop ran late: the client,
+/// not only the server, shaped the load.
+pub const LATE_P99_MS: f64 = 10.0;
+
 /// Which benchmark produced a result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -94,6 +98,38 @@ pub struct RunConfig {
     /// files written before it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub priorities: Vec<PriorityClass>,
+    /// serve `--dataset mooncake`: the trace replayed (absent otherwise, and in files
+    /// written before trace replay).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<TraceConfig>,
+}
+
+impl RunConfig {
+    /// How the load was paced, in words: `8 in flight`, `4 req/s`, `trace at 2x`.
+    pub fn load_description(&self) -> String {
+        match (&self.trace, self.concurrency, self.request_rate) {
+            (Some(trace), _, _) => format!("trace at {}x", trace.speedup),
+            (None, _, Some(rate)) => format!("{rate} req/s"),
+            (None, Some(n), None) => format!("{n} in flight"),
+            _ => "-".into(),
+        }
+    }
+}
+
+/// A replayed trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceConfig {
+    /// The trace file (`--dataset-path`).
+    pub path: String,
+    /// `--trace-speedup`: timestamps were divided by it.
+    pub speedup: f64,
+    /// Requests read out of timestamp order (replayed sorted).
+    pub out_of_order: u64,
+    /// First to last planned send, seconds (after the speedup).
+    pub span_s: f64,
+    /// Share of the trace's prompt tokens an earlier request already sent as the same
+    /// prefix: what an unbounded prefix cache could serve.
+    pub reusable_token_share: Option<f64>,
 }
 
 /// The shape of a shared-prefix workload.
@@ -236,12 +272,7 @@ impl BenchResult {
         };
         row(&mut out, "Label:", self.label.clone());
         row(&mut out, "Model:", c.model.clone());
-        let load = match (c.concurrency, c.request_rate) {
-            (_, Some(rate)) => format!("{rate} req/s"),
-            (Some(n), None) => format!("{n} in flight"),
-            _ => "-".into(),
-        };
-        row(&mut out, "Load:", load);
+        row(&mut out, "Load:", c.load_description());
         if let Some(api) = conversation_api {
             row(&mut out, "API:", api);
         }
@@ -302,6 +333,13 @@ impl BenchResult {
                 format!("{:.1}%", share * 100.0),
             );
         }
+        if let Some(share) = c.trace.as_ref().and_then(|t| t.reusable_token_share) {
+            row(
+                &mut out,
+                "Trace reusable prompt-token share:",
+                format!("{:.1}%", share * 100.0),
+            );
+        }
         for (title, name, dist) in [
             ("Time to First Token", "TTFT", &s.ttft_ms),
             (
@@ -325,6 +363,25 @@ impl BenchResult {
                     }
                 }
                 None => row(&mut out, &format!("{name} (ms):"), "-".into()),
+            }
+        }
+        if let Some(late) = &s.send_lateness_ms {
+            let _ = writeln!(out, "{:-^width$}", " Send Lateness (actual - planned) ");
+            for (stat, v) in [("Median", late.p50), ("P99", late.p99), ("Max", late.max)] {
+                row(
+                    &mut out,
+                    &format!("{stat} lateness (ms):"),
+                    format!("{v:.2}"),
+                );
+            }
+            if late.p99 > LATE_P99_MS {
+                // The bench could not keep to its schedule: the server saw less load,
+                // later, than planned, and its latencies flatter it.
+                let _ = writeln!(
+                    out,
+                    "{:^width$}",
+                    format!("(LATE: p99 > {LATE_P99_MS} ms, the load fell behind plan)")
+                );
             }
         }
         if !self.turns.is_empty() {

@@ -1,5 +1,6 @@
 //! When each request is sent: a closed loop at fixed concurrency, or an open loop of
-//! Poisson arrivals (exponential gaps) at a mean request rate.
+//! planned send times: Poisson arrivals (exponential gaps) at a mean request rate, or a
+//! trace's timestamps.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,6 +56,19 @@ impl Dispatcher {
         Self::Arrivals {
             start,
             offsets: poisson_offsets(count, rate, seed),
+        }
+    }
+
+    /// An open loop sending request `i` at `start + offsets[i]` (a trace's timestamps).
+    pub fn at(start: Instant, offsets: Vec<Duration>) -> Self {
+        Self::Arrivals { start, offsets }
+    }
+
+    /// Request `i`'s planned send time from the start (open loop only).
+    pub fn scheduled(&self, i: usize) -> Option<Duration> {
+        match self {
+            Self::Concurrency(_) => None,
+            Self::Arrivals { offsets, .. } => offsets.get(i).copied(),
         }
     }
 

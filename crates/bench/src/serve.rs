@@ -1,4 +1,5 @@
-//! `pdserve bench serve`: send N synthetic requests on a schedule and measure them.
+//! `pdserve bench serve`: send N synthetic requests on a schedule, or replay a trace at
+//! its timestamps, and measure them.
 
 use std::future::Future;
 use std::time::Duration;
@@ -10,12 +11,13 @@ use tokio::time::Instant;
 
 use crate::args::{Dataset, Endpoint, ServeArgs};
 use crate::client::{request_body, ApiClient, RequestError, RequestInput};
-use crate::dataset::{load_tokenizer, PromptGenerator};
+use crate::dataset::PromptGenerator;
 use crate::metrics::{failures, summarize, RequestRecord, Slo};
 use crate::priority::body_fields;
 use crate::priority_report::per_priority;
 use crate::report::{BenchResult, RunConfig, RunKind, SharedPrefixConfig, SCHEMA_VERSION};
 use crate::schedule::Dispatcher;
+use crate::workload::{Job, Planned, Workload};
 use crate::{progress, BenchError};
 
 /// Mixed into the seed for the probe's prompt, so it shares no prefix with the
@@ -74,62 +76,33 @@ pub async fn run_serve(
 ) -> Result<BenchResult, BenchError> {
     let clients = ApiClient::replicas(&args.server)?;
     let client = clients[0].clone();
+    // The trace is read before the server is asked anything: a bad line is the user's
+    // first problem to fix.
+    let workload = Workload::load(args)?;
     let model = resolve_model(&client, args.server.model.as_deref()).await?;
-    let ignore_eos = !args.server.no_ignore_eos;
     let endpoint = args.endpoint;
-    let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
-    let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer);
-    let workload = match args.dataset {
-        Dataset::Random => generator.requests(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-        )?,
-        Dataset::SharedPrefix => generator.shared_prefix(
-            args.gsp_num_groups,
-            args.gsp_prompts_per_group,
-            args.gsp_system_prompt_len,
-            args.gsp_question_len,
-            args.gsp_output_len,
-        )?,
-    };
-    let planned = workload.len() as u64;
+    let (jobs, offsets, bodies, planned) = workload.into_jobs(args, &model);
     for replica in &clients {
         probe(
             replica,
             endpoint,
             &model,
             RequestInput::Prompt(probe_prompt(args.seed)),
-            ignore_eos,
+            bodies.ignore_eos(),
             body_fields(args.priority.probe_class()),
         )
         .await?;
     }
-    let mut jobs: Vec<Option<_>> = workload
-        .into_iter()
-        .enumerate()
-        .map(|(index, r)| {
-            let priority = args.priority.class_of(args.seed, index as u64);
-            let body = request_body(
-                endpoint,
-                &model,
-                RequestInput::Prompt(r.prompt),
-                r.output_tokens,
-                ignore_eos,
-                body_fields(priority),
-            );
-            Some((body, r.prompt_tokens, r.output_tokens, priority))
-        })
-        .collect();
+    let mut jobs: Vec<Option<Job>> = jobs.into_iter().map(Some).collect();
 
-    tracing::info!(url = client.base_url(), %model, requests = planned, "benchmark starting");
+    tracing::info!(url = client.base_url(), %model, requests = planned.count, "benchmark starting");
     let started_at_unix_s = unix_now();
-    let bar = progress::requests_bar(planned);
+    let bar = progress::requests_bar(planned.count);
     let start = Instant::now();
-    let dispatcher = match (args.concurrency, args.request_rate) {
-        (_, Some(rate)) => Dispatcher::poisson(jobs.len(), rate, args.seed, start),
-        (concurrency, None) => Dispatcher::concurrency(concurrency.unwrap_or(1) as usize),
+    let dispatcher = match (offsets, args.load.concurrency, args.load.request_rate) {
+        (Some(offsets), _, _) => Dispatcher::at(start, offsets),
+        (None, _, Some(rate)) => Dispatcher::poisson(jobs.len(), rate, args.seed, start),
+        (None, concurrency, None) => Dispatcher::concurrency(concurrency.unwrap_or(1) as usize),
     };
     let mut tasks = JoinSet::new();
     let mut records: Vec<RequestRecord> = Vec::with_capacity(jobs.len());
@@ -147,28 +120,41 @@ pub async fn run_serve(
                 interrupted = true;
                 break;
             }
+            // Sending comes before collecting answers: in an open loop, a burst of
+            // answers must not delay a send that is due.
+            permit = dispatcher.ready(next), if next < jobs.len() => {
+                let index = next;
+                next += 1;
+                let Some(job) = jobs[index].take() else {
+                    continue;
+                };
+                let client = clients[index % clients.len()].clone();
+                let scheduled = dispatcher.scheduled(index);
+                let bodies = bodies.clone();
+                tasks.spawn(async move {
+                    let _slot = permit;
+                    // A trace request's prompt is built here, so its cost shows in the
+                    // send lateness instead of hiding from it.
+                    let body = bodies.build(index, job.body, job.priority);
+                    let sent = start.elapsed();
+                    let outcome = client.stream(endpoint, &body).await;
+                    let mut record = RequestRecord::new(
+                        index as u64,
+                        sent,
+                        job.prompt_tokens,
+                        job.output_tokens,
+                        &outcome,
+                    );
+                    record.priority = job.priority;
+                    record.scheduled_s = scheduled.map(|d| d.as_secs_f64());
+                    record
+                });
+            }
             Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
                 let record: RequestRecord = joined.map_err(|e| BenchError::Task(e.to_string()))?;
                 failed += u64::from(!record.ok);
                 progress::record(&bar, failed);
                 records.push(record);
-            }
-            permit = dispatcher.ready(next), if next < jobs.len() => {
-                let index = next;
-                next += 1;
-                let Some((body, prompt_tokens, output_tokens, priority)) = jobs[index].take() else {
-                    continue;
-                };
-                let client = clients[index % clients.len()].clone();
-                tasks.spawn(async move {
-                    let _slot = permit;
-                    let sent = start.elapsed();
-                    let outcome = client.stream(endpoint, &body).await;
-                    let mut record =
-                        RequestRecord::new(index as u64, sent, prompt_tokens, output_tokens, &outcome);
-                    record.priority = priority;
-                    record
-                });
             }
         }
     }
@@ -177,46 +163,46 @@ pub async fn run_serve(
     tasks.abort_all();
     bar.finish_and_clear();
     records.sort_by_key(|r| r.index);
-    Ok(assemble(
-        args,
-        model,
-        &clients,
+    let run = Run {
         started_at_unix_s,
         interrupted,
         duration,
-        records,
-    ))
+    };
+    Ok(assemble(args, model, &clients, run, planned, records))
+}
+
+/// When and how long a run went.
+struct Run {
+    started_at_unix_s: u64,
+    interrupted: bool,
+    duration: Duration,
 }
 
 fn assemble(
     args: &ServeArgs,
     model: String,
     clients: &[ApiClient],
-    started_at_unix_s: u64,
-    interrupted: bool,
-    duration: Duration,
+    run: Run,
+    planned: Planned,
     records: Vec<RequestRecord>,
 ) -> BenchResult {
     let slo = Slo {
         ttft_ms: args.slo.slo_ttft_ms,
         tpot_ms: args.slo.slo_tpot_ms,
     };
-    let planned = match args.dataset {
-        Dataset::Random => args.num_prompts,
-        Dataset::SharedPrefix => args.gsp_num_groups * args.gsp_prompts_per_group,
-    };
+    let dataset = args.load.dataset;
     BenchResult {
         schema_version: SCHEMA_VERSION,
         kind: RunKind::Serve,
         tool: format!("pdserve-bench {}", env!("CARGO_PKG_VERSION")),
         label: args.output.label.clone().unwrap_or_else(|| model.clone()),
-        started_at_unix_s,
-        interrupted,
+        started_at_unix_s: run.started_at_unix_s,
+        interrupted: run.interrupted,
         config: RunConfig {
             url: clients[0].base_url().to_string(),
             urls: clients.iter().map(|c| c.base_url().to_string()).collect(),
-            dataset: Some(args.dataset),
-            shared_prefix: (args.dataset == Dataset::SharedPrefix).then_some(SharedPrefixConfig {
+            dataset: Some(dataset),
+            shared_prefix: (dataset == Dataset::SharedPrefix).then_some(SharedPrefixConfig {
                 groups: args.gsp_num_groups,
                 prompts_per_group: args.gsp_prompts_per_group,
                 system_prompt_len: args.gsp_system_prompt_len,
@@ -224,23 +210,19 @@ fn assemble(
             }),
             model,
             endpoint: args.endpoint,
-            num_requests: planned,
+            num_requests: planned.count,
             concurrency: args
+                .load
                 .request_rate
                 .is_none()
-                .then_some(args.concurrency)
+                .then_some(args.load.concurrency)
                 .flatten(),
-            request_rate: args.request_rate,
-            // What each request carried: the shared-prefix set has its own lengths.
-            input_len: match args.dataset {
-                Dataset::SharedPrefix => args.gsp_system_prompt_len + args.gsp_question_len,
-                Dataset::Random => args.input_len,
-            },
-            output_len: match args.dataset {
-                Dataset::SharedPrefix => args.gsp_output_len,
-                Dataset::Random => args.output_len,
-            },
-            range_ratio: Some(args.range_ratio),
+            request_rate: args.load.request_rate,
+            // What each request carried: the shared-prefix set and traces have their own
+            // lengths (a trace's are its means).
+            input_len: planned.input_len,
+            output_len: planned.output_len,
+            range_ratio: (dataset != Dataset::Mooncake).then_some(args.range_ratio),
             seed: args.seed,
             ignore_eos: !args.server.no_ignore_eos,
             slo_ttft_ms: slo.ttft_ms,
@@ -252,8 +234,9 @@ fn assemble(
             api: None,
             system_prompt_len: None,
             priorities: args.priority.classes().to_vec(),
+            trace: planned.trace,
         },
-        summary: summarize(&records, planned, duration, &slo),
+        summary: summarize(&records, planned.count, run.duration, &slo),
         failures: failures(&records),
         turns: Vec::new(),
         per_priority: per_priority(&records, &args.priority),

@@ -38,6 +38,12 @@ const GOLDEN_KEYS: &[&str] = &[
     "config.send_conversation_id",
     "config.shared_prefix",
     "config.system_prompt_len",
+    "config.trace",
+    "config.trace.out_of_order",
+    "config.trace.path",
+    "config.trace.reusable_token_share",
+    "config.trace.span_s",
+    "config.trace.speedup",
     "config.slo_tpot_ms",
     "config.slo_ttft_ms",
     "config.turn_input_len",
@@ -84,6 +90,7 @@ const GOLDEN_KEYS: &[&str] = &[
     "requests[].prompt_tokens",
     "requests[].requested_output_tokens",
     "requests[].requested_prompt_tokens",
+    "requests[].scheduled_s",
     "requests[].start_s",
     "requests[].tpot_ms",
     "requests[].ttft_ms",
@@ -114,6 +121,13 @@ const GOLDEN_KEYS: &[&str] = &[
     "summary.not_finished",
     "summary.output_throughput",
     "summary.request_throughput",
+    "summary.send_lateness_ms",
+    "summary.send_lateness_ms.max",
+    "summary.send_lateness_ms.mean",
+    "summary.send_lateness_ms.min",
+    "summary.send_lateness_ms.p50",
+    "summary.send_lateness_ms.p90",
+    "summary.send_lateness_ms.p99",
     "summary.total_input_tokens",
     "summary.total_output_tokens",
     "summary.total_token_throughput",
@@ -283,6 +297,27 @@ async fn result_file_keys_are_stable_and_documented() {
     .await;
     let serve = serve_result(&server, &["--concurrency", "2", "--slo-ttft-ms", "1000"]).await;
     let prioritized = serve_result(&server, &["--concurrency", "2", "--priority", "1:0.5"]).await;
+    let rate = serve_result(&server, &["--request-rate", "200"]).await;
+    let trace_path = scratch("golden-trace.jsonl");
+    std::fs::write(
+        &trace_path,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 2, \"hash_ids\": [0, 1]}\n\
+         {\"timestamp\": 20, \"input_length\": 520, \"output_length\": 3, \"hash_ids\": [0]}\n",
+    )
+    .expect("write trace");
+    let url = server.url();
+    let replay = serve_args(&[
+        "--url",
+        &url,
+        "--dataset",
+        "mooncake",
+        "--dataset-path",
+        trace_path.to_str().unwrap(),
+    ]);
+    let replayed = timeout(TEST_LIMIT, run_serve(&replay, never()))
+        .await
+        .expect("bounded")
+        .expect("run");
     let url = server.url();
     let args = multi_turn_args(&[
         "--url",
@@ -301,7 +336,7 @@ async fn result_file_keys_are_stable_and_documented() {
     server.stop().await;
 
     let mut keys = BTreeSet::new();
-    for result in [&serve, &prioritized, &multi] {
+    for result in [&serve, &prioritized, &rate, &replayed, &multi] {
         assert_eq!(result.schema_version, SCHEMA_VERSION);
         key_paths(&serde_json::to_value(result).expect("json"), "", &mut keys);
     }
@@ -341,12 +376,22 @@ async fn result_file_keys_are_stable_and_documented() {
     // ones included) are the same schema and still parse.
     let plain = serde_json::to_value(&serve).unwrap();
     assert!(plain.get("per_priority").is_none() && plain["config"].get("priorities").is_none());
+    assert!(
+        plain["config"].get("trace").is_none(),
+        "config.trace only for a trace"
+    );
+    // Files from before --priority and lateness, without their keys, still parse.
     let mut old = plain.clone();
     for request in old["requests"].as_array_mut().unwrap() {
         let request = request.as_object_mut().unwrap();
         request.remove("priority");
         request.remove("http_status");
+        request.remove("scheduled_s");
     }
+    old["summary"]
+        .as_object_mut()
+        .unwrap()
+        .remove("send_lateness_ms");
     std::fs::write(&path, old.to_string()).expect("write");
     let back = BenchResult::read_json(&path).expect("a file from before --priority");
     assert!(back.per_priority.is_empty() && back.config.priorities.is_empty());
@@ -369,6 +414,17 @@ async fn result_file_keys_are_stable_and_documented() {
         "round trip with --priority"
     );
     assert!(!back.per_priority.is_empty());
+    let path = scratch("roundtrip-trace.json");
+    replayed.write_json(&path).expect("write");
+    let back = BenchResult::read_json(&path).expect("read");
+    assert!(
+        same_json(
+            &serde_json::to_value(&back).unwrap(),
+            &serde_json::to_value(&replayed).unwrap()
+        ),
+        "round trip of a trace replay"
+    );
+    assert_eq!(back.config.trace.as_ref().map(|t| t.speedup), Some(1.0));
 
     std::fs::write(&path, r#"{"schema_version": 999}"#).expect("write");
     let err = BenchResult::read_json(&path).unwrap_err().to_string();

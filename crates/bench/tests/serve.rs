@@ -1,5 +1,6 @@
 //! `serve` against the scripted server: measured latencies against scripted truth,
-//! goodput, failure reasons, Poisson arrivals, interruption and priority classes.
+//! goodput, failure reasons, Poisson arrivals and the bench's own send lateness,
+//! interruption and priority classes.
 //!
 //! Tolerances: a measurement can only exceed the scripted delay (the server sleeps at
 //! least that long), so lower bounds are tight; upper bounds leave room for a loaded
@@ -265,6 +266,7 @@ async fn request_rate_mode_sends_on_the_poisson_schedule() {
     let planned = poisson_offsets(n, rate, seed);
     for (r, at) in result.requests.iter().zip(&planned) {
         let at = at.as_secs_f64();
+        assert_eq!(r.scheduled_s, Some(at), "request {}", r.index);
         assert!(
             r.start_s >= at,
             "request {} sent at {} before {at}",
@@ -473,6 +475,61 @@ async fn priority_case(endpoint: &str) {
         ["none", "0", &none, "0", &none, "-", "-", "-", "-"]
     );
     // Every line of the widened report has the same width as its frame.
+    let width = table.lines().next().unwrap().chars().count();
+    assert!(table.lines().all(|l| l.chars().count() <= width), "{table}");
+}
+
+#[tokio::test]
+async fn lateness_is_reported_for_open_loops_and_flagged_when_high() {
+    let server = ScriptedServer::start(|_| Reply::stream_ms(1, 1)).await;
+    let url = server.url();
+    let flags = [
+        "--url",
+        url.as_str(),
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+    ];
+    let mut rate = flags.to_vec();
+    rate.extend(["--request-rate", "100"]);
+    let open = timeout(TEST_LIMIT, run_serve(&serve_args(&rate), never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    let mut closed = flags.to_vec();
+    closed.extend(["--concurrency", "2"]);
+    let closed = timeout(TEST_LIMIT, run_serve(&serve_args(&closed), never()))
+        .await
+        .expect("bounded")
+        .expect("run");
+    server.stop().await;
+
+    assert!(open.requests.iter().all(|r| r.scheduled_s.is_some()));
+    let mut late = open.clone();
+    let lateness = open
+        .summary
+        .send_lateness_ms
+        .expect("request-rate mode is an open loop");
+    assert!(open.table().contains("Send Lateness"));
+    assert!(
+        closed.summary.send_lateness_ms.is_none()
+            && closed.requests.iter().all(|r| r.scheduled_s.is_none())
+    );
+    assert!(!closed.table().contains("Send Lateness"));
+    // A client that cannot keep up is called out.
+    late.summary.send_lateness_ms = Some(pdserve_bench::metrics::Distribution {
+        p99: 25.0,
+        max: 40.0,
+        ..lateness
+    });
+    let table = late.table();
+    assert!(table.contains("LATE: p99 > 10 ms"), "{table}");
+    if lateness.p99 <= 10.0 {
+        assert!(!open.table().contains("LATE"));
+    }
     let width = table.lines().next().unwrap().chars().count();
     assert!(table.lines().all(|l| l.chars().count() <= width), "{table}");
 }

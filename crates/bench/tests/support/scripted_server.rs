@@ -7,7 +7,9 @@
 //! once (it must not count as the first token), every content chunk carries one token,
 //! then a `usage` chunk (`choices: []`) and `data: [DONE]`. `usage.prompt_tokens` is
 //! the prompt's word count; `cached_tokens` is the word count of every chat message but
-//! the last (what a perfect prefix cache would hold).
+//! the last (what a perfect prefix cache would hold). A server started with
+//! [`ScriptedServer::start_prefix_cached`] reports for a completion prompt the longest
+//! word prefix it shares with any earlier prompt instead (an unbounded prefix cache).
 //!
 //! `POST /v1/responses` speaks OpenAI's Responses API: ids `resp_1`, `resp_2`, ... in
 //! arrival order; stored responses hold their conversation's word count, so a turn
@@ -79,6 +81,8 @@ struct AppState {
     responses: AtomicUsize,
     /// Stored responses: id → words of the conversation up to and including it.
     stored: Mutex<HashMap<String, u64>>,
+    /// Completion prompts seen so far, as words, when acting as a prefix cache.
+    prefix_cache: Option<Mutex<Vec<Vec<String>>>>,
 }
 
 impl AppState {
@@ -89,6 +93,7 @@ impl AppState {
             requests: Mutex::new(Vec::new()),
             responses: AtomicUsize::new(0),
             stored: Mutex::new(HashMap::new()),
+            prefix_cache: None,
         })
     }
 }
@@ -122,6 +127,19 @@ impl ScriptedServer {
         Self::serve(listener, Arc::new(script)).await
     }
 
+    /// Like [`ScriptedServer::start`], reporting for each completion prompt as cached the
+    /// longest word prefix it shares with an earlier prompt (the probe's included).
+    pub async fn start_prefix_cached(
+        script: impl Fn(usize) -> Reply + Send + Sync + 'static,
+    ) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let mut state = AppState::new(Arc::new(move |n, _: &Value| script(n)));
+        Arc::get_mut(&mut state)
+            .expect("not shared yet")
+            .prefix_cache = Some(Mutex::new(Vec::new()));
+        Self::serve_state(listener, state).await
+    }
+
     /// Like [`ScriptedServer::start`], on a listener the caller bound.
     pub async fn start_on(
         listener: TcpListener,
@@ -131,7 +149,10 @@ impl ScriptedServer {
     }
 
     async fn serve(listener: TcpListener, script: Script) -> Self {
-        let state = AppState::new(script);
+        Self::serve_state(listener, AppState::new(script)).await
+    }
+
+    async fn serve_state(listener: TcpListener, state: Arc<AppState>) -> Self {
         let app = Router::new()
             .route("/v1/models", get(models))
             .route("/v1/completions", post(generate))
@@ -224,7 +245,17 @@ async fn generate(State(state): State<Arc<AppState>>, Json(body): Json<Value>) -
     } else {
         Reply::stream_ms(0, 0)
     };
-    let (prompt, cached, chat) = prompt_counts(&body);
+    let (prompt, mut cached, chat) = prompt_counts(&body);
+    if let (Some(cache), Some(text)) = (&state.prefix_cache, body["prompt"].as_str()) {
+        let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
+        let mut seen = cache.lock().expect("lock");
+        cached = seen
+            .iter()
+            .map(|s| s.iter().zip(&words).take_while(|(a, b)| a == b).count() as u64)
+            .max()
+            .unwrap_or(0);
+        seen.push(words);
+    }
     let (ttft, itl, tokens, finish) = match reply {
         Reply::Error { status, message } => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
