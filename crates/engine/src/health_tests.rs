@@ -12,7 +12,7 @@ use crate::metrics::Metrics;
 use crate::request::{GenerationRequest, SeqEvent};
 use crate::scheduler::{spawn, KvError, SchedulerConfig};
 use crate::step_model::fake::FakeModel;
-use crate::step_model::StepModel;
+use crate::step_model::{StepModel, StepOutput};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 /// Short enough for tests, long enough that no healthy fake step comes near it.
@@ -35,7 +35,7 @@ impl StepModel for Gated {
         &mut self,
         batch: &[SequenceStep<'_>],
         all_rows: &[bool],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Vec<StepOutput>, ModelError> {
         let _ = self.entered.send(());
         let _ = self.release.recv();
         self.inner.forward(batch, all_rows)

@@ -10,6 +10,7 @@ pub mod api;
 pub mod args;
 pub mod block_manager;
 pub mod bootstrap;
+pub mod compute;
 pub mod handoff;
 pub mod health;
 pub mod heartbeat;
@@ -26,7 +27,9 @@ pub mod scheduler;
 pub mod scheduling;
 mod sequence;
 pub mod serving;
+pub mod sim;
 pub mod step_model;
+pub mod step_shape;
 pub mod trace;
 pub mod worker;
 

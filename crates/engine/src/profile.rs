@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 use crate::sequence::Sequence;
+use crate::step_shape::StepShape;
 
 /// Most steps one recording keeps (about 50 MB); later steps are counted, not kept.
 const MAX_STEPS: usize = 1 << 20;
@@ -27,10 +28,8 @@ pub struct StepSpan {
     pub sampling: Duration,
     /// Sequences in the batch.
     pub batch_size: usize,
-    /// Prompt tokens computed (prefill chunks, recomputation after preemption).
-    pub prefill_tokens: usize,
-    /// Sequences that decoded one token.
-    pub decode_tokens: usize,
+    /// What the forward pass computed.
+    pub shape: StepShape,
 }
 
 /// Why a profiler call failed.
@@ -164,18 +163,18 @@ impl Profiler {
     }
 }
 
-/// The prefill and decode tokens of a step: a sequence running only its last token
-/// decodes; anything else computes prompt (or recomputes after preemption).
-pub(crate) fn token_split(scheduled: &[(usize, usize)], running: &[Sequence]) -> (usize, usize) {
-    scheduled.iter().fold((0, 0), |(prefill, decode), &(i, n)| {
+/// What a step computes: a sequence running only its last token decodes; anything else
+/// computes prompt (or recomputes after preemption).
+pub(crate) fn step_shape(scheduled: &[(usize, usize)], running: &[Sequence]) -> StepShape {
+    let mut shape = StepShape::default();
+    for &(i, n) in scheduled {
         let seq = &running[i];
-        if n == 1 && seq.num_computed + 1 == seq.tokens.len() && seq.num_computed >= seq.prompt_len
-        {
-            (prefill, decode + 1)
-        } else {
-            (prefill + n, decode)
-        }
-    })
+        let decodes = n == 1
+            && seq.num_computed + 1 == seq.tokens.len()
+            && seq.num_computed >= seq.prompt_len;
+        shape.add(seq.num_computed, n, decodes);
+    }
+    shape
 }
 
 /// The recording in the Chrome trace event format: a `step` span per step with `forward`
@@ -198,8 +197,10 @@ fn chrome_trace(recording: &Recording) -> Value {
             "ts": ts, "dur": us(step.forward + step.sampling),
             "args": {
                 "batch_size": step.batch_size,
-                "prefill_tokens": step.prefill_tokens,
-                "decode_tokens": step.decode_tokens,
+                "prefill_tokens": step.shape.prefill_tokens,
+                "decode_tokens": step.shape.decode_seqs,
+                "prefill_attention_pairs": step.shape.prefill_attention_pairs,
+                "decode_context_tokens": step.shape.decode_context_tokens,
                 "forward_us": forward,
                 "sampling_us": sampling,
             },
@@ -214,8 +215,8 @@ fn chrome_trace(recording: &Recording) -> Value {
         );
         events.push(
             json!({"name": "batch", "ph": "C", "pid": pid, "tid": 1, "ts": ts,
-                           "args": {"prefill_tokens": step.prefill_tokens,
-                                    "decode_tokens": step.decode_tokens}}),
+                           "args": {"prefill_tokens": step.shape.prefill_tokens,
+                                    "decode_tokens": step.shape.decode_seqs}}),
         );
     }
     json!({

@@ -249,7 +249,7 @@ impl Sequence {
     /// Samples the next token from `logits`, reports it, and says whether the sequence
     /// is finished (the caller then reports the finish).
     pub fn append_sampled(&mut self, logits: &[f32], max_model_len: usize) -> Option<FinishReason> {
-        let suppress_stop = self.num_generated() < self.request.min_new_tokens;
+        let suppress_stop = self.suppresses_stop();
         let banned: &[u32] = if suppress_stop {
             &self.request.stop_token_ids
         } else {
@@ -257,6 +257,37 @@ impl Sequence {
         };
         let token = self.sampler.sample(logits, banned);
         let lp = self.request.logprobs.map(|n| logprobs(logits, token, n));
+        self.append(token, lp, max_model_len)
+    }
+
+    /// Appends `token`, chosen by the model itself (a simulated engine): the sampler
+    /// takes it as drawn, and its log-probability is 0 (the model was certain of it).
+    pub fn append_chosen(&mut self, token: u32, max_model_len: usize) -> Option<FinishReason> {
+        self.sampler.replay(token);
+        let lp = self.request.logprobs.map(|n| TokenLogprobs {
+            logprob: 0.0,
+            top: if n > 0 {
+                vec![(token, 0.0)]
+            } else {
+                Vec::new()
+            },
+            rank: 1,
+        });
+        self.append(token, lp, max_model_len)
+    }
+
+    /// Whether a stop token may not end the sequence yet (`min_tokens`).
+    fn suppresses_stop(&self) -> bool {
+        self.num_generated() < self.request.min_new_tokens
+    }
+
+    fn append(
+        &mut self,
+        token: u32,
+        lp: Option<TokenLogprobs>,
+        max_model_len: usize,
+    ) -> Option<FinishReason> {
+        let suppress_stop = self.suppresses_stop();
         self.tokens.push(token);
         // A send error means the client left; the next step reaps the sequence.
         let _ = self.events.send(SeqEvent::Token {

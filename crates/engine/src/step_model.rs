@@ -6,21 +6,62 @@ use std::sync::Arc;
 
 use pdserve_model::{BlockId, KvStore, Model, ModelError, SequenceStep};
 
+/// What one step gives for one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutput {
+    /// The logits of its last new token, or of every new token (`tokens * vocab`) when
+    /// all rows were asked for; the sequence's sampler chooses the token.
+    Logits(Vec<f32>),
+    /// The next token, chosen by the model itself (a simulated engine, whose output is a
+    /// function of the token history whatever the sampling parameters).
+    Token(u32),
+}
+
 /// A model plus its KV pool, as the scheduler thread owns them.
 pub trait StepModel: Send + 'static {
     /// Blocks in the KV pool.
     fn num_blocks(&self) -> usize;
-    /// One batched step; returns the logits of each sequence's last new token, or of
-    /// every new token (`tokens * vocab`) for a sequence whose `all_rows` entry is set.
+    /// One batched step; returns, for each sequence, the logits of its last new token
+    /// (or of every new token, for a sequence whose `all_rows` entry is set), or the
+    /// token the model chose itself (never for an `all_rows` sequence).
     fn forward(
         &mut self,
         batch: &[SequenceStep<'_>],
         all_rows: &[bool],
-    ) -> Result<Vec<Vec<f32>>, ModelError>;
+    ) -> Result<Vec<StepOutput>, ModelError>;
+    /// The scheduler ran out of work and waits for more: the next step starts afresh,
+    /// not where the last one ended.
+    fn idle(&mut self) {}
     /// One block's KV as bytes (for KV transfer).
     fn read_block(&self, id: BlockId) -> Vec<u8>;
     /// Overwrites one block from bytes made by `read_block`.
     fn write_block(&mut self, id: BlockId, bytes: &[u8]) -> Result<(), ModelError>;
+}
+
+impl<M: StepModel + ?Sized> StepModel for Box<M> {
+    fn num_blocks(&self) -> usize {
+        (**self).num_blocks()
+    }
+
+    fn forward(
+        &mut self,
+        batch: &[SequenceStep<'_>],
+        all_rows: &[bool],
+    ) -> Result<Vec<StepOutput>, ModelError> {
+        (**self).forward(batch, all_rows)
+    }
+
+    fn idle(&mut self) {
+        (**self).idle()
+    }
+
+    fn read_block(&self, id: BlockId) -> Vec<u8> {
+        (**self).read_block(id)
+    }
+
+    fn write_block(&mut self, id: BlockId, bytes: &[u8]) -> Result<(), ModelError> {
+        (**self).write_block(id, bytes)
+    }
 }
 
 /// The real model and its paged KV store.
@@ -56,8 +97,9 @@ impl StepModel for ModelRunner {
         &mut self,
         batch: &[SequenceStep<'_>],
         all_rows: &[bool],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.model.forward_rows(&mut self.kv, batch, all_rows)
+    ) -> Result<Vec<StepOutput>, ModelError> {
+        let rows = self.model.forward_rows(&mut self.kv, batch, all_rows)?;
+        Ok(rows.into_iter().map(StepOutput::Logits).collect())
     }
 
     fn read_block(&self, id: BlockId) -> Vec<u8> {
@@ -120,7 +162,7 @@ pub(crate) mod fake {
             &mut self,
             batch: &[SequenceStep<'_>],
             all_rows: &[bool],
-        ) -> Result<Vec<Vec<f32>>, ModelError> {
+        ) -> Result<Vec<StepOutput>, ModelError> {
             std::thread::sleep(self.step_delay);
             self.batches.lock().unwrap().push(batch.len());
             let mut out = Vec::new();
@@ -148,7 +190,7 @@ pub(crate) mod fake {
                     let upto = end - rows + r + 1;
                     logits[r * VOCAB + next_token(&history[..upto]) as usize] = 10.0;
                 }
-                out.push(logits);
+                out.push(StepOutput::Logits(logits));
             }
             Ok(out)
         }

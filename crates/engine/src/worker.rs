@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdserve_model::{Model, ModelError, BLOCK_SIZE};
+use pdserve_model::{ModelError, BLOCK_SIZE};
 use pdserve_protocol::WorkerRole;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -14,6 +14,7 @@ use tokio::time::Instant;
 
 use crate::api::{router, AppState};
 use crate::args::WorkerArgs;
+use crate::compute::{Compute, ComputeError};
 use crate::health::WorkerHealth;
 use crate::kv::{KvContext, KvService, KvServiceConfig};
 use crate::kv_events::{KvEventsConfig, Publisher};
@@ -21,7 +22,6 @@ use crate::metrics::Metrics;
 use crate::orchestrator::{prefill_url, Orchestrator, OrchestratorConfig};
 use crate::scheduler::{self, EngineHandle, SchedulerConfig};
 use crate::serving::{ModelLimits, ServingContext};
-use crate::step_model::ModelRunner;
 
 /// After the shutdown timeout has failed the remaining requests, how long their error
 /// events get to reach the clients before the connections are dropped.
@@ -40,6 +40,9 @@ pub enum WorkerError {
     /// The model could not be fetched or loaded.
     #[error("model: {0}")]
     Model(#[from] ModelError),
+    /// The model or the sim profile could not be set up.
+    #[error("{0}")]
+    Compute(#[from] ComputeError),
     /// Binding or serving the socket failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
@@ -172,26 +175,28 @@ impl Worker {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into())
         });
-        let load_path = path.clone();
-        let model = Arc::new(blocking(move || Model::load(&load_path)).await?);
-        let config = model.config().clone();
-        let capacity = args.num_kv_blocks * BLOCK_SIZE;
-        if let Some(len) = args.max_model_len {
-            if len > config.context_length {
-                return Err(WorkerError::InvalidArgs(format!(
-                    "--max-model-len {len} exceeds the model's context length {}",
-                    config.context_length
-                )));
-            }
+        let mut metrics = Metrics::for_model(&served_model_name);
+        if args.sim.is_some() {
+            metrics = metrics.with_sim();
         }
-        let max_model_len = args
-            .max_model_len
-            .unwrap_or(config.context_length)
-            .min(capacity);
-        let metrics = Arc::new(Metrics::for_model(&served_model_name));
-        let runner = ModelRunner::new(model.clone(), args.num_kv_blocks);
-        let kv_layout = runner.kv_layout();
-        let kv_block_bytes = runner.kv_block_bytes();
+        let metrics = Arc::new(metrics);
+        let lateness = metrics
+            .sim
+            .as_ref()
+            .map(|sim| sim.step_lateness_seconds.clone());
+        let (load_args, load_path) = (args.clone(), path.clone());
+        let compute =
+            tokio::task::spawn_blocking(move || Compute::load(&load_args, &load_path, lateness))
+                .await
+                .map_err(|e| WorkerError::Task(e.to_string()))??;
+        let engine_limits = compute.limits;
+        let max_model_len = engine_limits.max_model_len;
+        let capacity = engine_limits.num_kv_blocks * BLOCK_SIZE;
+        let (kv_layout, kv_block_bytes) = (compute.kv_layout.clone(), compute.kv_block_bytes);
+        let text = compute.text.clone();
+        let config = text.config().clone();
+        let compute_link = compute.link;
+        let sim_profile = compute.sim_profile.clone();
         let kv_events = match args.kv_events_config.as_deref() {
             Some(json) => match KvEventsConfig::parse(json).map_err(WorkerError::InvalidArgs)? {
                 Some(config) => Some(
@@ -204,11 +209,11 @@ impl Worker {
             None => None,
         };
         let (engine, scheduler) = scheduler::spawn_publishing(
-            runner,
+            compute.step_model,
             SchedulerConfig {
-                max_num_seqs: args.max_num_seqs,
+                max_num_seqs: engine_limits.max_num_seqs,
                 max_waiting: args.max_waiting,
-                max_num_batched_tokens: args.max_num_batched_tokens,
+                max_num_batched_tokens: engine_limits.max_num_batched_tokens,
                 max_model_len,
                 policy: args.scheduling_policy().map_err(WorkerError::InvalidArgs)?,
             },
@@ -221,7 +226,7 @@ impl Worker {
         let limits = ModelLimits {
             served_model_name,
             max_model_len,
-            eos_token_ids: model.tokenizer().eos_token_ids().to_vec(),
+            eos_token_ids: text.tokenizer().eos_token_ids().to_vec(),
             vocab_size: config.vocab_size,
         };
         let mut kv_tasks = Vec::new();
@@ -255,7 +260,7 @@ impl Worker {
                         port: addr.port(),
                         abort_timeout: Duration::from_secs(args.kv_abort_timeout),
                         // Conversation hand-backs may hold at most half the pool.
-                        conversation_budget: args.num_kv_blocks / 2,
+                        conversation_budget: engine_limits.num_kv_blocks / 2,
                     },
                     engine.clone(),
                     metrics.clone(),
@@ -309,7 +314,7 @@ impl Worker {
         let health = Arc::new(health);
         let serving = Arc::new(ServingContext {
             engine: engine.clone(),
-            model,
+            text,
             limits,
             kv: KvContext {
                 layout: kv_layout,
@@ -318,6 +323,7 @@ impl Worker {
                 service: kv_service.clone(),
                 peers: kv_peers,
                 secret: kv_secret,
+                link: compute_link,
             },
             metrics,
         });
@@ -360,7 +366,8 @@ impl Worker {
             %addr,
             role = %args.role,
             model = %path.display(),
-            kv_blocks = args.num_kv_blocks,
+            sim = sim_profile.as_deref().unwrap_or("off"),
+            kv_blocks = engine_limits.num_kv_blocks,
             max_model_len,
             "worker listening"
         );

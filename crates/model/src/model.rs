@@ -1,6 +1,7 @@
 //! A loaded llama-family model and its batched forward step over the paged KV store.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
@@ -13,6 +14,7 @@ use crate::error::ModelError;
 use crate::gguf::GgufFile;
 use crate::kv_store::{store_token, BlockId, KvData, KvElement, KvGeometry, KvStore, BLOCK_SIZE};
 use crate::linear::{Linear, LoadOptions, WeightFormat};
+use crate::model_text::ModelText;
 use crate::reference_attention::attend_sequence;
 use crate::simd::silu_mul;
 use crate::tokenizer::Tokenizer;
@@ -46,8 +48,7 @@ pub struct Model {
     /// `cos`/`sin` of every position × frequency, `[context_length][head_dim / 2]`.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate,
+    text: Arc<ModelText>,
     options: LoadOptions,
 }
 
@@ -61,8 +62,7 @@ impl Model {
     pub fn load_with(path: &Path, options: &LoadOptions) -> Result<Self, ModelError> {
         let mut gguf = GgufFile::open(path)?;
         let hp = gguf.hyperparams()?;
-        let tokenizer = Tokenizer::from_gguf(&gguf)?;
-        let chat_template = ChatTemplate::from_gguf(&gguf, &tokenizer)?;
+        let text = Arc::new(ModelText::from_gguf(&gguf)?);
         let has_output = gguf.content.tensor_infos.contains_key("output.weight");
         let cpu = Device::Cpu;
         let mut tensor = |name: &str| -> Result<QTensor, ModelError> {
@@ -142,8 +142,7 @@ impl Model {
             output,
             rope_cos,
             rope_sin,
-            tokenizer,
-            chat_template,
+            text,
             options: options.clone(),
         })
     }
@@ -160,12 +159,17 @@ impl Model {
 
     /// Its tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.text.tokenizer()
     }
 
     /// Its chat template.
     pub fn chat_template(&self) -> &ChatTemplate {
-        &self.chat_template
+        self.text.chat_template()
+    }
+
+    /// Its shapes, tokenizer and chat template, shared.
+    pub fn text(&self) -> Arc<ModelText> {
+        self.text.clone()
     }
 
     /// One batched step: writes the new tokens' K/V into their blocks and returns, per

@@ -95,7 +95,7 @@ pub(super) async fn chat_prompt(
     app: &Arc<AppState>,
     turns: Vec<ChatTurn>,
 ) -> Result<Vec<u32>, ApiError> {
-    let model = app.serving.model.clone();
+    let model = app.serving.text.clone();
     let prompt = tokio::task::spawn_blocking(move || {
         let text = model
             .chat_template()

@@ -174,14 +174,14 @@ fn integer(value: &Value, param: &str) -> Result<i64, ApiError> {
 /// The echoed text of a token-id prompt: its tokens decoded, special tokens included.
 fn echo_text(app: &AppState, ids: &[u32]) -> String {
     app.serving
-        .model
+        .text
         .tokenizer()
         .decode(ids, false)
         .unwrap_or_default()
 }
 
 async fn tokenize(app: &Arc<AppState>, text: String) -> Result<Vec<u32>, ApiError> {
-    let model = app.serving.model.clone();
+    let model = app.serving.text.clone();
     let ids = tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?

@@ -398,7 +398,7 @@ async fn prepare(
 }
 
 async fn tokenize(app: &Arc<AppState>, text: String) -> Result<Vec<u32>, ApiError> {
-    let model = app.serving.model.clone();
+    let model = app.serving.text.clone();
     let ids = tokio::task::spawn_blocking(move || model.tokenizer().encode(&text, true))
         .await
         .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?

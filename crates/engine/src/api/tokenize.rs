@@ -28,7 +28,7 @@ pub async fn tokenize(
     let request = TokenizeRequest::from_value(body)
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))?;
     check_model(request.model(), &app.serving.limits)?;
-    let model = app.serving.model.clone();
+    let model = app.serving.text.clone();
     let (tokens, token_strs) = tokio::task::spawn_blocking(move || {
         tokenize_request(model.tokenizer(), model.chat_template(), &request)
     })
@@ -49,14 +49,14 @@ pub async fn detokenize(
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let request: DetokenizeRequest = parse_json(body)?;
     check_model(request.model.as_deref(), &app.serving.limits)?;
-    let vocab = app.serving.model.tokenizer().vocab_size();
+    let vocab = app.serving.text.tokenizer().vocab_size();
     if let Some(bad) = request.tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::bad_request(format!(
             "token id {bad} is out of vocabulary (size {vocab})"
         ))
         .with_param("tokens"));
     }
-    let model = app.serving.model.clone();
+    let model = app.serving.text.clone();
     let prompt =
         tokio::task::spawn_blocking(move || model.tokenizer().decode(&request.tokens, false))
             .await

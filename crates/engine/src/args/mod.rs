@@ -35,6 +35,16 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_MODEL")]
     pub model: Option<PathBuf>,
 
+    /// Simulate a GPU engine instead of running the model: a built-in profile's name (see
+    /// `pdserve sim profiles`) or a profile file. Each step takes the time the profile
+    /// gives for its batch and emits tokens that are a function of the token history;
+    /// the API, scheduler, KV blocks, prefix cache, KV events and P/D transfer are the
+    /// real engine's. The profile sets the KV pool, --max-num-seqs and
+    /// --max-num-batched-tokens (edit a copy to change them); --model still gives the
+    /// tokenizer and chat template (its weights are not loaded).
+    #[arg(long, env = "PDSERVE_SIM", value_name = "PROFILE")]
+    pub sim: Option<String>,
+
     /// Model name clients use in `model` and `/v1/models` lists. Default: the file stem.
     #[arg(long, env = "PDSERVE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,

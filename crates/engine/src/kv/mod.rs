@@ -14,10 +14,12 @@ pub mod export;
 pub mod import;
 pub mod pull;
 pub mod service;
+mod sim_link;
 
 pub use error::HandoffError;
 pub use service::awaited::{ExpectedPublication, AWAITED_BLOCK};
 pub use service::{KvService, KvServiceConfig, PublishKind};
+pub use sim_link::SimulatedLink;
 
 pub use pdserve_protocol::kv::PUBLISH_REQUEST_ID;
 
@@ -52,4 +54,6 @@ pub struct KvContext {
     pub peers: Arc<PeerAllowList>,
     /// The shared transfer secret (`PDSERVE_KV_SECRET`), when configured.
     pub secret: Option<TransferSecret>,
+    /// With `--sim`: the link a pull takes the time of.
+    pub link: Option<SimulatedLink>,
 }

@@ -143,7 +143,14 @@ pub async fn pull_blocks(
         secret: kv.secret.clone(),
     };
     let counters = &kv.metrics.kv;
-    let result = pull(&remote.addr, &remote.read, kv.block_bytes, &config).await;
+    let mut result = pull(&remote.addr, &remote.read, kv.block_bytes, &config).await;
+    if let (Ok(pulled), Some(link)) = (&mut result, &kv.link) {
+        // The blocks came over the loopback; the simulated link is slower.
+        let modelled = link.transfer_time(pulled.matched_tokens);
+        tokio::time::sleep(modelled).await;
+        pulled.elapsed += modelled;
+        pulled.received_at = std::time::Instant::now();
+    }
     if let Some(span) = span {
         use pdserve_telemetry::semconv as sc;
         use pdserve_telemetry::KeyValue;

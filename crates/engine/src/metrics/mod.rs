@@ -9,9 +9,11 @@ use prometheus_client::registry::Registry;
 
 mod bootstrap;
 mod orchestrator;
+mod sim;
 mod vllm;
 pub use bootstrap::BootstrapMetrics;
 pub use orchestrator::OrchestratorMetrics;
+pub use sim::SimMetrics;
 pub use vllm::VllmMetrics;
 
 /// Label set naming a finish reason.
@@ -71,6 +73,8 @@ pub struct Metrics {
     pub orchestrator: OrchestratorMetrics,
     /// SGLang bootstrap rendezvous metrics (`--bootstrap-port`, `bootstrap_room`).
     pub bootstrap: BootstrapMetrics,
+    /// The simulated engine's metrics (`--sim` only).
+    pub sim: Option<SimMetrics>,
 }
 
 /// Metrics of the KV transfer service and of pulls from peers.
@@ -297,6 +301,7 @@ impl Metrics {
             prompts_tokenized: Counter::default(),
             orchestrator: Default::default(),
             bootstrap: Default::default(),
+            sim: None,
         };
         let r = &mut m.registry;
         r.register(
@@ -409,6 +414,14 @@ impl Metrics {
         m.orchestrator.register(r);
         m.bootstrap.register(r);
         m
+    }
+
+    /// These metrics and a simulated engine's (`pdserve_sim_*`).
+    pub fn with_sim(mut self) -> Self {
+        let sim = SimMetrics::default();
+        sim.register(&mut self.registry);
+        self.sim = Some(sim);
+        self
     }
 
     /// Counts one finished request.

@@ -31,7 +31,7 @@ pub async fn supervise(
     ctx: Arc<ServingContext>,
     worker: Arc<PrefillWorker>,
 ) {
-    let prompt = match ctx.model.tokenizer().encode(PREWARM_PROMPT, true) {
+    let prompt = match ctx.text.tokenizer().encode(PREWARM_PROMPT, true) {
         Ok(ids) if !ids.is_empty() => ids,
         other => {
             tracing::error!(

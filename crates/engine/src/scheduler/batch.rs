@@ -7,10 +7,16 @@ use pdserve_model::{ModelError, SequenceStep, BLOCK_SIZE};
 
 use super::thread::Scheduler;
 use crate::metrics::Metrics;
-use crate::profile::{token_split, StepSpan};
+use crate::profile::{step_shape, StepSpan};
 use crate::request::{BlockBytes, FinishReason, PinnedKv, SeqEvent};
 use crate::sequence::Sequence;
-use crate::step_model::StepModel;
+use crate::step_model::{StepModel, StepOutput};
+
+/// A sequence's next token to come: sampled from logits, or chosen by the model.
+enum Next<'a> {
+    Logits(&'a [f32]),
+    Token(u32),
+}
 
 impl<M: StepModel> Scheduler<M> {
     /// Pins the blocks holding a finishing sequence's computed tokens, for a peer to read.
@@ -42,7 +48,7 @@ impl<M: StepModel> Scheduler<M> {
         let profiled = self
             .profiler
             .is_recording()
-            .then(|| token_split(scheduled, &self.running));
+            .then(|| step_shape(scheduled, &self.running));
         let all_rows: Vec<bool> = scheduled
             .iter()
             .map(|&(i, _)| self.running[i].needs_all_rows())
@@ -68,14 +74,16 @@ impl<M: StepModel> Scheduler<M> {
 
         let mut finished = Vec::new();
         match result {
-            Ok(logits) if logits.len() == scheduled.len() => {
-                for ((&(i, n), logits), &all) in scheduled.iter().zip(&logits).zip(&all_rows) {
+            Ok(outputs) if outputs.len() == scheduled.len() => {
+                for ((&(i, n), output), &all) in scheduled.iter().zip(&outputs).zip(&all_rows) {
                     let seq = &mut self.running[i];
                     let start = seq.num_computed;
-                    let logits = if all {
-                        seq.score_prompt_rows(logits, start, n)
-                    } else {
-                        &logits[..]
+                    let next = match output {
+                        StepOutput::Logits(logits) if all => {
+                            Next::Logits(seq.score_prompt_rows(logits, start, n))
+                        }
+                        StepOutput::Logits(logits) => Next::Logits(logits),
+                        StepOutput::Token(token) => Next::Token(*token),
                     };
                     seq.num_computed += n;
                     if let Err(e) = seq.commit_full_blocks(&mut self.blocks) {
@@ -101,7 +109,11 @@ impl<M: StepModel> Scheduler<M> {
                         record_finish(&self.metrics, &mut finished, i, seq, length, elapsed);
                         continue;
                     }
-                    let reason = seq.append_sampled(logits, self.config.max_model_len);
+                    let max_model_len = self.config.max_model_len;
+                    let reason = match next {
+                        Next::Logits(logits) => seq.append_sampled(logits, max_model_len),
+                        Next::Token(token) => seq.append_chosen(token, max_model_len),
+                    };
                     self.metrics.generation_tokens.inc();
                     let elapsed = seq.arrived.elapsed().as_secs_f64();
                     if seq.num_generated() == 1 {
@@ -120,10 +132,10 @@ impl<M: StepModel> Scheduler<M> {
                     }
                 }
             }
-            Ok(logits) => {
+            Ok(outputs) => {
                 let msg = format!(
-                    "the model returned {} logit rows for {} sequences",
-                    logits.len(),
+                    "the model returned {} outputs for {} sequences",
+                    outputs.len(),
                     scheduled.len()
                 );
                 self.fail_all(scheduled, &msg, &mut finished);
@@ -174,14 +186,13 @@ impl<M: StepModel> Scheduler<M> {
         }
 
         let batch = scheduled.len();
-        if let Some((prefill_tokens, decode_tokens)) = profiled {
+        if let Some(shape) = profiled {
             self.profiler.record(StepSpan {
                 start: started,
                 forward,
                 sampling: started.elapsed().saturating_sub(forward),
                 batch_size: batch,
-                prefill_tokens,
-                decode_tokens,
+                shape,
             });
         }
         self.metrics

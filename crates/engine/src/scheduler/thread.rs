@@ -49,6 +49,7 @@ impl<M: StepModel> Scheduler<M> {
             self.heartbeat.beat(self.has_work());
             if !self.has_work() {
                 // Idle: wait for work (or for every handle to go).
+                self.model.idle();
                 match commands.recv_timeout(IDLE_BEAT) {
                     Ok(cmd) => self.handle(cmd),
                     Err(std_mpsc::RecvTimeoutError::Timeout) => continue,
@@ -73,6 +74,9 @@ impl<M: StepModel> Scheduler<M> {
             // sequences in hand reads as a wedge.
             self.heartbeat.beat(self.has_work());
             stalled = !self.step();
+            if stalled {
+                self.model.idle();
+            }
             self.publish_changes();
         }
         let waiting: Vec<_> = self.waiting.drain(..).collect();

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use pdserve_model::Model;
+use pdserve_model::ModelText;
 use pdserve_protocol::{ApiError, KvTransferParams};
 
 use super::{Generation, ModelLimits};
@@ -20,7 +20,7 @@ pub struct ServingContext {
     /// Submits sequences to the scheduler thread.
     pub engine: EngineHandle,
     /// Tokenizer and chat template (the forward pass runs on the scheduler thread).
-    pub model: Arc<Model>,
+    pub text: Arc<ModelText>,
     /// Model facts used to validate requests.
     pub limits: ModelLimits,
     /// Engine metrics.

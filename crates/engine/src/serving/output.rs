@@ -166,9 +166,7 @@ impl Generation {
             return None;
         }
         let plan = self.echo.take()?;
-        Some(Piece::Prompt(
-            plan.resolve(self.ctx.model.tokenizer(), None),
-        ))
+        Some(Piece::Prompt(plan.resolve(self.ctx.text.tokenizer(), None)))
     }
 
     /// Publishes the finished sequence's pinned blocks as `publish` says (the request was
@@ -321,14 +319,14 @@ impl Generation {
                 }
                 SeqEvent::PromptLogprobs(lps) => {
                     if let Some(plan) = self.echo.take() {
-                        let tok = self.ctx.model.tokenizer();
+                        let tok = self.ctx.text.tokenizer();
                         return Some(Piece::Prompt(plan.resolve(tok, Some(lps))));
                     }
                 }
                 SeqEvent::Token { id, logprobs } => {
                     self.completion_tokens += 1;
                     let offset = self.offset_base + self.text.sent_len();
-                    let tokenizer = self.ctx.model.tokenizer();
+                    let tokenizer = self.ctx.text.tokenizer();
                     let step = self.text.push(tokenizer, id);
                     let logprob = logprobs.map(|lp| resolve(tokenizer, id, &lp, offset));
                     if step.stopped {
@@ -357,7 +355,7 @@ impl Generation {
                     self.kv_imported_tokens = usage.kv_imported_tokens;
                     let kv_transfer_params = self.publish(pinned);
                     self.end_trace(Ok(reason.as_str()));
-                    let tail = self.text.finish(self.ctx.model.tokenizer());
+                    let tail = self.text.finish(self.ctx.text.tokenizer());
                     let end = Piece::End {
                         finish_reason: reason.as_str(),
                         usage: self.usage(),
