@@ -54,6 +54,18 @@ enum Command {
     },
     /// Benchmark any OpenAI-compatible endpoint.
     Bench(pdserve_bench::BenchArgs),
+    /// The simulated GPU engine (`pdserve worker --sim`, `pdserve up --sim`).
+    Sim {
+        #[command(subcommand)]
+        command: SimCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SimCommand {
+    /// List the built-in sim profiles: name, what each stands in for, its KV pool and
+    /// scheduler limits (pass a name, or a YAML file of the same shape, to --sim).
+    Profiles,
 }
 
 #[derive(Debug, Subcommand)]
@@ -105,6 +117,13 @@ async fn main() -> anyhow::Result<()> {
             result?
         }
         Command::Bench(args) => pdserve_bench::run(args).await?,
+        Command::Sim {
+            command: SimCommand::Profiles,
+        } => {
+            for profile in pdserve_engine::sim::SimProfile::built_in()? {
+                println!("{}", profile.summary());
+            }
+        }
         Command::Model {
             command: ModelCommand::Fetch,
         } => {

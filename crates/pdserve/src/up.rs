@@ -149,6 +149,14 @@ pub struct UpArgs {
     /// stack (passed on as their `--otlp-traces-endpoint`).
     #[arg(long, env = "PDSERVE_OTLP_TRACES_ENDPOINT")]
     otlp_traces_endpoint: Option<String>,
+    /// A simulated fleet: every worker is `pdserve worker --sim PROFILE` (a built-in
+    /// profile's name, see `pdserve sim profiles`, or a profile file), a stand-in for a
+    /// GPU engine that runs no model and needs little CPU, so `--prefill`, `--decode` and
+    /// `--workers` can be large (64 and more). Workers are not pinned to cores; each
+    /// publishes `pdserve_sim_step_lateness_seconds`, which shows whether this machine
+    /// kept the simulated time. The gateway's defaults are `up`'s own.
+    #[arg(long, env = "PDSERVE_SIM", value_name = "PROFILE")]
+    sim: Option<String>,
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -205,6 +213,11 @@ async fn start_and_supervise(
         .cores
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
+    if let Some(spec) = &args.sim {
+        // A bad profile is refused here, once, not by every worker.
+        let profile = pdserve_engine::sim::SimProfile::load(spec)?;
+        println!("simulated engine: {}", profile.summary());
+    }
     let kv_secret = kv_secret()?;
     let stack = Stack {
         exe: &exe,
@@ -295,6 +308,12 @@ impl Stack<'_> {
         cpus: &[usize],
     ) -> anyhow::Result<Command> {
         let mut worker = Command::new(self.exe);
+        // A sim worker computes nothing: one thread, any core.
+        let threads = if self.args.sim.is_some() {
+            1
+        } else {
+            cpus.len()
+        };
         worker
             .env("PDSERVE_KV_SECRET", self.kv_secret)
             .arg("worker")
@@ -302,7 +321,7 @@ impl Stack<'_> {
             .args(["--port", &port.to_string()])
             .arg("--model")
             .arg(self.model)
-            .args(["--threads", &cpus.len().to_string()])
+            .args(["--threads", &threads.to_string()])
             .args([
                 "--shutdown-timeout",
                 &self.args.shutdown_timeout.to_string(),
@@ -316,6 +335,9 @@ impl Stack<'_> {
                 "--kv-abort-timeout",
                 &self.args.kv_abort_timeout.to_string(),
             ]);
+        }
+        if let Some(profile) = &self.args.sim {
+            worker.args(["--sim", profile]);
         }
         self.trace_to(&mut worker);
         worker.args(&self.args.worker_args);
@@ -374,7 +396,11 @@ impl Stack<'_> {
         }
         let mut worker_urls = Vec::new();
         let mut summary = Vec::new();
-        for (role, placement) in roles.iter().zip(place(&roles, cores, args.core_layout)) {
+        let placements = match args.sim {
+            Some(_) => vec![Placement::anywhere(); roles.len()],
+            None => place(&roles, cores, args.core_layout),
+        };
+        for (role, placement) in roles.iter().zip(placements) {
             let port = free_port()?;
             let url = format!("http://127.0.0.1:{port}");
             let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
@@ -468,6 +494,9 @@ impl Stack<'_> {
         if args.protocol == Protocol::Sglang {
             bail!("--protocol sglang is the gateway's handoff: use --topology gateway");
         }
+        if args.sim.is_some() {
+            bail!("--sim runs a fleet behind the gateway: use --topology gateway");
+        }
         if args.aggregated
             || args.decode != 1
             || !args.gateway_args.is_empty()
@@ -548,6 +577,9 @@ fn handoff_name(mode: HandoffMode) -> &'static str {
 
 /// "cores [0, 1]", with the niceness when it is not the default.
 fn describe(placement: &Placement) -> String {
+    if placement.cpus.is_empty() {
+        return "any core".into();
+    }
     match placement.nice {
         0 => format!("cores {:?}", placement.cpus),
         nice => format!("cores {:?} (nice {nice})", placement.cpus),
