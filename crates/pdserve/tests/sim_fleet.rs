@@ -123,5 +123,71 @@ async fn a_sim_fleet_serves_pd_token_for_token_as_aggregated() {
         );
     }
     aggregated.stop();
+
+    // A shared-prefix trace with sessions and a burst, in Mooncake's format, replays with
+    // no failure, and the fleet's prefix caches serve part of it.
+    let dir = std::env::temp_dir().join(format!("pdserve-sim-fleet-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (trace, result) = (dir.join("trace.jsonl"), dir.join("replay.json"));
+    let bench = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            .arg("bench")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pdserve bench {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    bench(&[
+        "trace-gen",
+        "--output",
+        trace.to_str().unwrap(),
+        "--duration-s",
+        "20",
+        "--request-rate",
+        "3",
+        "--prefix-groups",
+        "4",
+        "--prefix-blocks",
+        "2",
+        "--session-share",
+        "0.3",
+        "--burst-factor",
+        "3",
+        "--burst-period-s",
+        "10",
+        "--input-len",
+        "300",
+        "--output-len",
+        "16",
+        "--seed",
+        "7",
+    ]);
+    let lines = std::fs::read_to_string(&trace).unwrap().lines().count() as u64;
+    assert!(lines >= 30, "{lines} requests in the trace");
+    bench(&[
+        "serve",
+        "--url",
+        &pd.entry,
+        "--dataset",
+        "mooncake",
+        "--dataset-path",
+        trace.to_str().unwrap(),
+        "--trace-speedup",
+        "4",
+        "--result-json",
+        result.to_str().unwrap(),
+    ]);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&result).unwrap()).unwrap();
+    let summary = &report["summary"];
+    assert_eq!(summary["completed"], lines, "{summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    let cached = summary["cached_token_share"].as_f64().unwrap_or(0.0);
+    assert!(cached > 0.1, "cached share {cached}: {summary}");
+    let _ = std::fs::remove_dir_all(&dir);
     pd.stop();
 }
