@@ -4,63 +4,11 @@ use std::path::PathBuf;
 
 use clap::{Args, FromArgMatches, Subcommand, ValueEnum};
 
+use crate::arg_values::{checked_args, positive_ms, positive_seconds, range_ratio};
+pub use crate::load::Dataset;
 use crate::load::Load;
 use crate::priority::{PriorityClass, PriorityMix};
 use crate::trace_gen::TraceGenArgs;
-
-/// `Args` and `FromArgMatches` for `$checked`, a flag set whose values are checked
-/// together: clap parses `$flags`, then `$checked::checked` turns them into the value
-/// (or a usage error) and `$checked::flags` back, so update-from-matches re-checks.
-macro_rules! checked_args {
-    ($checked:ty, $flags:ty) => {
-        impl FromArgMatches for $checked {
-            fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
-                Self::checked(<$flags>::from_arg_matches(matches)?)
-            }
-
-            fn from_arg_matches_mut(matches: &mut clap::ArgMatches) -> Result<Self, clap::Error> {
-                Self::checked(<$flags>::from_arg_matches_mut(matches)?)
-            }
-
-            fn update_from_arg_matches(
-                &mut self,
-                matches: &clap::ArgMatches,
-            ) -> Result<(), clap::Error> {
-                let mut flags = self.flags();
-                flags.update_from_arg_matches(matches)?;
-                *self = Self::checked(flags)?;
-                Ok(())
-            }
-
-            fn update_from_arg_matches_mut(
-                &mut self,
-                matches: &mut clap::ArgMatches,
-            ) -> Result<(), clap::Error> {
-                let mut flags = self.flags();
-                flags.update_from_arg_matches_mut(matches)?;
-                *self = Self::checked(flags)?;
-                Ok(())
-            }
-        }
-
-        impl Args for $checked {
-            fn group_id() -> Option<clap::Id> {
-                <$flags>::group_id()
-            }
-
-            fn augment_args(cmd: clap::Command) -> clap::Command {
-                <$flags>::augment_args(cmd)
-            }
-
-            fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
-                <$flags>::augment_args_for_update(cmd)
-            }
-        }
-    };
-}
-
-// Other modules' checked flag sets (`load`) use it too.
-pub(crate) use checked_args;
 
 /// `pdserve bench` subcommands and flags.
 #[derive(Debug, Clone, Args)]
@@ -240,18 +188,6 @@ impl ServeArgs {
     }
 }
 
-/// Where `serve`'s prompts come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Dataset {
-    /// Distinct prompts of random words.
-    Random,
-    /// Groups of prompts sharing a long system prompt (SGLang's generated-shared-prefix).
-    SharedPrefix,
-    /// A trace in Mooncake's format (`--dataset-path`), replayed at its timestamps.
-    Mooncake,
-}
-
 /// `pdserve bench multi-turn`.
 #[derive(Debug, Clone, Args)]
 pub struct MultiTurnArgs {
@@ -419,44 +355,6 @@ pub struct CompareArgs {
     /// Write an SVG plot of every run's latency CDFs and throughput to this file.
     #[arg(long, env = "PDSERVE_BENCH_PLOT")]
     pub plot: Option<PathBuf>,
-}
-
-pub(crate) fn parse_f64(s: &str) -> Result<f64, String> {
-    s.trim()
-        .parse::<f64>()
-        .map_err(|e| format!("`{s}` is not a number: {e}"))
-}
-
-pub(crate) fn positive_finite(s: &str, what: &str) -> Result<f64, String> {
-    let v = parse_f64(s)?;
-    if v.is_finite() && v > 0.0 {
-        Ok(v)
-    } else {
-        Err(format!(
-            "{what} must be a positive, finite number, got `{s}`"
-        ))
-    }
-}
-
-pub(crate) fn positive_seconds(s: &str) -> Result<f64, String> {
-    positive_finite(s, "a timeout in seconds")
-}
-
-pub(crate) fn positive_ms(s: &str) -> Result<f64, String> {
-    positive_finite(s, "an SLO in milliseconds")
-}
-
-pub(crate) fn positive_rate(s: &str) -> Result<f64, String> {
-    positive_finite(s, "a request rate (use --concurrency for all-at-once)")
-}
-
-pub(crate) fn range_ratio(s: &str) -> Result<f64, String> {
-    let v = parse_f64(s)?;
-    if (0.0..1.0).contains(&v) {
-        Ok(v)
-    } else {
-        Err(format!("the range ratio must be in [0, 1), got `{s}`"))
-    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! vLLM, SGLang, a router): TTFT, TPOT, ITL, end-to-end latency, throughput and
 //! goodput, multi-turn prefix-cache reuse, JSON results and SVG plots.
 
+mod arg_values;
 pub mod args;
 pub mod client;
 pub mod compare;

@@ -6,9 +6,21 @@
 use std::path::PathBuf;
 
 use clap::error::ErrorKind;
-use clap::{Args, FromArgMatches};
+use clap::{Args, FromArgMatches, ValueEnum};
 
-use crate::args::{checked_args, positive_finite, positive_rate, Dataset};
+use crate::arg_values::{checked_args, positive_finite, positive_rate};
+
+/// Where `serve`'s prompts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dataset {
+    /// Distinct prompts of random words.
+    Random,
+    /// Groups of prompts sharing a long system prompt (SGLang's generated-shared-prefix).
+    SharedPrefix,
+    /// A trace in Mooncake's format (`--dataset-path`), replayed at its timestamps.
+    Mooncake,
+}
 
 /// `serve`'s pacing and prompt source, checked: with [`Dataset::Mooncake`],
 /// `dataset_path` is set and neither `concurrency` nor `request_rate` is; otherwise

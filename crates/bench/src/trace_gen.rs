@@ -28,7 +28,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, Zipf};
 use serde::Serialize;
 
-use crate::args::{parse_f64, positive_finite, positive_rate, range_ratio};
+use crate::arg_values::{parse_f64, positive_finite, positive_rate, range_ratio};
 use crate::trace::{reusable_token_share, TraceEntry, BLOCK_TOKENS};
 use crate::BenchError;
 
