@@ -72,5 +72,19 @@ fleet["all_within_5ms"] = (sum(w.get("within_5ms", 0) for w in workers.values())
 json.dump(fleet, open(path, "w"), indent=1)
 print(json.dumps(fleet))
 PY
-summary=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; t=s.get("ttft_ms") or {}; print(f"completed {s[\"completed\"]} failed {s[\"failed\"]} ttft_p50 {t.get(\"p50\",0):.0f} ms cached {s.get(\"cached_token_share\") or 0:.2f}")' "$out/$label.json" 2>/dev/null || echo "no result")
-echo "$(date -u +%H:%M:%S) $label: $summary; $(python3 -c 'import json,sys; f=json.load(open(sys.argv[1])); print(f"cores {f[\"cores_total\"]:.2f} (gateway {f[\"gateway\"][\"cores\"]:.2f}, workers {f[\"worker\"][\"cores\"]:.2f}), worst worker within 5 ms {f[\"worst_worker_within_5ms\"]}")' "$out/$label.fleet.json")" | tee -a "$out/fleet.txt"
+python3 - "$out/$label.json" "$out/$label.fleet.json" "$label" <<'PY' | tee -a "$out/fleet.txt"
+import json, sys, time
+result, fleet, label = sys.argv[1:]
+try:
+    s = json.load(open(result))["summary"]
+    t = s.get("ttft_ms") or {}
+    run = "completed %d failed %d ttft_p50 %.0f ms ttft_p90 %.0f ms cached %.2f" % (
+        s["completed"], s["failed"], t.get("p50", 0), t.get("p90", 0),
+        s.get("cached_token_share") or 0)
+except (OSError, KeyError, ValueError):
+    run = "no result"
+f = json.load(open(fleet))
+print("%s %s: %s; cores %.2f (gateway %.2f, workers %.2f), worst worker within 5 ms %s" % (
+    time.strftime("%H:%M:%S", time.gmtime()), label, run, f["cores_total"],
+    f["gateway"]["cores"], f["worker"]["cores"], f["worst_worker_within_5ms"]))
+PY

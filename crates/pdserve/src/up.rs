@@ -225,7 +225,12 @@ async fn start_and_supervise(
         args,
         kv_secret: &kv_secret,
         sockets,
+        ports: PortPicker::default(),
     };
+    // The entry points' own ports are never handed to a worker.
+    for replica in 0..args.gateway_replicas {
+        stack.ports.reserve(args.port.saturating_add(replica));
+    }
     let (entry, summary) = match args.topology {
         Topology::Gateway => stack.start_with_gateway(members, cores).await?,
         Topology::Orchestrator => stack.start_orchestrated(members, cores).await?,
@@ -253,6 +258,8 @@ struct Stack<'a> {
     kv_secret: &'a str,
     /// The stack's private folder for its members' Unix sockets (KV events).
     sockets: &'a std::path::Path,
+    /// The ports handed to members so far.
+    ports: PortPicker,
 }
 
 /// A folder only this user can enter, for the stack's Unix sockets; removed by
@@ -331,10 +338,12 @@ impl Stack<'_> {
             worker.env("PDSERVE_WORKER_API_KEY", key);
         }
         if role != WorkerRole::PrefillDecode {
-            worker.args(["--kv-port", &free_port()?.to_string()]).args([
-                "--kv-abort-timeout",
-                &self.args.kv_abort_timeout.to_string(),
-            ]);
+            worker
+                .args(["--kv-port", &self.ports.pick()?.to_string()])
+                .args([
+                    "--kv-abort-timeout",
+                    &self.args.kv_abort_timeout.to_string(),
+                ]);
         }
         if let Some(profile) = &self.args.sim {
             worker.args(["--sim", profile]);
@@ -401,7 +410,7 @@ impl Stack<'_> {
             None => place(&roles, cores, args.core_layout),
         };
         for (role, placement) in roles.iter().zip(placements) {
-            let port = free_port()?;
+            let port = self.ports.pick()?;
             let url = format!("http://127.0.0.1:{port}");
             let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
             let name = format!("{role} worker {}", worker_urls.len());
@@ -409,7 +418,7 @@ impl Stack<'_> {
             let mut line = format!("{role} worker at {url} on {}", describe(&placement));
             if sglang && *role == WorkerRole::Prefill {
                 // SGLang's router reads `--prefill URL BOOTSTRAP_PORT`.
-                let bootstrap = free_port()?.to_string();
+                let bootstrap = self.ports.pick()?.to_string();
                 worker.args(["--bootstrap-port", &bootstrap]);
                 gateway.push(bootstrap.clone());
                 line.push_str(&format!(", bootstrap port {bootstrap}"));
@@ -516,7 +525,7 @@ impl Stack<'_> {
         let mut summary = Vec::new();
         let mut prefill_urls = Vec::new();
         for (i, placement) in shares.iter().enumerate() {
-            let port = free_port()?;
+            let port = self.ports.pick()?;
             let url = format!("http://127.0.0.1:{port}");
             let worker = self.worker(WorkerRole::Prefill, "127.0.0.1", port, &placement.cpus)?;
             members.push(spawn(
@@ -586,8 +595,33 @@ fn describe(placement: &Placement) -> String {
     }
 }
 
-/// A port on 127.0.0.1 that was free a moment ago, from outside the ephemeral range (see
-/// [`pdserve_http_server::free_local_port`]).
-fn free_port() -> anyhow::Result<u16> {
-    pdserve_http_server::free_local_port().context("no free local port")
+/// Ports for the members, each handed out once: a pick is only free until its member
+/// binds it, and a fleet of many workers (`--sim`) takes hundreds of picks, among which
+/// independent random picks would repeat.
+#[derive(Debug, Default)]
+struct PortPicker {
+    given: std::sync::Mutex<std::collections::HashSet<u16>>,
+}
+
+impl PortPicker {
+    /// Keeps `port` from being handed out.
+    fn reserve(&self, port: u16) {
+        self.given
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(port);
+    }
+
+    /// A port on 127.0.0.1 that was free a moment ago, from outside the ephemeral range
+    /// (see [`pdserve_http_server::free_local_port`]), and not handed out before.
+    fn pick(&self) -> anyhow::Result<u16> {
+        let mut given = self.given.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..1000 {
+            let port = pdserve_http_server::free_local_port().context("no free local port")?;
+            if given.insert(port) {
+                return Ok(port);
+            }
+        }
+        bail!("no free local port that this stack has not handed out already")
+    }
 }
