@@ -9,7 +9,9 @@ use std::time::Duration;
 use pdserve_model::{Model, ModelError, ModelText, BLOCK_SIZE};
 use prometheus_client::metrics::histogram::Histogram;
 
-use crate::args::WorkerArgs;
+use crate::args::{
+    WorkerArgs, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_KV_BLOCKS,
+};
 use crate::kv::SimulatedLink;
 use crate::sim::{self, ProfileError, SimModel, SimProfile, TokenChoice};
 use crate::step_model::{ModelRunner, StepModel};
@@ -109,6 +111,34 @@ impl Compute {
         path: &Path,
         lateness: Histogram,
     ) -> Result<Self, ComputeError> {
+        // The profile sets these: a flag that asks otherwise would be silently ignored.
+        for (flag, value, default, field) in [
+            (
+                "--num-kv-blocks",
+                args.num_kv_blocks,
+                DEFAULT_NUM_KV_BLOCKS,
+                "num_kv_blocks",
+            ),
+            (
+                "--max-num-seqs",
+                args.max_num_seqs,
+                DEFAULT_MAX_NUM_SEQS,
+                "max_num_seqs",
+            ),
+            (
+                "--max-num-batched-tokens",
+                args.max_num_batched_tokens,
+                DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                "max_num_batched_tokens",
+            ),
+        ] {
+            if value != default {
+                return Err(ComputeError::InvalidArgs(format!(
+                    "{flag} does not apply with --sim: the profile's scheduler.{field} sets it \
+                     (give --sim a copy of the profile with the value you want)"
+                )));
+            }
+        }
         let profile = SimProfile::load(spec)?;
         let text = Arc::new(ModelText::load(path)?);
         let s = &profile.scheduler;
@@ -149,5 +179,35 @@ fn max_model_len(args: &WorkerArgs, most: usize, what: &str) -> Result<usize, Co
         ))),
         Some(len) => Ok(len),
         None => Ok(most),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(argv: &[&str]) -> WorkerArgs {
+        let argv = ["worker"].iter().chain(argv).copied();
+        crate::args::WorkerCli::try_parse_from(argv).unwrap().args
+    }
+
+    #[test]
+    fn a_sim_worker_refuses_the_limits_its_profile_sets() {
+        let path = Path::new("/nonexistent.gguf");
+        for flag in [
+            "--num-kv-blocks",
+            "--max-num-seqs",
+            "--max-num-batched-tokens",
+        ] {
+            let args = args(&["--sim", "h100-llama-3.1-8b", flag, "7"]);
+            let err = Compute::load(&args, path, None).err().unwrap().to_string();
+            assert!(err.contains(flag) && err.contains("--sim"), "{err}");
+        }
+        // Without them, it gets as far as the tokenizer's file.
+        let err = Compute::load(&args(&["--sim", "h100-llama-3.1-8b"]), path, None)
+            .err()
+            .unwrap();
+        assert!(matches!(err, ComputeError::Model(_)), "{err}");
     }
 }

@@ -189,14 +189,18 @@ impl Worker {
             tokio::task::spawn_blocking(move || Compute::load(&load_args, &load_path, lateness))
                 .await
                 .map_err(|e| WorkerError::Task(e.to_string()))??;
-        let engine_limits = compute.limits;
+        let Compute {
+            step_model,
+            text,
+            kv_layout,
+            kv_block_bytes,
+            limits: engine_limits,
+            link,
+            sim_profile,
+        } = compute;
         let max_model_len = engine_limits.max_model_len;
         let capacity = engine_limits.num_kv_blocks * BLOCK_SIZE;
-        let (kv_layout, kv_block_bytes) = (compute.kv_layout.clone(), compute.kv_block_bytes);
-        let text = compute.text.clone();
         let config = text.config().clone();
-        let compute_link = compute.link;
-        let sim_profile = compute.sim_profile.clone();
         let kv_events = match args.kv_events_config.as_deref() {
             Some(json) => match KvEventsConfig::parse(json).map_err(WorkerError::InvalidArgs)? {
                 Some(config) => Some(
@@ -209,7 +213,7 @@ impl Worker {
             None => None,
         };
         let (engine, scheduler) = scheduler::spawn_publishing(
-            compute.step_model,
+            step_model,
             SchedulerConfig {
                 max_num_seqs: engine_limits.max_num_seqs,
                 max_waiting: args.max_waiting,
@@ -323,7 +327,7 @@ impl Worker {
                 service: kv_service.clone(),
                 peers: kv_peers,
                 secret: kv_secret,
-                link: compute_link,
+                link,
             },
             metrics,
         });

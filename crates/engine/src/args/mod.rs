@@ -11,6 +11,12 @@ pub mod kv_security;
 /// Default `--max-body-bytes`: the gateway's default, so that whatever it accepts a
 /// worker accepts too.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// Default `--num-kv-blocks` (a `--sim` profile sets its own).
+pub const DEFAULT_NUM_KV_BLOCKS: usize = 512;
+/// Default `--max-num-seqs` (a `--sim` profile sets its own).
+pub const DEFAULT_MAX_NUM_SEQS: usize = 16;
+/// Default `--max-num-batched-tokens` (a `--sim` profile sets its own).
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 512;
 
 /// `pdserve worker` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -40,7 +46,8 @@ pub struct WorkerArgs {
     /// gives for its batch and emits tokens that are a function of the token history;
     /// the API, scheduler, KV blocks, prefix cache, KV events and P/D transfer are the
     /// real engine's. The profile sets the KV pool, --max-num-seqs and
-    /// --max-num-batched-tokens (edit a copy to change them); --model still gives the
+    /// --max-num-batched-tokens (those flags are refused with it: edit a copy of the
+    /// profile instead); --model still gives the
     /// tokenizer and chat template (its weights are not loaded).
     #[arg(long, env = "PDSERVE_SIM", value_name = "PROFILE")]
     pub sim: Option<String>,
@@ -55,11 +62,11 @@ pub struct WorkerArgs {
     pub threads: Option<usize>,
 
     /// KV cache size in blocks of 16 tokens (SmolLM2: 360 KiB per block in f16).
-    #[arg(long, env = "PDSERVE_NUM_KV_BLOCKS", default_value_t = 512)]
+    #[arg(long, env = "PDSERVE_NUM_KV_BLOCKS", default_value_t = DEFAULT_NUM_KV_BLOCKS)]
     pub num_kv_blocks: usize,
 
     /// Most sequences in the running batch.
-    #[arg(long, env = "PDSERVE_MAX_NUM_SEQS", default_value_t = 16)]
+    #[arg(long, env = "PDSERVE_MAX_NUM_SEQS", default_value_t = DEFAULT_MAX_NUM_SEQS)]
     pub max_num_seqs: usize,
 
     /// Most requests waiting for a batch slot; more are answered 429.
@@ -68,7 +75,7 @@ pub struct WorkerArgs {
 
     /// Most tokens run in one forward step; longer prompts are prefilled in chunks so
     /// running sequences keep decoding.
-    #[arg(long, env = "PDSERVE_MAX_NUM_BATCHED_TOKENS", default_value_t = 512)]
+    #[arg(long, env = "PDSERVE_MAX_NUM_BATCHED_TOKENS", default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
     pub max_num_batched_tokens: usize,
 
     /// Which requests get each step's token budget first. `fcfs`: running requests in
