@@ -17,6 +17,9 @@ use pdserve_protocol::{
 };
 use serde_json::{Map, Value};
 
+/// Errors with their causes, shared with the rest of the bench.
+pub(crate) use pdserve_protocol::error_chain;
+
 use crate::args::{Endpoint, ServerArgs};
 use crate::BenchError;
 
@@ -479,21 +482,6 @@ pub(crate) fn snippet(text: &str) -> String {
         s.push('…');
     }
     s
-}
-
-/// An error with its sources, e.g. "error sending request: connection refused".
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 #[cfg(test)]

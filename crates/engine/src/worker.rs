@@ -302,7 +302,9 @@ impl Worker {
             // The same peer and secret checks as the KV transfer service's.
             let config = kv_server_config.clone();
             kv_tasks.push(bootstrap.listen(listener, service.clone(), config)?);
-            tracing::info!(addr = ?bootstrap.addr(), "bootstrap port listening (SGLang rooms)");
+            if let Some(addr) = bootstrap.addr() {
+                tracing::info!(%addr, "bootstrap port listening (SGLang rooms)");
+            }
         }
         let orchestrator = match orchestrator_config(&args)? {
             Some(config) => Some(Arc::new(

@@ -133,13 +133,18 @@ impl IntoResponse for ApiError {
 }
 
 /// An error and all its causes, `: `-separated ("error sending request: connection
-/// refused"): HTTP clients' own messages hide the cause.
+/// refused"): HTTP clients' own messages hide the cause. A cause whose text the message
+/// already holds is left out: wrappers such as axum's `Error` print their cause as their
+/// own message ("error reading a body from connection" twice).
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
         source = s.source();
     }
     out
@@ -148,6 +153,42 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error that prints `text` and has `cause` as its source.
+    #[derive(Debug)]
+    struct Wrapped(&'static str, Option<Box<Wrapped>>);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn a_chain_names_each_cause_once() {
+        let eof = Wrapped("unexpected EOF", None);
+        let hyper = Wrapped("error reading a body from connection", Some(Box::new(eof)));
+        let axum = Wrapped(
+            "error reading a body from connection",
+            Some(Box::new(hyper)),
+        );
+        assert_eq!(
+            error_chain(&axum),
+            "error reading a body from connection: unexpected EOF"
+        );
+        let refused = Wrapped("connection refused", None);
+        let sent = Wrapped("error sending request", Some(Box::new(refused)));
+        assert_eq!(
+            error_chain(&sent),
+            "error sending request: connection refused"
+        );
+    }
 
     #[test]
     fn body_has_openai_shape() {

@@ -52,11 +52,20 @@ pub struct KubeApi {
     pub url: String,
     shared: Arc<Shared>,
     task: tokio::task::JoinHandle<()>,
+    /// The kubeconfig files written for this server, removed with it.
+    kubeconfigs: Mutex<Vec<std::path::PathBuf>>,
 }
 
 impl Drop for KubeApi {
     fn drop(&mut self) {
         self.task.abort();
+        let files = self
+            .kubeconfigs
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner());
+        for path in files.drain(..) {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -104,10 +113,16 @@ impl KubeApi {
         let task = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
-        Self { url, shared, task }
+        Self {
+            url,
+            shared,
+            task,
+            kubeconfigs: Mutex::default(),
+        }
     }
 
-    /// A kubeconfig file naming this server, in the temporary directory.
+    /// A kubeconfig file naming this server, in the temporary directory (removed when
+    /// the server is dropped).
     pub fn kubeconfig(&self, name: &str) -> std::path::PathBuf {
         let path = std::env::temp_dir().join(format!(
             "pdserve-kubeconfig-{name}-{}.yaml",
@@ -123,6 +138,7 @@ impl KubeApi {
             ),
         )
         .unwrap();
+        self.kubeconfigs.lock().unwrap().push(path.clone());
         path
     }
 
