@@ -46,19 +46,32 @@ enum Command {
     /// OpenAI-compatible gateway in front of prefill, decode and aggregated workers.
     Gateway(Box<pdserve_gateway::GatewayArgs>),
     /// The embedded CPU engine, serving a GGUF model as a prefill, decode or aggregated worker.
-    Worker(pdserve_engine::WorkerArgs),
+    Worker(Box<pdserve_engine::WorkerArgs>),
     /// Manage the model file.
     Model {
         #[command(subcommand)]
         command: ModelCommand,
     },
-    /// Benchmark any OpenAI-compatible endpoint.
-    Bench(pdserve_bench::BenchArgs),
+    /// Benchmark any OpenAI-compatible endpoint, or the gateway's KV-event index.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
     /// The simulated GPU engine (`pdserve worker --sim`, `pdserve up --sim`).
     Sim {
         #[command(subcommand)]
         command: SimCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    #[command(flatten)]
+    Client(Box<pdserve_bench::BenchCommand>),
+    /// The gateway's KV-event index and precise_prefix routing at fleet scale, in
+    /// process on synthetic events (no workers): ingestion rate on one thread, memory
+    /// per block, and decision time over every worker as the index fills.
+    KvIndex(pdserve_gateway::policy::fleet_bench::KvIndexBenchArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -112,11 +125,28 @@ async fn main() -> anyhow::Result<()> {
             let role = args.role.as_str();
             let service = format!("pdserve-worker-{role}");
             let telemetry = telemetry::start(&args.tracing, &service, Some(role))?;
-            let result = pdserve_engine::run(args).await;
+            let result = pdserve_engine::run(*args).await;
             telemetry.shutdown().await;
             result?
         }
-        Command::Bench(args) => pdserve_bench::run(args).await?,
+        Command::Bench {
+            command: BenchCommand::Client(command),
+        } => pdserve_bench::run(pdserve_bench::BenchArgs { command: *command }).await?,
+        Command::Bench {
+            command: BenchCommand::KvIndex(args),
+        } => {
+            let report = tokio::task::spawn_blocking(move || {
+                let report = pdserve_gateway::policy::fleet_bench::run(&args);
+                report.map(|r| (r, args.result_json))
+            })
+            .await??;
+            print!("{}", report.0);
+            if let Some(path) = report.1 {
+                let json = serde_json::to_string_pretty(&report.0)?;
+                std::fs::write(&path, json)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+        }
         Command::Sim {
             command: SimCommand::Profiles,
         } => {

@@ -68,7 +68,10 @@ pub fn parse(body: &str) -> Option<Scraped> {
     let (mut waiting, mut running, mut kv_usage) = (None::<f64>, None::<f64>, None::<f64>);
     let (mut hits, mut queries, mut hit_rate) = (None::<f64>, None::<f64>, None::<f64>);
     for line in body.lines() {
-        let Some((name, value)) = sample(line) else {
+        let Some((name, rest)) = wanted(line) else {
+            continue;
+        };
+        let Some(value) = value(rest) else {
             continue;
         };
         let add = |total: &mut Option<f64>| *total = Some(total.unwrap_or(0.0) + value);
@@ -101,17 +104,42 @@ pub fn parse(body: &str) -> Option<Scraped> {
     })
 }
 
-/// A sample line's metric name and value (`name{labels} value [timestamp]`); `None` for
-/// comments, blank lines and anything unreadable.
-fn sample(line: &str) -> Option<(&str, f64)> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
+/// [`parse`] of a page as received. Valid UTF-8 (every page in practice) is read in
+/// place; a stray invalid byte, say in a label value, is replaced rather than failing the
+/// whole scrape.
+fn parse_bytes(body: &[u8]) -> Option<Scraped> {
+    parse(&String::from_utf8_lossy(body))
+}
+
+/// A sample line of one of the families above: its name and what follows the name.
+/// Other lines (comments, other families, every histogram bucket) are turned away by
+/// their name alone: a scrape of 128 workers' pages each second must not parse them.
+fn wanted(line: &str) -> Option<(&str, &str)> {
+    let line = line.trim_start();
+    if !(line.starts_with("vllm:") || line.starts_with("sglang:")) {
         return None;
     }
     let name_end = line
         .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
         .unwrap_or(line.len());
-    let (name, mut rest) = line.split_at(name_end);
+    let (name, rest) = line.split_at(name_end);
+    [
+        WAITING,
+        RUNNING,
+        KV_USAGE,
+        PREFIX_HITS,
+        PREFIX_QUERIES,
+        PREFIX_HIT_RATE,
+    ]
+    .iter()
+    .any(|family| family.contains(&name))
+    .then_some((name, rest))
+}
+
+/// The value of a sample line, given what follows its name (`{labels} value
+/// [timestamp]`); `None` when unreadable.
+fn value(rest: &str) -> Option<f64> {
+    let mut rest = rest.trim_end();
     if rest.starts_with('{') {
         // Skip the labels; a quoted value may hold `}` and escaped quotes.
         let mut quoted = false;
@@ -130,7 +158,7 @@ fn sample(line: &str) -> Option<(&str, f64)> {
         rest = &rest[close.0 + 1..];
     }
     let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
-    (!name.is_empty() && value.is_finite()).then_some((name, value))
+    value.is_finite().then_some(value)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -210,9 +238,11 @@ async fn scrape(
         if !response.status().is_success() {
             return None;
         }
-        response.text().await.ok()
+        // Bytes, not `text()`: a worker's page is ~25 KB, and `text()` decodes it by its
+        // charset through a lossy pass, the largest cost of scraping a large fleet.
+        response.bytes().await.ok()
     };
-    match body.await.as_deref().and_then(parse) {
+    match body.await.as_deref().and_then(parse_bytes) {
         Some(load) => worker.report_load(
             load.waiting,
             load.running,
@@ -230,6 +260,15 @@ async fn scrape(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_page_with_an_invalid_byte_is_still_read() {
+        let mut page = b"vllm:num_requests_running{model_name=\"m".to_vec();
+        page.push(0xff);
+        page.extend_from_slice(b"\"} 2\nvllm:num_requests_waiting 1\n");
+        let load = parse_bytes(&page).expect("read despite the byte");
+        assert_eq!((load.running, load.waiting), (2.0, 1.0));
+    }
 
     #[test]
     fn vllm_and_sglang_gauges_are_read_and_others_are_not_load() {

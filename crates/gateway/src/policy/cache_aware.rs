@@ -42,7 +42,7 @@ use super::{
     role_index, CacheMatch, Choice, EventMatcher, MatchSource, Policy, PolicyConfig, PolicyStats,
     PrefixMatch, RoutePrompt, RouteRequest,
 };
-use crate::fleet::kv_events::KvEventsHub;
+use crate::fleet::kv_events::{KvEventsHub, PromptKeys};
 use crate::fleet::registry::Worker;
 
 /// Where `cache_aware` reads a worker's match from (`--cache-source`).
@@ -217,8 +217,8 @@ impl CacheAware {
 
     /// What `worker` holds of `tokens` by its events, when the cache source reads them
     /// for this worker.
-    fn event_match(&self, worker: &Worker, tokens: &[u32]) -> Option<usize> {
-        let held = self.events.as_ref()?.held(worker, tokens);
+    fn event_match(&self, worker: &Worker, keys: &mut PromptKeys<'_>) -> Option<usize> {
+        let held = self.events.as_ref()?.held(worker, keys);
         match self.source {
             CacheSource::Events => Some(held.tokens),
             CacheSource::Auto if held.indexed => Some(held.tokens),
@@ -243,11 +243,12 @@ impl CacheAware {
             from_events: vec![false; candidates.len()],
         };
         let (mut best_rank, mut lowest_rank) = ((i64::MAX, usize::MAX), (i64::MAX, usize::MAX));
+        let mut keys = match key {
+            Some(Key::Tokens(tokens)) => Some(PromptKeys::new(tokens)),
+            _ => None,
+        };
         for (i, w) in candidates.iter().enumerate() {
-            let from_events = match key {
-                Some(Key::Tokens(tokens)) => self.event_match(w, tokens),
-                _ => None,
-            };
+            let from_events = keys.as_mut().and_then(|keys| self.event_match(w, keys));
             scan.from_events[i] = from_events.is_some();
             let (tree_len, size) = match map.get(&w.base) {
                 Some(entry) => {
@@ -436,7 +437,7 @@ impl Policy for CacheAware {
             self.record(role, worker, key, now);
             if let (Key::Tokens(tokens), Some(events)) = (key, &self.events) {
                 if from_events || self.source == CacheSource::Events {
-                    events.sent(worker, tokens, matched);
+                    events.sent(worker, &mut PromptKeys::new(tokens), matched);
                 }
             }
         }

@@ -12,6 +12,7 @@
 
 mod cache_aware;
 mod event_match;
+pub mod fleet_bench;
 mod in_flight;
 mod power_of_two;
 mod precise_prefix;

@@ -25,7 +25,7 @@ use super::{
     CacheAware, CacheMatch, Choice, EventMatcher, MatchSource, Policy, PolicyStats, PrefixMatch,
     RequestOutcome, RoutePrompt, RouteRequest,
 };
-use crate::fleet::kv_events::KvEventsHub;
+use crate::fleet::kv_events::{KvEventsHub, PromptKeys};
 use crate::fleet::registry::Worker;
 
 /// Tokens of a prompt's start that name its prefix for rendezvous hashing: enough to tell
@@ -65,16 +65,21 @@ impl PrecisePrefix {
 
     /// Every candidate's standing, when some candidate has a trusted index; `None`
     /// otherwise.
-    fn standings(&self, candidates: &[Arc<Worker>], tokens: &[u32]) -> Option<Vec<Standing>> {
-        let mut any_index = false;
+    fn standings(
+        &self,
+        candidates: &[Arc<Worker>],
+        keys: &mut PromptKeys<'_>,
+    ) -> Option<Vec<Standing>> {
+        let prompt_len = keys.tokens().len() as f64;
+        let held = self.matcher.held_by_each(candidates, keys);
+        let any_index = held.iter().any(|h| h.indexed);
         let standings = candidates
             .iter()
+            .zip(held)
             .enumerate()
-            .map(|(index, w)| {
-                let held = self.matcher.held(w, tokens);
-                any_index |= held.indexed;
+            .map(|(index, (w, held))| {
                 let load = w.load();
-                let score = held.tokens as f64 - self.load_cost * load as f64 * tokens.len() as f64;
+                let score = held.tokens as f64 - self.load_cost * load as f64 * prompt_len;
                 Standing {
                     index,
                     cached: held.tokens,
@@ -114,18 +119,14 @@ impl PrecisePrefix {
 fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[u32]) -> Standing {
     let least = standings.iter().map(|s| s.load).min().unwrap_or(0);
     let start = &new[..new.len().min(AFFINITY_TOKENS)];
+    // One key for the prompt, scored against each candidate's URL.
+    let key: Vec<u8> = start.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let key = rendezvous_key(&key);
     *standings
         .iter()
         .filter(|s| s.load <= least.saturating_add(NEW_PREFIX_LOAD_SLACK))
-        .max_by_key(|s| rendezvous(&candidates[s.index].base, start))
+        .max_by_key(|s| rendezvous_score(key, &candidates[s.index].base))
         .expect("the least loaded candidate is within the slack")
-}
-
-/// The rendezvous weight of `worker` for a prompt starting with `start`: the protocol's
-/// fixed hash, so replicas built apart agree.
-fn rendezvous(worker: &str, start: &[u32]) -> u64 {
-    let key: Vec<u8> = start.iter().flat_map(|t| t.to_le_bytes()).collect();
-    rendezvous_score(rendezvous_key(&key), worker)
 }
 
 fn token_ids<'a>(request: &RouteRequest<'a>) -> Option<&'a [u32]> {
@@ -158,13 +159,16 @@ impl Policy for PrecisePrefix {
         if candidates.is_empty() {
             return None;
         }
-        let standings = token_ids(request).and_then(|t| Some((t, self.standings(candidates, t)?)));
-        let Some((tokens, standings)) = standings else {
+        let Some(tokens) = token_ids(request) else {
+            return self.fallback.choose(role, candidates, request);
+        };
+        let mut keys = PromptKeys::new(tokens);
+        let Some(standings) = self.standings(candidates, &mut keys) else {
             return self.fallback.choose(role, candidates, request);
         };
         let best = Self::best(&standings, candidates, tokens);
         let chosen = candidates[best.index].clone();
-        self.matcher.sent(&chosen, tokens, best.cached);
+        self.matcher.sent(&chosen, &mut keys, best.cached);
         tracing::debug!(
             %role,
             worker = %chosen.base,
@@ -197,7 +201,7 @@ impl Policy for PrecisePrefix {
         let Some(tokens) = token_ids(request) else {
             return self.fallback.cached_prefix(role, candidates, request);
         };
-        let Some(standings) = self.standings(candidates, tokens) else {
+        let Some(standings) = self.standings(candidates, &mut PromptKeys::new(tokens)) else {
             return self.fallback.cached_prefix(role, candidates, request);
         };
         let best = standings.iter().max_by_key(|s| s.cached)?;

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use pdserve_protocol::WorkerRole;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -37,6 +38,19 @@ struct DisaggLabels {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
+}
+
+/// Labels of `routing_decision_seconds`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DecisionLabels {
+    role: &'static str,
+    policy: &'static str,
+}
+
+/// Routing-decision buckets from 1 µs to about 8 s: a decision over a large fleet's
+/// indexes takes tens of microseconds, and a slow one must still land in a bucket.
+fn decision_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_001, 2.0, 24))
 }
 
 /// Labels of the encoder-disaggregation stage timings.
@@ -73,6 +87,7 @@ pub struct ServingMetrics {
     conversation_misses: Counter,
     conversation_fallbacks: Counter,
     epd_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
+    routing_decision_seconds: Family<DecisionLabels, Histogram, fn() -> Histogram>,
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
     history: Arc<History>,
@@ -173,6 +188,14 @@ impl ServingMetrics {
              to the final leg's first byte)",
             epd_stage_seconds.clone(),
         );
+        let routing_decision_seconds: Family<DecisionLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(decision_histogram);
+        registry.register(
+            "routing_decision_seconds",
+            "Time the routing policy took to choose a worker, by role and policy (the \
+             candidates' indexes read, their loads weighed)",
+            routing_decision_seconds.clone(),
+        );
         let encoder_sub_requests = Counter::default();
         registry.register(
             "encoder_sub_requests",
@@ -201,6 +224,7 @@ impl ServingMetrics {
             conversation_misses,
             conversation_fallbacks,
             epd_stage_seconds,
+            routing_decision_seconds,
             encoder_sub_requests,
             encoder_reencodes,
             history,
@@ -303,7 +327,17 @@ impl ServingMetrics {
             .observe(d.as_secs_f64());
     }
 
-    /// Counts sub-requests sent to encoders.
+    /// Records how long `policy` took to choose a worker of `role`.
+    pub fn observe_routing_decision(&self, role: WorkerRole, policy: &'static str, d: Duration) {
+        self.routing_decision_seconds
+            .get_or_create(&DecisionLabels {
+                role: role.as_str(),
+                policy,
+            })
+            .observe(d.as_secs_f64());
+    }
+
+    /// Counts sub-requests sent to encode workers.
     pub fn inc_encoder_sub_requests(&self, n: u64) {
         self.encoder_sub_requests.inc_by(n);
     }

@@ -77,7 +77,7 @@ impl Serving {
         let began = route.trace.map(|_| std::time::Instant::now());
         // The common case allocates nothing: a first attempt with every circuit closed.
         if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
-            let (chosen, cache) = choose(policy.as_ref(), role, live, route)?;
+            let (chosen, cache) = self.decide(policy.as_ref(), role, live, route)?;
             log_choice(policy.name(), role, &chosen, live.len());
             if let (Some(cx), Some(began)) = (route.trace, began) {
                 let name = policy.name();
@@ -95,7 +95,7 @@ impl Serving {
             if candidates.is_empty() {
                 break;
             }
-            let (chosen, cache) = choose(policy.as_ref(), role, &candidates, route)?;
+            let (chosen, cache) = self.decide(policy.as_ref(), role, &candidates, route)?;
             // An open circuit past its cooldown admits one trial request; if another
             // request claimed it first, choose again without this worker.
             if chosen.breaker.admit() {
@@ -122,7 +122,7 @@ impl Serving {
         }
         self.registry
             .note_panic(role, 1, "every one's circuit breaker is open");
-        let (chosen, cache) = choose(policy.as_ref(), role, &untried, route)?;
+        let (chosen, cache) = self.decide(policy.as_ref(), role, &untried, route)?;
         // Claims the trial when none is on its way, so its outcome decides the circuit.
         chosen.breaker.admit();
         log_choice(policy.name(), role, &chosen, untried.len());
@@ -131,6 +131,22 @@ impl Serving {
             crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
         }
         Some(chosen)
+    }
+
+    /// The policy's choice among `candidates`, its time recorded in
+    /// `routing_decision_seconds`.
+    fn decide(
+        &self,
+        policy: &dyn Policy,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        route: &RouteRequest<'_>,
+    ) -> Option<(Arc<Worker>, Option<CacheMatch>)> {
+        let began = std::time::Instant::now();
+        let choice = choose(policy, role, candidates, route);
+        self.metrics
+            .observe_routing_decision(role, policy.name(), began.elapsed());
+        choice
     }
 
     /// A worker for a request any worker can answer (`/v1/models`, `/tokenize`): decode,

@@ -47,7 +47,7 @@ pub struct KvEventsArgs {
     )]
     pub kv_events_replay: Vec<String>,
 
-    /// Most blocks indexed per worker; the least recently used go first.
+    /// Most blocks indexed per worker; the least recently stored go first.
     #[arg(long, env = "PDSERVE_MAX_INDEXED_BLOCKS", default_value = "262144")]
     pub max_indexed_blocks: NonZeroUsize,
 

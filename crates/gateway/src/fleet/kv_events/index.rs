@@ -5,7 +5,7 @@
 //! engine hashes.
 
 use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::num::NonZeroUsize;
 use std::time::Instant;
 
@@ -20,11 +20,52 @@ pub struct BlockKey(pub u64);
 impl BlockKey {
     /// The key of a block of `tokens` following the block keyed `parent`.
     pub fn chain(parent: Option<BlockKey>, tokens: &[u32]) -> Self {
-        // Fixed keys: every gateway process of this build keys alike.
-        let mut h = DefaultHasher::new();
+        // A fixed seed: every gateway process of this build keys alike. foldhash, not
+        // SipHash: an 8k-token prompt is 32 KiB to hash on every routing decision, and
+        // SipHash took about 20 µs of it.
+        let mut h = foldhash::fast::FixedState::with_seed(BLOCK_KEY_SEED).build_hasher();
         parent.map(|p| p.0).hash(&mut h);
         tokens.hash(&mut h);
         BlockKey(h.finish())
+    }
+}
+
+/// The seed of [`BlockKey::chain`]'s hasher.
+const BLOCK_KEY_SEED: u64 = 0x7064_7365_7276_6531;
+
+/// A prompt's block keys, computed once for each block size asked, however many
+/// workers' indexes are read with them.
+#[derive(Debug)]
+pub struct PromptKeys<'a> {
+    tokens: &'a [u32],
+    computed: Vec<(usize, Vec<BlockKey>)>,
+}
+
+impl<'a> PromptKeys<'a> {
+    /// The keys of `tokens`, none computed yet.
+    pub fn new(tokens: &'a [u32]) -> Self {
+        Self {
+            tokens,
+            computed: Vec::new(),
+        }
+    }
+
+    /// The prompt's tokens.
+    pub fn tokens(&self) -> &'a [u32] {
+        self.tokens
+    }
+
+    /// The keys of the prompt's full blocks of `block_size` tokens, in order.
+    pub fn get(&mut self, block_size: usize) -> &[BlockKey] {
+        let at = match self.computed.iter().position(|(s, _)| *s == block_size) {
+            Some(at) => at,
+            None => {
+                self.computed
+                    .push((block_size, prompt_keys(self.tokens, block_size)));
+                self.computed.len() - 1
+            }
+        };
+        &self.computed[at].1
     }
 }
 
@@ -72,11 +113,18 @@ pub struct Applied {
     pub partial: usize,
 }
 
-/// A bounded index of one worker's cached blocks, least recently used evicted first.
+/// An indexed block: the engine's hash for it, and the key of the block before it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Indexed {
+    engine: EngineBlockHash,
+    parent: Option<BlockKey>,
+}
+
+/// A bounded index of one worker's cached blocks, least recently stored evicted first.
 #[derive(Debug)]
 pub struct BlockIndex {
     block_size: Option<u32>,
-    blocks: LruCache<BlockKey, EngineBlockHash>,
+    blocks: LruCache<BlockKey, Indexed>,
     by_engine: HashMap<EngineBlockHash, BlockKey>,
     /// When blocks not stored again since were removed: a prompt the gateway sent the
     /// worker before that no longer counts as held there (see [`Self::removed_since`]).
@@ -85,6 +133,14 @@ pub struct BlockIndex {
     capacity: NonZeroUsize,
     /// When the worker last said it cleared everything.
     cleared_at: Option<Instant>,
+    /// Indexed blocks stored after each key (also after a key that has left).
+    children: HashMap<BlockKey, u32, foldhash::fast::FixedState>,
+    /// A block left while blocks stored after it stayed, so a prompt's held blocks may
+    /// have gaps and [`Self::cached_prefix`] must look at each one. Engines evict a
+    /// sequence's last blocks first (vLLM frees them in reverse order, SGLang evicts
+    /// radix leaves), and a block is indexed only under a held parent, so this stays
+    /// false in practice until the index is cleared.
+    gaps: bool,
 }
 
 impl BlockIndex {
@@ -97,6 +153,8 @@ impl BlockIndex {
             removed_at: LruCache::unbounded(),
             capacity,
             cleared_at: None,
+            children: HashMap::default(),
+            gaps: false,
         }
     }
 
@@ -122,6 +180,30 @@ impl BlockIndex {
         self.removed_at.clear();
         self.cleared_at = None;
         self.block_size = None;
+        self.children.clear();
+        self.gaps = false;
+    }
+
+    /// Counts a block stored after `parent`.
+    fn added(&mut self, parent: Option<BlockKey>) {
+        if let Some(parent) = parent {
+            *self.children.entry(parent).or_default() += 1;
+        }
+    }
+
+    /// Accounts for block `key` leaving the index.
+    fn left(&mut self, key: BlockKey, block: &Indexed) {
+        if self.children.get(&key).is_some_and(|n| *n > 0) {
+            self.gaps = true;
+        }
+        if let Some(parent) = block.parent {
+            if let Some(n) = self.children.get_mut(&parent) {
+                *n -= 1;
+                if *n == 0 {
+                    self.children.remove(&parent);
+                }
+            }
+        }
     }
 
     /// Records that the worker removed block `key` at `now`.
@@ -190,18 +272,36 @@ impl BlockIndex {
                     // An engine hash stored again (re-computed after eviction) moves.
                     if let Some(old) = self.by_engine.insert(engine.clone(), key) {
                         if old != key {
-                            self.blocks.pop(&old);
+                            if let Some(block) = self.blocks.pop(&old) {
+                                self.left(old, &block);
+                            }
                             self.note_removed(old, Instant::now());
                         }
                     }
-                    if let Some((evicted_key, evicted)) = self.blocks.push(key, engine.clone()) {
-                        // Past the cap (or the same key under another engine hash): the
-                        // entry pushed out no longer resolves.
-                        if (evicted_key != key || evicted != *engine)
-                            && self.by_engine.get(&evicted) == Some(&evicted_key)
-                        {
-                            self.by_engine.remove(&evicted);
+                    let block = Indexed {
+                        engine: engine.clone(),
+                        parent,
+                    };
+                    match self.blocks.push(key, block) {
+                        // The same block again (keys chain over their parent, so the
+                        // parent is the same), perhaps under another engine hash, which
+                        // no longer resolves.
+                        Some((same, before)) if same == key => {
+                            if before.engine != *engine
+                                && self.by_engine.get(&before.engine) == Some(&same)
+                            {
+                                self.by_engine.remove(&before.engine);
+                            }
                         }
+                        // Past the cap: the least recently stored block was pushed out.
+                        Some((evicted_key, evicted)) => {
+                            self.added(parent);
+                            self.left(evicted_key, &evicted);
+                            if self.by_engine.get(&evicted.engine) == Some(&evicted_key) {
+                                self.by_engine.remove(&evicted.engine);
+                            }
+                        }
+                        None => self.added(parent),
                     }
                     self.removed_at.pop(&key);
                     applied.stored += 1;
@@ -213,8 +313,9 @@ impl BlockIndex {
                 let now = Instant::now();
                 for engine in block_hashes {
                     if let Some(key) = self.by_engine.remove(engine) {
-                        if self.blocks.pop(&key).is_some() {
+                        if let Some(block) = self.blocks.pop(&key) {
                             applied.removed += 1;
+                            self.left(key, &block);
                         }
                         self.note_removed(key, now);
                     }
@@ -233,12 +334,42 @@ impl BlockIndex {
     }
 
     /// How many of `keys`, from the first, the worker holds (its cached prefix in
-    /// blocks); the matched blocks count as used.
-    pub fn cached_prefix(&mut self, keys: &[BlockKey]) -> usize {
-        keys.iter()
-            .take_while(|key| self.blocks.get(*key).is_some())
-            .count()
+    /// blocks). Without gaps (see `gaps`), held blocks of one prompt are its first ones,
+    /// so a binary search finds where they end: a miss costs one look-up and a whole
+    /// prompt held two, where a walk over an 8k-token prompt took 512.
+    pub fn cached_prefix(&self, keys: &[BlockKey]) -> usize {
+        let held = |key: &BlockKey| self.blocks.contains(key);
+        if self.gaps {
+            return keys.iter().take_while(|key| held(key)).count();
+        }
+        held_prefix(keys, held)
     }
+}
+
+/// How many of `keys`, from the first, `held` says are held, for holdings that are a
+/// prefix (if a key is held, so is every key before it): the first and the last are
+/// looked up, then a binary search between them.
+fn held_prefix(keys: &[BlockKey], held: impl Fn(&BlockKey) -> bool) -> usize {
+    let Some((first, last)) = keys.first().zip(keys.last()) else {
+        return 0;
+    };
+    if !held(first) {
+        return 0;
+    }
+    if held(last) {
+        return keys.len();
+    }
+    // keys[lo] is held, keys[hi] is not.
+    let (mut lo, mut hi) = (0, keys.len() - 1);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if held(&keys[mid]) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo + 1
 }
 
 #[cfg(test)]
@@ -315,6 +446,48 @@ mod tests {
         assert!(idx.removed_since(&keys[4], before));
         assert!(idx.is_empty());
         assert_eq!(idx.block_size(), Some(2), "a clear keeps the block size");
+    }
+
+    #[test]
+    fn the_binary_search_finds_where_a_held_prefix_ends() {
+        let keys: Vec<BlockKey> = (0..37).map(BlockKey).collect();
+        for held in 0..=keys.len() {
+            let found = held_prefix(&keys, |k| (k.0 as usize) < held);
+            assert_eq!(found, held);
+        }
+        assert_eq!(held_prefix(&[], |_| true), 0);
+    }
+
+    #[test]
+    fn blocks_evicted_from_the_end_keep_the_fast_path_and_a_gap_falls_back_to_the_walk() {
+        let mut idx = index(100);
+        let prompt: Vec<u32> = (0..12).collect();
+        let keys = prompt_keys(&prompt, 2);
+        idx.apply(&stored(&[1, 2, 3, 4, 5, 6], None, &prompt, 2))
+            .unwrap();
+        assert_eq!(idx.cached_prefix(&keys), 6);
+        // The engine evicts from the end, as vLLM and SGLang do.
+        idx.apply(&removed(&[6, 5])).unwrap();
+        assert!(!idx.gaps);
+        assert_eq!(idx.cached_prefix(&keys), 4);
+        for held in 0..4 {
+            assert_eq!(idx.cached_prefix(&keys[..held]), held);
+        }
+        // A block leaves from the middle: the blocks after it stay indexed, and the
+        // walk stops at the gap.
+        idx.apply(&removed(&[2])).unwrap();
+        assert!(idx.gaps);
+        assert_eq!(idx.cached_prefix(&keys), 1);
+        // Everything gone: no counts left behind; a clear starts without gaps.
+        idx.apply(&removed(&[1, 3, 4])).unwrap();
+        assert!(idx.children.is_empty(), "{:?}", idx.children);
+        idx.apply(&KvCacheEvent::AllBlocksCleared).unwrap();
+        assert!(!idx.gaps);
+        // Stored again: the same block under a new engine hash moves, and counts once.
+        idx.apply(&stored(&[7, 8], None, &prompt[..4], 2)).unwrap();
+        idx.apply(&stored(&[9], Some(7), &prompt[2..4], 2)).unwrap();
+        assert_eq!(idx.children.values().sum::<u32>(), 1);
+        assert_eq!(idx.cached_prefix(&keys), 2);
     }
 
     #[test]

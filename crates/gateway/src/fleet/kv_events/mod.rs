@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 pub use args::{check_endpoint, KvEventsArgs, KvEventsConfig};
-pub use index::{prompt_keys, BlockIndex, BlockKey};
+pub use index::{prompt_keys, BlockIndex, BlockKey, PromptKeys};
 pub use metrics::KvEventMetrics;
 pub use subscriber::EventEndpoints;
 
@@ -113,7 +113,7 @@ impl WorkerEvents {
         if self.is_stale() {
             return None;
         }
-        let mut index = self.lock();
+        let index = self.lock();
         let block_size = index.block_size()? as usize;
         let keys = prompt_keys(tokens, block_size);
         Some(index.cached_prefix(&keys) * block_size)
@@ -125,7 +125,8 @@ impl WorkerEvents {
 pub struct KvEventsHub {
     config: KvEventsConfig,
     metrics: Arc<KvEventMetrics>,
-    workers: RwLock<HashMap<String, Arc<WorkerEvents>>>,
+    /// By worker URL (foldhash: every routing decision looks up every candidate).
+    workers: RwLock<HashMap<String, Arc<WorkerEvents>, foldhash::fast::FixedState>>,
     subscriptions: Mutex<HashMap<String, (EventEndpoints, JoinHandle<()>)>>,
 }
 
