@@ -9,7 +9,8 @@
 #   e.g. scripts/bench-sim-fleet.sh out pd8 trace.jsonl 1 -- --sim h100-llama-3.1-8b --prefill 4 --decode 4
 #
 # Writes OUT_DIR/LABEL.json (the bench's result), OUT_DIR/LABEL.fleet.json (CPU, memory,
-# lateness) and appends a line to OUT_DIR/fleet.txt. Env: PDSERVE (binary, default
+# lateness), OUT_DIR/LABEL.gateway.prom (the gateway's metrics after the replay) and
+# appends a line to OUT_DIR/fleet.txt. Env: PDSERVE (binary, default
 # target/release/pdserve), PORT (18800), BENCH_ARGS (more `bench serve` flags).
 set -euo pipefail
 out=${1:?usage: bench-sim-fleet.sh OUT_DIR LABEL TRACE [SPEEDUP] -- UP_FLAGS...}
@@ -43,6 +44,7 @@ t0=$(date +%s.%N)
   || echo "bench failed: $label (see $out/$label.bench.log)" >&2
 t1=$(date +%s.%N)
 after=$(python3 "$here/proc_tree_cpu.py" "$up")
+curl -sf "http://127.0.0.1:$port/metrics" >"$out/$label.gateway.prom" || true
 lateness=$(for url in $(grep -oE 'worker at http://[0-9.:]+' "$out/$label.up.log" | awk '{print $3}'); do
   curl -sf "$url/metrics" | grep -E '^pdserve_sim_step_lateness_seconds_(bucket\{le="0.005"\}|count)' \
     | awk -v u="$url" '{print u, $0}'
