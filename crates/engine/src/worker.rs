@@ -106,6 +106,28 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
             )));
         }
     }
+    if let (Some(cores), Some(threads)) = (compute_cores(args), args.threads) {
+        if cores.threads() != threads {
+            return Err(WorkerError::InvalidArgs(format!(
+                "--threads {threads} disagrees with --cpus and --borrowed-cpus, which name \
+                 {} cores (one thread each): leave --threads out",
+                cores.threads()
+            )));
+        }
+    }
+    let mut named: Vec<usize> = args
+        .cpus
+        .iter()
+        .chain(&args.borrowed_cpus)
+        .copied()
+        .collect();
+    named.sort_unstable();
+    if named.windows(2).any(|w| w[0] == w[1]) {
+        return Err(WorkerError::InvalidArgs(format!(
+            "--cpus {:?} and --borrowed-cpus {:?} name a core twice",
+            args.cpus, args.borrowed_cpus
+        )));
+    }
     orchestrator_config(args)?;
     crate::args::kv_security::peers_from_args(args).map_err(WorkerError::InvalidArgs)?;
     if args.bootstrap_port.is_some() && args.role != WorkerRole::Prefill {
@@ -115,6 +137,17 @@ fn check_args(args: &WorkerArgs) -> Result<(), WorkerError> {
         )));
     }
     Ok(())
+}
+
+/// The cores `--cpus` and `--borrowed-cpus` pin the compute threads to, if any.
+fn compute_cores(args: &WorkerArgs) -> Option<pdserve_model::ComputeCores> {
+    if args.cpus.is_empty() && args.borrowed_cpus.is_empty() {
+        return None;
+    }
+    Some(pdserve_model::ComputeCores {
+        own: args.cpus.clone(),
+        borrowed: args.borrowed_cpus.clone(),
+    })
 }
 
 /// The orchestrator `--prefill` asks for, if any.
@@ -158,8 +191,20 @@ impl Worker {
     /// Loads the model and serves it on `listener` (e.g. a 127.0.0.1:0 listener in tests).
     pub async fn start(listener: TcpListener, args: WorkerArgs) -> Result<Self, WorkerError> {
         check_args(&args)?;
-        if let Some(n) = args.threads {
-            // The compute pools are process-wide and built once: the first worker wins.
+        // The compute pools are process-wide and built once: the first worker wins.
+        if let Some(cores) = compute_cores(&args) {
+            let n = cores.threads();
+            if !pdserve_model::set_compute_cores(cores) {
+                tracing::warn!("compute threads were already set up; --cpus ignored");
+            } else {
+                tracing::info!(
+                    threads = n,
+                    cpus = ?args.cpus,
+                    borrowed_cpus = ?args.borrowed_cpus,
+                    "compute threads pinned"
+                );
+            }
+        } else if let Some(n) = args.threads {
             if !pdserve_model::set_threads(n) {
                 tracing::warn!("compute threads were already set up; --threads {n} ignored");
             }

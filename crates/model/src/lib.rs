@@ -65,7 +65,7 @@ pub use model::{Model, SequenceStep};
 pub use model_text::ModelText;
 pub use openai_input::{chat_turns, tokenize_request};
 pub use prompt::{tokenize, PromptInput};
-pub use threads::set_threads;
+pub use threads::{pin_to_own_cores, set_compute_cores, set_threads, ComputeCores, BORROWED_NICE};
 pub use tokenizer::hf_folder::is_hf_tokenizer;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 

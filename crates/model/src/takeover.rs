@@ -201,17 +201,22 @@ impl TakeoverPool {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("pdserve-compute-{i}"))
-                    .spawn(move || worker_loop(&shared))
+                    .spawn(move || {
+                        // Slot 0 is the caller's; the workers take the rest of the cores.
+                        crate::threads::place_takeover_thread(i + 1);
+                        worker_loop(&shared)
+                    })
                     .expect("spawning a compute thread")
             })
             .collect();
         Self { shared, workers }
     }
 
-    /// The process's pool: as many threads, caller included, as the rayon pool has.
+    /// The process's pool: one thread per compute core, caller included (the rayon
+    /// pool's size, plus any borrowed cores).
     pub(crate) fn global() -> &'static TakeoverPool {
         static POOL: OnceLock<TakeoverPool> = OnceLock::new();
-        POOL.get_or_init(|| TakeoverPool::new(rayon::current_num_threads().saturating_sub(1)))
+        POOL.get_or_init(|| TakeoverPool::new(crate::threads::takeover_workers()))
     }
 
     /// Runs every item of `job` on the caller and the pool's threads; returns once every

@@ -1,11 +1,13 @@
 //! The processes `pdserve up` starts: each spawned in its own process group, pinned to
-//! its cores at its niceness and stopped with `up`; waited for until healthy; stopped
-//! front door first, then the workers.
+//! its own cores and stopped with `up`, its output relayed with its name on each line;
+//! waited for until healthy; stopped front door first, then the workers.
 
+use std::io::Write;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
@@ -42,22 +44,24 @@ impl StopSignals {
     }
 }
 
-/// Starts a member, pinned to its placement's cores (anywhere when none) at its niceness.
+/// Starts a member, pinned to its placement's own cores (anywhere when none).
 pub fn spawn(
     name: &str,
     front: bool,
     mut cmd: Command,
     placement: &Placement,
 ) -> anyhow::Result<Member> {
-    cmd.stdin(Stdio::null()).kill_on_drop(true);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
     let cpus = placement.cpus.clone();
-    let nice = placement.nice;
-    // SAFETY: setpgid(2), prctl(2), sched_setaffinity(2) and nice(2) are
-    // async-signal-safe and touch only the child. Its own process group keeps a
-    // terminal's Ctrl-C from reaching it directly, so `up` decides the order of the
-    // drain; the death signal stops it with this process even if `up` is killed without
-    // a chance to stop it; the mask pins it and the niceness slows it (its threads
-    // inherit both).
+    // SAFETY: setpgid(2), prctl(2) and sched_setaffinity(2) are async-signal-safe and
+    // touch only the child. Its own process group keeps a terminal's Ctrl-C from
+    // reaching it directly, so `up` decides the order of the drain; the death signal
+    // stops it with this process even if `up` is killed without a chance to stop it; the
+    // mask pins it to its own cores (its threads inherit it; the compute threads on
+    // borrowed cores pin and lower themselves, see `pdserve worker --borrowed-cpus`).
     unsafe {
         cmd.pre_exec(move || {
             if libc::setpgid(0, 0) != 0 {
@@ -76,25 +80,74 @@ pub fn spawn(
                     return Err(std::io::Error::last_os_error());
                 }
             }
-            // Relative to `up`'s own niceness (as `nice -n`), so that under a niced `up`
-            // prefill still yields to decode, and no privilege is needed to set it.
-            if nice != 0 {
-                *libc::__errno_location() = 0;
-                if libc::nice(nice) == -1 && *libc::__errno_location() != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
             Ok(())
         });
     }
-    let child = cmd
+    let mut child = cmd
         .spawn()
-        .with_context(|| format!("cannot start the {name}"))?;
+        .with_context(|| format!("cannot start {name}"))?;
+    if let Some(out) = child.stdout.take() {
+        tokio::spawn(relay_lines(name.to_string(), out, Output::Stdout));
+    }
+    if let Some(err) = child.stderr.take() {
+        tokio::spawn(relay_lines(name.to_string(), err, Output::Stderr));
+    }
     Ok(Member {
         name: name.to_string(),
         front,
         child,
     })
+}
+
+/// Where a member's output goes: `up`'s own stdout or stderr.
+#[derive(Clone, Copy)]
+enum Output {
+    Stdout,
+    Stderr,
+}
+
+/// Copies a member's output to `up`'s, each line led by the member's name (`gateway   |
+/// …`), so that interleaved lines say which process wrote them. A JSON log line
+/// (`--log-format json`) gets a `"process"` field instead, and stays one JSON object.
+async fn relay_lines(name: String, from: impl AsyncRead + Unpin, to: Output) {
+    let mut lines = BufReader::new(from);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match lines.read_until(b'\n', &mut line).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if !line.ends_with(b"\n") {
+            line.push(b'\n');
+        }
+        let out = labelled(&name, &line);
+        // One write per line, so lines of different members never interleave.
+        let _ = match to {
+            Output::Stdout => std::io::stdout().lock().write_all(&out),
+            Output::Stderr => std::io::stderr().lock().write_all(&out),
+        };
+    }
+}
+
+/// `line` (newline included) as `up` prints it for member `name`.
+fn labelled(name: &str, line: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(line.len() + 16);
+    match line.strip_prefix(b"{") {
+        Some(rest) => {
+            out.extend_from_slice(b"{\"process\":");
+            out.extend_from_slice(serde_json::to_string(name).unwrap_or_default().as_bytes());
+            if !rest.trim_ascii_start().starts_with(b"}") {
+                out.push(b',');
+            }
+            out.extend_from_slice(rest);
+        }
+        None => {
+            out.extend_from_slice(format!("{name:<10}| ").as_bytes());
+            out.extend_from_slice(line);
+        }
+    }
+    out
 }
 
 /// Polls `url/health` until it answers 200, failing early if a member exits.
@@ -187,5 +240,22 @@ async fn all_exited(members: &mut [&mut Member], limit: Duration) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::labelled;
+
+    #[test]
+    fn a_line_says_which_member_wrote_it() {
+        let text = labelled("prefill-0", b"2026-12-06 INFO pdserve: ready\n");
+        assert_eq!(text, b"prefill-0 | 2026-12-06 INFO pdserve: ready\n");
+        let json = labelled("gateway", b"{\"level\":\"INFO\"}\n");
+        let value: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert_eq!(value["process"], "gateway");
+        assert_eq!(value["level"], "INFO");
+        let empty = labelled("gateway", b"{}\n");
+        assert_eq!(empty, b"{\"process\":\"gateway\"}\n");
     }
 }

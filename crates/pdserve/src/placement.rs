@@ -1,40 +1,41 @@
-//! Which cores, and at which scheduling priority, each worker `pdserve up` starts runs on.
+//! Which cores each worker `pdserve up` starts computes on, and which of them it borrows.
 
 use pdserve_protocol::WorkerRole;
-
-/// How much nicer than decode workers prefill workers run under [`CoreLayout::Shared`]
-/// (added to `up`'s own niceness, so it holds under `nice pdserve up` too): at 10 a decode
-/// thread outweighs a prefill thread on the same core about nine to one (CFS weights
-/// 1024 and 110), so decode steps preempt prefill almost at once.
-pub const SHARED_PREFILL_NICE: i32 = 10;
 
 /// How `pdserve up` places P/D workers on the machine's cores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CoreLayout {
     /// Disjoint shares: every worker computes on its own cores only.
     Split,
-    /// Prefill workers also compute on the decode workers' cores, at a lower priority
-    /// (nice 10): they borrow the cycles decode leaves idle between its steps, and a
-    /// decode step preempts them.
+    /// Prefill workers also compute on the decode workers' cores, one thread each at a
+    /// lower priority (nice +10, per thread): they borrow the cycles decode leaves idle
+    /// between its steps, and a decode step preempts them. On their own cores they run at
+    /// the same priority as the rest of the machine.
     Shared,
 }
 
 /// Where one worker runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    /// The cores it is pinned to; its compute threads are one per core.
+    /// Its own cores: the whole worker is pinned to them, one compute thread per core.
     pub cpus: Vec<usize>,
-    /// How much nicer than `up` itself it runs (0: the same priority), as `nice -n`.
-    pub nice: i32,
+    /// Another worker's cores it also computes on, one thread each at a lower priority
+    /// (the worker's `--borrowed-cpus`).
+    pub borrowed: Vec<usize>,
 }
 
 impl Placement {
-    /// Any core, default priority (the gateway).
+    /// Any core, nothing borrowed (the gateway).
     pub fn anywhere() -> Self {
         Self {
             cpus: Vec::new(),
-            nice: 0,
+            borrowed: Vec::new(),
         }
+    }
+
+    /// Compute threads: one per own or borrowed core.
+    pub fn threads(&self) -> usize {
+        self.cpus.len() + self.borrowed.len()
     }
 }
 
@@ -52,20 +53,18 @@ pub fn place(roles: &[WorkerRole], cores: usize, layout: CoreLayout) -> Vec<Plac
     roles
         .iter()
         .zip(shares)
-        .map(|(role, mut cpus)| {
-            if layout == CoreLayout::Shared
-                && *role == WorkerRole::Prefill
-                && !decode_cpus.is_empty()
-            {
-                cpus.extend(&decode_cpus);
-                cpus.sort_unstable();
-                cpus.dedup();
-                return Placement {
-                    cpus,
-                    nice: SHARED_PREFILL_NICE,
-                };
-            }
-            Placement { cpus, nice: 0 }
+        .map(|(role, cpus)| {
+            let borrowed = if layout == CoreLayout::Shared && *role == WorkerRole::Prefill {
+                // Past one core per worker a prefill's own core can be a decode core too.
+                decode_cpus
+                    .iter()
+                    .copied()
+                    .filter(|c| !cpus.contains(c))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            Placement { cpus, borrowed }
         })
         .collect()
 }
@@ -104,40 +103,47 @@ mod tests {
         assert_eq!(split_cores(3, 2), vec![vec![0], vec![1], vec![0]]);
     }
 
-    fn cpus(placements: &[Placement]) -> Vec<(Vec<usize>, i32)> {
+    fn cpus(placements: &[Placement]) -> Vec<(Vec<usize>, Vec<usize>)> {
         placements
             .iter()
-            .map(|p| (p.cpus.clone(), p.nice))
+            .map(|p| (p.cpus.clone(), p.borrowed.clone()))
             .collect()
     }
 
     #[test]
-    fn split_layout_keeps_disjoint_shares_at_default_priority() {
+    fn split_layout_keeps_disjoint_shares_and_borrows_nothing() {
         let placed = place(&[Prefill, Decode], 2, CoreLayout::Split);
-        assert_eq!(cpus(&placed), vec![(vec![0], 0), (vec![1], 0)]);
+        assert_eq!(cpus(&placed), vec![(vec![0], vec![]), (vec![1], vec![])]);
     }
 
     #[test]
-    fn shared_layout_lends_decode_cores_to_prefill_at_lower_priority() {
+    fn shared_layout_lends_decode_cores_to_prefill() {
         let placed = place(&[Prefill, Decode], 2, CoreLayout::Shared);
-        assert_eq!(
-            cpus(&placed),
-            vec![(vec![0, 1], SHARED_PREFILL_NICE), (vec![1], 0)]
-        );
+        assert_eq!(cpus(&placed), vec![(vec![0], vec![1]), (vec![1], vec![])]);
+        assert_eq!(placed[0].threads(), 2);
         let placed = place(&[Prefill, Prefill, Decode], 4, CoreLayout::Shared);
         assert_eq!(
             cpus(&placed),
             vec![
-                (vec![0, 2, 3], SHARED_PREFILL_NICE),
-                (vec![1, 2, 3], SHARED_PREFILL_NICE),
-                (vec![2, 3], 0)
+                (vec![0], vec![2, 3]),
+                (vec![1], vec![2, 3]),
+                (vec![2, 3], vec![])
             ]
+        );
+        // Three workers on two cores: the second prefill's own core is decode's.
+        let placed = place(&[Prefill, Prefill, Decode], 2, CoreLayout::Shared);
+        assert_eq!(
+            cpus(&placed),
+            vec![(vec![0], vec![]), (vec![1], vec![0]), (vec![0], vec![])]
         );
     }
 
     #[test]
     fn shared_layout_leaves_aggregated_workers_alone() {
         let placed = place(&[PrefillDecode, PrefillDecode], 4, CoreLayout::Shared);
-        assert_eq!(cpus(&placed), vec![(vec![0, 1], 0), (vec![2, 3], 0)]);
+        assert_eq!(
+            cpus(&placed),
+            vec![(vec![0, 1], vec![]), (vec![2, 3], vec![])]
+        );
     }
 }

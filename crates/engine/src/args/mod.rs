@@ -61,6 +61,27 @@ pub struct WorkerArgs {
     #[arg(long, env = "PDSERVE_THREADS")]
     pub threads: Option<usize>,
 
+    /// Cores to pin the forward pass to, one compute thread each (comma-separated, e.g.
+    /// `0,1`); the thread that drives the pass runs on them too. Sets --threads.
+    #[arg(
+        long,
+        env = "PDSERVE_CPUS",
+        value_delimiter = ',',
+        value_name = "CORES"
+    )]
+    pub cpus: Vec<usize>,
+
+    /// Cores another worker lends this one (comma-separated): one more compute thread is
+    /// pinned to each, 10 nicer than the rest of the worker, so it takes only what the
+    /// lender leaves idle. `pdserve up` lends a decode worker's cores to prefill this way.
+    #[arg(
+        long,
+        env = "PDSERVE_BORROWED_CPUS",
+        value_delimiter = ',',
+        value_name = "CORES"
+    )]
+    pub borrowed_cpus: Vec<usize>,
+
     /// KV cache size in blocks of 16 tokens (SmolLM2: 360 KiB per block in f16).
     #[arg(long, env = "PDSERVE_NUM_KV_BLOCKS", default_value_t = DEFAULT_NUM_KV_BLOCKS)]
     pub num_kv_blocks: usize,

@@ -86,6 +86,9 @@ pub fn spawn_publishing<M: StepModel>(
         .name("pdserve-scheduler".into())
         .spawn(move || {
             let _exit_guard = exit_guard;
+            // The forward pass's caller computes beside the pool: on the worker's own
+            // cores, never on borrowed ones at its full priority.
+            pdserve_model::pin_to_own_cores();
             scheduler.run(rx)
         })?;
     Ok((handle, thread))
