@@ -127,7 +127,8 @@ pub async fn serve(
             }
             Ok(with_prefill_facts(response, true, cached_tokens, merge).await)
         };
-        let mut response = first_token::led_from_prefill(&sent, decode, metrics);
+        let journey = ctx.journey.clone();
+        let mut response = first_token::led_from_prefill(&sent, decode, metrics, journey);
         expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill_worker);
         return Ok(response);
     }

@@ -81,9 +81,9 @@ impl AccessLine {
             .unwrap_or("");
         tracing::info!(
             target: "pdserve::access",
-            request_id,
+            %request_id,
             method = %self.method,
-            path = self.uri.path(),
+            path = %self.uri.path(),
             status = response.status().as_u16(),
             latency_ms = self.started.elapsed().as_secs_f64() * 1000.0,
             "request"

@@ -34,6 +34,8 @@ use crate::endpoint::Endpoint;
 use crate::error::Failure;
 use crate::ingress::request::ClientRequest;
 use crate::legs::sse::StreamDialect;
+use crate::observe::journey::Journey;
+use crate::observe::request_record::Finished;
 use crate::serving::{FirstTokenFromPrefill, ServingMetrics};
 
 /// The request field that turns the first token from prefill on or off for one request;
@@ -407,12 +409,29 @@ impl FirstToken {
 /// body of the decode leg `decode` once it answers. A decode leg that fails (after its
 /// retries) ends the stream with an OpenAI error event and `[DONE]`, never silently; a
 /// client that leaves drops `decode`, and with it whatever it holds (the prefill
-/// worker's blocks are released).
-pub fn led_from_prefill<F>(sent: &FirstToken, decode: F, metrics: Arc<ServingMetrics>) -> Response
+/// worker's blocks are released). The request's `journey` is filed as a stream: by the
+/// decode leg's relay when it answers, else here (its failure, or the client leaving
+/// before it answered).
+pub fn led_from_prefill<F>(
+    sent: &FirstToken,
+    decode: F,
+    metrics: Arc<ServingMetrics>,
+    journey: Arc<Journey>,
+) -> Response
 where
     F: Future<Output = Result<Response, Failure>> + Send + 'static,
 {
-    let head = stream::once(ready(Ok::<Bytes, axum::Error>(sent.events())));
+    journey.relay_takes_over();
+    let events = sent.events();
+    let leading = journey.clone();
+    let head = stream::once(async move {
+        leading.first_byte_sent();
+        Ok::<Bytes, axum::Error>(events)
+    });
+    let filing = LedFiling {
+        journey,
+        metrics: metrics.clone(),
+    };
     let rest = stream::once(decode).flat_map(move |answer| match answer {
         Ok(response) => response.into_body().into_data_stream().boxed(),
         Err(failure) => {
@@ -422,6 +441,7 @@ where
                 "the decode leg failed after the prefill's first token was sent: {}",
                 error.body.error.message
             );
+            filing.file(error.status.as_u16(), "stream_error");
             let tail = StreamDialect::Chat.error_tail(&error, true);
             stream::once(ready(Ok(tail))).boxed()
         }
@@ -434,6 +454,40 @@ where
     );
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
+}
+
+/// Files a led stream that no decode relay filed: on a failed decode leg, or when the
+/// body is dropped first (the client left; a filed journey ignores the late call).
+struct LedFiling {
+    journey: Arc<Journey>,
+    metrics: Arc<ServingMetrics>,
+}
+
+impl LedFiling {
+    fn file(&self, status: u16, outcome: &'static str) {
+        let started = self.journey.started();
+        self.journey.file(
+            self.metrics.history(),
+            Finished {
+                status,
+                outcome,
+                stream: true,
+                ttft: self
+                    .journey
+                    .first_byte()
+                    .map(|t| t.saturating_duration_since(started)),
+                itl: None,
+                duration: started.elapsed(),
+            },
+        );
+    }
+}
+
+impl Drop for LedFiling {
+    fn drop(&mut self) {
+        // nginx's "client closed request"; a no-op once the relay or a failure filed it.
+        self.file(499, "client_left");
+    }
 }
 
 /// What an event of P's streamed answer says about its first token.

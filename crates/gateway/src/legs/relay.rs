@@ -316,7 +316,11 @@ impl RelayState {
                 status,
                 outcome,
                 stream: true,
-                ttft: self.first_out.map(|t| t.saturating_duration_since(started)),
+                // A stream led by the prefill's token began before this relay's first.
+                ttft: journey
+                    .first_byte()
+                    .or(self.first_out)
+                    .map(|t| t.saturating_duration_since(started)),
                 itl,
                 duration: started.elapsed(),
             },

@@ -4,7 +4,7 @@
 //! tail for a body, the relay for a stream) files it in the [`History`] once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Instant, SystemTime};
 
 use http::HeaderValue;
@@ -32,6 +32,9 @@ pub struct Journey {
     route: Mutex<Route>,
     /// A stream relay took over: it files the request when the stream ends.
     relayed: AtomicBool,
+    /// When the stream's first byte left for the client, where something other than the
+    /// relay sent it (the prefill's first token, sent before the decode worker answers).
+    first_byte: OnceLock<Instant>,
     filed: AtomicBool,
 }
 
@@ -44,6 +47,7 @@ impl Journey {
             started,
             route: Mutex::new(Route::default()),
             relayed: AtomicBool::new(false),
+            first_byte: OnceLock::new(),
             filed: AtomicBool::new(false),
         }
     }
@@ -78,6 +82,16 @@ impl Journey {
     /// Hands the filing to a stream relay.
     pub fn relay_takes_over(&self) {
         self.relayed.store(true, Ordering::Relaxed);
+    }
+
+    /// Notes that the stream's first byte is leaving now (the first call counts).
+    pub fn first_byte_sent(&self) {
+        let _ = self.first_byte.set(Instant::now());
+    }
+
+    /// When the stream's first byte left, if [`Self::first_byte_sent`] was called.
+    pub fn first_byte(&self) -> Option<Instant> {
+        self.first_byte.get().copied()
     }
 
     /// Whether a stream relay files this request.

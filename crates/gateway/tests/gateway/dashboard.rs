@@ -5,10 +5,12 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use pdserve_gateway::config::Protocol;
 use pdserve_gateway::GatewayConfig;
 use serde_json::{json, Value};
 
 use crate::double::{Behavior, Double, Role};
+use crate::sglang_double::{self, Link, SglangDouble};
 use crate::{bounded, client, pd_config, urls, Gateway};
 
 /// Every `src`/`href` value of `html`, and any `url(...)` in its style.
@@ -239,6 +241,184 @@ async fn aggregated_failed_and_abandoned_requests_are_listed_as_such() {
         assert_eq!(row(&requests[1]), aggregated(502, "stream_error"));
         assert_eq!(row(&requests[2]), aggregated(200, "ok"));
         assert!(requests[0]["itl_ms"].is_null() && requests[1]["itl_ms"].is_null());
+    })
+    .await;
+}
+
+/// Sends `body` to `gw`'s chat route and reads the whole answer; the newest row of
+/// `/dashboard/data` once the request is filed.
+async fn filed_row(gw: &Gateway, body: Value) -> Value {
+    let http = client();
+    let before = requests_listed(gw).await;
+    let response = http
+        .post(gw.at("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    for _ in 0..200 {
+        let data: Value = http
+            .get(gw.at("/dashboard/data"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let rows = data["requests"].as_array().unwrap();
+        if rows.len() > before {
+            return rows[0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the request was never filed");
+}
+
+async fn requests_listed(gw: &Gateway) -> usize {
+    let data: Value = client()
+        .get(gw.at("/dashboard/data"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    data["requests"].as_array().unwrap().len()
+}
+
+/// A chat of `max_tokens` 3, streamed or not, with `extra` fields.
+fn chat(content: &str, stream: bool, extra: Value) -> Value {
+    let mut body = json!({
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": stream,
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// A row's mode, workers and stream flag, and whether it has TTFT and ITL figures.
+fn shape(row: &Value) -> (String, Value, Value, Value, Value, bool, bool) {
+    (
+        row["mode"].as_str().unwrap().to_string(),
+        row["prefill"]["url"].clone(),
+        row["decode"]["url"].clone(),
+        row["worker"]["url"].clone(),
+        row["stream"].clone(),
+        row["ttft_ms"].as_f64().is_some_and(|t| t > 0.0),
+        row["itl_ms"].as_f64().is_some_and(|t| t >= 0.0),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_mode_files_its_row_as_the_request_went() {
+    bounded(async {
+        // vLLM's P/D with the gateway's defaults: a stream is led by the prefill's token.
+        let p = Double::start(Role::Prefill, "P").await;
+        let d = Double::start(Role::Decode, "D").await;
+        let mut config = pd_config(&[&p], &[&d]);
+        config.disagg_threshold = Some(64);
+        config.disagg_min_prefill_load = 0;
+        let gw = Gateway::start(config).await;
+        let long = "word ".repeat(200);
+        let (pu, du) = (json!(p.url), json!(d.url));
+        let pd = |stream, figures| {
+            let f = stream && figures;
+            (
+                "vllm_pd".to_string(),
+                pu.clone(),
+                du.clone(),
+                Value::Null,
+                json!(stream),
+                f,
+                f,
+            )
+        };
+        let row = filed_row(&gw, chat(&long, true, json!({}))).await;
+        assert_eq!(
+            shape(&row),
+            pd(true, true),
+            "led by the prefill's token: {row}"
+        );
+        assert_eq!(
+            (row["status"].clone(), row["outcome"].clone()),
+            (json!(200), json!("ok"))
+        );
+        let row = filed_row(
+            &gw,
+            chat(&long, true, json!({"first_token_from_prefill": false})),
+        )
+        .await;
+        assert_eq!(
+            shape(&row),
+            pd(true, true),
+            "the decode's own stream: {row}"
+        );
+        let row = filed_row(&gw, chat(&long, false, json!({}))).await;
+        assert_eq!(shape(&row), pd(false, false), "{row}");
+        // A short uncached prompt skips the prefill leg.
+        let row = filed_row(&gw, chat("hi", true, json!({}))).await;
+        let skipped = (
+            "prefill_skipped".to_string(),
+            Value::Null,
+            du.clone(),
+            Value::Null,
+        );
+        let got = shape(&row);
+        assert_eq!((got.0, got.1, got.2, got.3), skipped, "{row}");
+        assert_eq!((got.4, got.5, got.6), (json!(true), true, true), "{row}");
+
+        // Aggregated.
+        let w = Double::start(Role::Decode, "W").await;
+        let gw = Gateway::start(GatewayConfig::new(Vec::new(), Vec::new(), urls(&[&w]))).await;
+        let row = filed_row(&gw, chat("hi", true, json!({}))).await;
+        let wu = json!(w.url);
+        assert_eq!(
+            shape(&row),
+            (
+                "aggregated".to_string(),
+                Value::Null,
+                Value::Null,
+                wu,
+                json!(true),
+                true,
+                true
+            ),
+            "{row}"
+        );
+
+        // SGLang's bootstrap handoff.
+        let link = Link::new();
+        let sp = SglangDouble::prefill(&link, sglang_double::Prefill::Normal).await;
+        let sd = SglangDouble::decode(&link, sglang_double::Decode::Normal).await;
+        let parse =
+            |url: &str| pdserve_gateway::fleet::registry::parse_worker_url("t", url).unwrap();
+        let mut config = GatewayConfig::new(vec![parse(&sp.url)], vec![parse(&sd.url)], Vec::new());
+        config.protocol = Protocol::Sglang;
+        config.prefill_bootstrap_ports = vec![Some(8998)];
+        let gw = Gateway::start(config).await;
+        let (spu, sdu) = (json!(sp.url), json!(sd.url));
+        for stream in [true, false] {
+            let row = filed_row(&gw, chat(&long, stream, json!({}))).await;
+            assert_eq!(
+                shape(&row),
+                (
+                    "sglang_pd".to_string(),
+                    spu.clone(),
+                    sdu.clone(),
+                    Value::Null,
+                    json!(stream),
+                    stream,
+                    stream
+                ),
+                "{row}"
+            );
+        }
     })
     .await;
 }

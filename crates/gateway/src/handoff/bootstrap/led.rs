@@ -103,7 +103,8 @@ impl Led {
             ctx.journey.served_by(&decode, None);
             Ok(stream_response(content_type, attached.into_stream()))
         };
-        let mut response = first_token::led_from_prefill(&sent, rest, state.metrics.clone());
+        let mut response =
+            first_token::led_from_prefill(&sent, rest, state.metrics.clone(), ctx.journey.clone());
         expose_worker(&mut response, ctx, X_PDSERVE_PREFILL, &prefill);
         response
     }
