@@ -84,7 +84,6 @@ pub fn apply<S: Clone + Send + Sync + 'static>(
         ));
     }
     router
-        .layer(axum::middleware::from_fn(log_access))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(
             TraceLayer::new_for_http()
@@ -117,24 +116,32 @@ pub fn apply<S: Clone + Send + Sync + 'static>(
                 .on_response(())
                 .on_failure(()),
         )
+        // Outside the request's span, so the line reads as the gateway's: the span would
+        // prefix it with the fields the line carries itself.
+        .layer(axum::middleware::from_fn(log_access))
         // Outermost: every request, and so its log line and response, has an id.
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
 }
 
-/// Logs the access line of a request, as the gateway's (its span, entered around this,
-/// adds the id, method and path) at [`access_level`]; latency to the response head (a
-/// stream may run on).
+/// Logs the access line of a request in the gateway's format (request id, method, path,
+/// status, latency to the response head: a stream may run on) at [`access_level`].
 async fn log_access(req: Request, next: Next) -> Response {
     let level = access_level(req.uri().path());
+    let request_id = req.headers().get(REQUEST_ID_HEADER).cloned();
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
     let started = Instant::now();
     let res = next.run(req).await;
+    let request_id = request_id
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let status = res.status().as_u16();
     let latency_ms = started.elapsed().as_secs_f64() * 1e3;
     // `event!` wants its level fixed at the call site.
     if level == Level::DEBUG {
-        tracing::debug!(target: "pdserve::access", status, latency_ms, "request");
+        tracing::debug!(target: "pdserve::access", %request_id, %method, %path, status, latency_ms, "request");
     } else {
-        tracing::info!(target: "pdserve::access", status, latency_ms, "request");
+        tracing::info!(target: "pdserve::access", %request_id, %method, %path, status, latency_ms, "request");
     }
     res
 }
