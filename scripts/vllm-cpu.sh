@@ -12,7 +12,8 @@
 #   scripts/vllm-cpu.sh wait PORT [SECONDS] [NAME]
 #                                          until /health answers 200 (exit 1 on timeout, or at
 #                                          once when NAME's process group has died)
-#   scripts/vllm-cpu.sh stop NAME          SIGTERM, then SIGKILL, to NAME's whole group
+#   scripts/vllm-cpu.sh stop NAME          SIGTERM, then SIGKILL, to NAME's whole group; removes
+#                                          the temporary folder (TMPDIR) start gave it
 #   scripts/vllm-cpu.sh stop-all           every instance this run dir holds a pid file for
 #   scripts/vllm-cpu.sh kv-events ENDPOINT [SECONDS] [--bind]
 #                                          print the KV-cache events vLLM publishes there
@@ -205,7 +206,13 @@ cmd_start() {
   # (generation at ~1 token/s). PDSERVE_VLLM_TASKSET=0 leaves affinity to vLLM.
   local pin=()
   if [ "${PDSERVE_VLLM_TASKSET:-1}" = 1 ] && command -v taskset >/dev/null; then pin=(taskset -c "$core"); fi
-  (cd /tmp && exec setsid "${pin[@]}" env \
+  # A temporary folder of its own, removed by stop: vLLM leaves its IPC sockets (UUID
+  # names) in the temp folder. Short, under the system's, for Unix sockets' 107-byte paths.
+  local tmpd
+  tmpd=$(mktemp -d "${TMPDIR:-/tmp}/pdserve-vllm-$name.XXXXXX") || die "mktemp failed"
+  echo "$tmpd" > "$run/$name.tmpdir"
+  (cd "$tmpd" && exec setsid "${pin[@]}" env \
+      TMPDIR="$tmpd" \
       VLLM_HOST_IP=127.0.0.1 \
       VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT="$sp" \
       UCX_TLS=tcp,self,sm UCX_NET_DEVICES=lo \
@@ -246,10 +253,19 @@ cmd_wait() {
   done
 }
 
+# Removes the temporary folder start made for NAME, if any.
+remove_tmpdir() {
+  local f=$run/$1.tmpdir d
+  [ -f "$f" ] || return 0
+  d=$(cat "$f")
+  case "$d" in */pdserve-vllm-*) rm -rf -- "$d" ;; esac
+  rm -f "$f"
+}
+
 cmd_stop() {
   [ $# -ge 1 ] || usage
   local name=$1 pidf=$run/$1.pid pg i
-  [ -f "$pidf" ] || { echo "$name: no pid file" >&2; return 0; }
+  [ -f "$pidf" ] || { remove_tmpdir "$name"; echo "$name: no pid file" >&2; return 0; }
   pg=$(cat "$pidf")
   if group_alive "$pg"; then
     kill -TERM -- "-$pg" 2>/dev/null || true
@@ -257,12 +273,14 @@ cmd_stop() {
     if group_alive "$pg"; then kill -KILL -- "-$pg" 2>/dev/null || true; sleep 0.5; fi
   fi
   rm -f "$pidf"
+  remove_tmpdir "$name"
   echo "$name stopped" >&2
 }
 
 cmd_stop_all() {
   local f
   for f in "$run"/*.pid; do [ -e "$f" ] && cmd_stop "$(basename "$f" .pid)"; done
+  for f in "$run"/*.tmpdir; do [ -e "$f" ] && remove_tmpdir "$(basename "$f" .tmpdir)"; done
   return 0
 }
 
