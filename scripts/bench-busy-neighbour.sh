@@ -35,7 +35,7 @@ stop_neighbour() {
   for h in "${hogs[@]}"; do wait "$h" 2>/dev/null || true; done
   hogs=()
 }
-trap 'stop_neighbour; kill 0 2>/dev/null || true' EXIT
+trap 'stop_neighbour; kill $(jobs -p) 2>/dev/null || true' EXIT
 
 run_one() { # label condition seed command...
   local label=$1 condition=$2 seed=$3

@@ -8,7 +8,8 @@
 #   scripts/bench-pd-vs-aggregated.sh OUT_DIR [SITTINGS] [RATES]
 #
 # Env: PDSERVE (binary, default target/release/pdserve), PROMPTS (60), VARIANTS (extra
-# P/D runs, `name=up flags` separated by `;`, e.g. "t512=--disagg-threshold 512").
+# P/D runs, `name=up flags` separated by `;`, e.g. "t512=--disagg-threshold 512"),
+# BASELINE (another build's binary: one more P/D run, `pd-baseline`, with its defaults).
 set -euo pipefail
 out=${1:?usage: bench-pd-vs-aggregated.sh OUT_DIR [SITTINGS] [RATES]}
 sittings=${2:-3}
@@ -21,9 +22,10 @@ mkdir -p "$out"
 source "$(dirname "$0")/lib/stack.sh"
 
 run_one() { # label seed rate up-args...
-  local label=$1 seed=$2 rate=$3
+  local label=$1 seed=$2 rate=$3 stack=$bin
   shift 3
-  "$bin" up --port "$port" "$@" >"$out/$label.up.log" 2>&1 &
+  case $label in pd-baseline-*) stack=$BASELINE ;; esac
+  "$stack" up --port "$port" "$@" >"$out/$label.up.log" 2>&1 &
   local up=$!
   wait_up "$port"
   "$bin" bench serve --url "http://127.0.0.1:$port" --endpoint completions \
@@ -44,12 +46,13 @@ for sitting in $(seq 1 "$sittings"); do
   for rate in $rates; do
     # Alternate which stack runs first.
     runs=(pd aggregated)
+    [ -n "${BASELINE:-}" ] && runs+=(pd-baseline)
     for v in "${variants[@]}"; do [ -n "$v" ] && runs+=("${v%%=*}"); done
     if [ $((sitting % 2)) -eq 0 ]; then runs=($(printf '%s\n' "${runs[@]}" | tac)); fi
     for run in "${runs[@]}"; do
       label="$run-r$rate-s$sitting"
       case $run in
-        pd) run_one "$label" "$sitting" "$rate" ;;
+        pd | pd-baseline) run_one "$label" "$sitting" "$rate" ;;
         aggregated) run_one "$label" "$sitting" "$rate" --aggregated ;;
         *)
           for v in "${variants[@]}"; do

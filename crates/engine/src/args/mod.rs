@@ -71,9 +71,10 @@ pub struct WorkerArgs {
     )]
     pub cpus: Vec<usize>,
 
-    /// Cores another worker lends this one (comma-separated): one more compute thread is
-    /// pinned to each, 10 nicer than the rest of the worker, so it takes only what the
-    /// lender leaves idle. `pdserve up` lends a decode worker's cores to prefill this way.
+    /// Cores another worker lends this one (comma-separated): one more thread of the
+    /// prefill matmuls' pool is pinned to each, 10 nicer than the rest of the worker, so
+    /// it takes only what the lender leaves idle (a region never waits for it). `pdserve
+    /// up` lends a decode worker's cores to prefill this way.
     #[arg(
         long,
         env = "PDSERVE_BORROWED_CPUS",
