@@ -45,6 +45,26 @@ pub fn router(state: AppState) -> Router {
             "/v1/responses/{id}",
             get(crate::responses::retrieve).delete(crate::responses::delete),
         )
+        .route(
+            "/v1/conversations",
+            post(crate::routes::conversations::create),
+        )
+        .route(
+            "/v1/conversations/{id}",
+            get(crate::routes::conversations::retrieve)
+                .post(crate::routes::conversations::update)
+                .delete(crate::routes::conversations::delete),
+        )
+        .route(
+            "/v1/conversations/{id}/items",
+            get(crate::routes::conversations::list_items)
+                .post(crate::routes::conversations::add_items),
+        )
+        .route(
+            "/v1/conversations/{id}/items/{item_id}",
+            get(crate::routes::conversations::retrieve_item)
+                .delete(crate::routes::conversations::delete_item),
+        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(crate::routes::tokenize::tokenize))
         .route("/detokenize", post(crate::routes::tokenize::detokenize))
@@ -171,6 +191,16 @@ pub async fn serve(
     ));
     if state.config.prewarm {
         tasks.push(prewarm::spawn(state.serving.clone()));
+    }
+    if state.serving.history.enabled() {
+        // Retention and the size bounds, enforced in the database once a minute.
+        tasks.push(tokio::spawn(
+            state
+                .serving
+                .history
+                .clone()
+                .sweep_every(std::time::Duration::from_secs(60)),
+        ));
     }
     let _tasks = BackgroundTasks(tasks);
     // The static workers' context lengths, fetched now rather than on the first request.

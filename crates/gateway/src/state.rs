@@ -119,6 +119,8 @@ impl AppState {
             admission,
             local_prefills: Default::default(),
             metrics: serving_metrics,
+            history: pdserve_history::HistoryStore::open(config.history.clone())
+                .map_err(|e| GatewayError::Config(e.to_string()))?,
         };
         let instance = Arc::new(Instance::new());
         let worker_check = WorkerCheck {

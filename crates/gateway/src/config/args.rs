@@ -251,6 +251,10 @@ pub struct GatewayArgs {
     #[command(flatten)]
     pub tracing: pdserve_telemetry::TracingArgs,
 
+    /// Where stored responses and conversations live (`--history-backend`).
+    #[command(flatten)]
+    pub history: pdserve_history::HistoryArgs,
+
     /// Most workers the roster holds (static, registered and discovered together);
     /// registrations past it get 429.
     #[arg(long, env = "PDSERVE_MAX_WORKERS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]

@@ -118,6 +118,8 @@ pub struct GatewayConfig {
     pub worker_api_key: Option<String>,
     /// The workers' KV transfer secret, for release calls.
     pub kv_secret: Option<String>,
+    /// Where stored responses and conversations live.
+    pub history: pdserve_history::HistoryOptions,
 }
 
 impl GatewayConfig {
@@ -173,6 +175,14 @@ impl GatewayConfig {
             api_key: None,
             worker_api_key: None,
             kv_secret: None,
+            history: pdserve_history::HistoryOptions {
+                backend: pdserve_history::HistoryBackend::Memory,
+                url: None,
+                retention: Duration::from_secs(30 * 24 * 3600),
+                max_responses: 100_000,
+                max_conversations: 100_000,
+                timeout: Duration::from_secs(2),
+            },
         }
     }
 

@@ -203,6 +203,7 @@ impl GatewayArgs {
             api_key: self.api_key.clone().filter(|k| !k.is_empty()),
             worker_api_key: self.worker_api_key.clone().filter(|k| !k.is_empty()),
             kv_secret: self.kv_secret.clone().filter(|k| !k.is_empty()),
+            history: self.history.to_options(),
         })
     }
 }

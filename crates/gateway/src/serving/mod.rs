@@ -53,6 +53,8 @@ pub struct Serving {
     /// The request path's counters (and the dashboard's history finished requests are
     /// filed into).
     pub metrics: Arc<ServingMetrics>,
+    /// Stored responses and conversations (`--history-backend`).
+    pub history: pdserve_history::HistoryStore,
 }
 
 impl Serving {

@@ -2,6 +2,7 @@
 
 mod bootstrap;
 mod control_plane;
+mod conversations;
 mod dashboard;
 mod discovery;
 mod dns;
