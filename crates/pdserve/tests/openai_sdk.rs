@@ -4,7 +4,8 @@
 //! in vLLM's P/D, aggregated, SGLang's P/D and decode-as-orchestrator. Every stack answers greedily with the
 //! oracle's texts and token counts, and through P/D the second and third turns of the
 //! chain report cached input tokens (the earlier turns' KV is reused). The script is
-//! `tests/sdk/responses_sdk.py`. The Python interpreter is `$PDSERVE_TEST_PYTHON` (it must
+//! `tests/sdk/responses_sdk.py`; `tests/sdk/conversations_sdk.py` drives the Conversations
+//! API (create, items, auto-paging both ways, update, delete) through `pdserve up`. The Python interpreter is `$PDSERVE_TEST_PYTHON` (it must
 //! import `openai`); without it the test makes its own: a venv at `target/openai-sdk-venv`
 //! (`python3 -m venv`, then `pip install 'openai>=1.66'`), made once and reused, under a
 //! file lock so that concurrent test runs do not race. When that is impossible (no
@@ -26,8 +27,12 @@ mod worker;
 
 use up::Up;
 
-/// The SDK script: `python responses_sdk.py BASE_URL` prints one JSON object.
+/// The SDK scripts: `python SCRIPT BASE_URL` prints one JSON object.
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdk/responses_sdk.py");
+const CONVERSATIONS_SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/sdk/conversations_sdk.py"
+);
 /// Bounds one run of the script (it is killed past this).
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(120);
 /// The SDK release the script needs (the Responses API's streaming events).
@@ -153,18 +158,24 @@ fn sdk_version(python: &str) -> Result<String, String> {
     }
 }
 
-/// Runs the script against `base` (`http://host:port`), bounded by [`SCRIPT_TIMEOUT`];
-/// its JSON result.
+/// Runs the Responses script against `base` (`http://host:port`), bounded by
+/// [`SCRIPT_TIMEOUT`]; its JSON result.
 fn run_script(python: &str, base: &str, what: &str) -> Value {
+    run(python, SCRIPT, base, what)
+}
+
+/// Runs `script` against `base`, bounded by [`SCRIPT_TIMEOUT`]; its JSON result.
+fn run(python: &str, script: &str, base: &str, what: &str) -> Value {
+    let name = Path::new(script).file_name().unwrap().to_string_lossy();
     let url = format!("{base}/v1");
     let mut child = python_command(python)
-        .arg(SCRIPT)
+        .arg(script)
         .arg(&url)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {python} {SCRIPT}: {e}"));
+        .unwrap_or_else(|e| panic!("cannot run {python} {script}: {e}"));
     let drain = |mut pipe: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut text = String::new();
@@ -189,16 +200,16 @@ fn run_script(python: &str, base: &str, what: &str) -> Value {
     let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
     let Some(status) = status else {
         panic!(
-            "{what}: responses_sdk.py {url} ran past {SCRIPT_TIMEOUT:?} and was killed\n\
+            "{what}: {name} {url} ran past {SCRIPT_TIMEOUT:?} and was killed\n\
              stdout: {stdout}\nstderr: {stderr}"
         );
     };
     assert!(
         status.success(),
-        "{what}: responses_sdk.py {url} failed ({status})\nstdout: {stdout}\nstderr: {stderr}"
+        "{what}: {name} {url} failed ({status})\nstdout: {stdout}\nstderr: {stderr}"
     );
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| {
-        panic!("{what}: responses_sdk.py printed no JSON object ({e}): {stdout}\nstderr: {stderr}")
+        panic!("{what}: {name} printed no JSON object ({e}): {stdout}\nstderr: {stderr}")
     })
 }
 
@@ -261,12 +272,12 @@ fn table_row(stack: &str, result: &Value) -> String {
     format!("{stack:<32} {}", turns.join("  "))
 }
 
-#[test]
-fn openai_sdk_responses_answer_alike_aggregated_and_through_p_d() {
+/// The Python to run the SDK with, or `None` when the test is skipped on purpose.
+fn sdk_python() -> Option<String> {
     let ci = std::env::var("CI").as_deref() == Ok("true");
     if !ci && std::env::var("PDSERVE_SKIP_OPENAI_SDK").as_deref() == Ok("1") {
         eprintln!("SKIPPED: the OpenAI SDK test (PDSERVE_SKIP_OPENAI_SDK=1)");
-        return;
+        return None;
     }
     let (python, version) = python_with_sdk().unwrap_or_else(|why| {
         panic!(
@@ -282,6 +293,14 @@ fn openai_sdk_responses_answer_alike_aggregated_and_through_p_d() {
         )
     });
     eprintln!("OpenAI Python SDK {version} ({python})");
+    Some(python)
+}
+
+#[test]
+fn openai_sdk_responses_answer_alike_aggregated_and_through_p_d() {
+    let Some(python) = sdk_python() else {
+        return;
+    };
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
 
     // The oracle: one aggregated worker.
@@ -325,4 +344,44 @@ fn openai_sdk_responses_answer_alike_aggregated_and_through_p_d() {
         up.stop();
     }
     eprintln!("{}", table.join("\n"));
+}
+
+#[test]
+fn openai_sdk_drives_the_conversations_api() {
+    let Some(python) = sdk_python() else {
+        return;
+    };
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let up = Up::start(&model, &["--aggregated"]);
+    let got = run(
+        &python,
+        CONVERSATIONS_SCRIPT,
+        &up.entry,
+        "pdserve up --aggregated",
+    );
+    up.stop();
+    let strings = |key: &str| -> Vec<String> {
+        got[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("no {key} in {got}"))
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(got["id"].as_str().unwrap().starts_with("conv_"), "{got}");
+    assert_eq!(got["object"], "conversation");
+    assert_eq!(got["metadata"], serde_json::json!({"topic": "sdk"}));
+    assert_eq!(strings("added"), ["m1", "m2", "m3", "m4", "m5"]);
+    // The SDK's auto-paging (limit 2) walked every page, in both orders.
+    assert_eq!(strings("asc"), ["first", "m1", "m2", "m3", "m4", "m5"]);
+    assert_eq!(strings("desc"), ["m5", "m4", "m3", "m2", "m1", "first"]);
+    assert_eq!(got["one"], "m1");
+    assert_eq!(got["after_delete"], got["id"]);
+    assert_eq!(strings("remaining"), ["first", "m2", "m3", "m4", "m5"]);
+    assert_eq!(got["updated"], serde_json::json!({"stage": "two"}));
+    assert_eq!(got["retrieved"], got["updated"]);
+    assert_eq!(
+        (got["deleted"].as_bool(), got["gone"].as_u64()),
+        (Some(true), Some(404))
+    );
 }

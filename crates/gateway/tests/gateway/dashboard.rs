@@ -392,6 +392,43 @@ async fn each_mode_files_its_row_as_the_request_went() {
             "{row}"
         );
 
+        // Encoders in front of P/D and of an aggregated worker.
+        let encoder = crate::encoder::Encoder::start("e0").await;
+        let (ep, ed, ew) = (
+            Double::start(Role::Prefill, "EP").await,
+            Double::start(Role::Decode, "ED").await,
+            Double::start(Role::Decode, "EW").await,
+        );
+        let media = [crate::epd::image("a")];
+        let gw = crate::epd::epd_gateway(&[&encoder], &[&ep], &[&ed], &[], |_| {}).await;
+        for stream in [true, false] {
+            let mut body = crate::epd::mm_request(&media, stream);
+            body["temperature"] = json!(0);
+            let row = filed_row(&gw, body).await;
+            let want = (
+                "e_p_d".to_string(),
+                json!(ep.url),
+                json!(ed.url),
+                Value::Null,
+                json!(stream),
+                stream,
+                stream,
+            );
+            assert_eq!(shape(&row), want, "{row}");
+        }
+        let gw = crate::epd::epd_gateway(&[&encoder], &[], &[], &[&ew], |_| {}).await;
+        let row = filed_row(&gw, crate::epd::mm_request(&media, true)).await;
+        let want = (
+            "e_pd".to_string(),
+            Value::Null,
+            Value::Null,
+            json!(ew.url),
+            json!(true),
+            true,
+            true,
+        );
+        assert_eq!(shape(&row), want, "{row}");
+
         // SGLang's bootstrap handoff.
         let link = Link::new();
         let sp = SglangDouble::prefill(&link, sglang_double::Prefill::Normal).await;
