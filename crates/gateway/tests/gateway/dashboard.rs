@@ -248,9 +248,8 @@ async fn aggregated_failed_and_abandoned_requests_are_listed_as_such() {
 /// Sends `body` to `gw`'s chat route and reads the whole answer; the newest row of
 /// `/dashboard/data` once the request is filed.
 async fn filed_row(gw: &Gateway, body: Value) -> Value {
-    let http = client();
-    let before = requests_listed(gw).await;
-    let response = http
+    let before = listed(gw).await.len();
+    let response = client()
         .post(gw.at("/v1/chat/completions"))
         .json(&body)
         .send()
@@ -259,15 +258,7 @@ async fn filed_row(gw: &Gateway, body: Value) -> Value {
     assert_eq!(response.status(), 200);
     response.bytes().await.unwrap();
     for _ in 0..200 {
-        let data: Value = http
-            .get(gw.at("/dashboard/data"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let rows = data["requests"].as_array().unwrap();
+        let rows = listed(gw).await;
         if rows.len() > before {
             return rows[0].clone();
         }
@@ -276,7 +267,8 @@ async fn filed_row(gw: &Gateway, body: Value) -> Value {
     panic!("the request was never filed");
 }
 
-async fn requests_listed(gw: &Gateway) -> usize {
+/// The request rows of `gw`'s `/dashboard/data`, newest first.
+async fn listed(gw: &Gateway) -> Vec<Value> {
     let data: Value = client()
         .get(gw.at("/dashboard/data"))
         .send()
@@ -285,7 +277,7 @@ async fn requests_listed(gw: &Gateway) -> usize {
         .json()
         .await
         .unwrap();
-    data["requests"].as_array().unwrap().len()
+    data["requests"].as_array().unwrap().clone()
 }
 
 /// A chat of `max_tokens` 3, streamed or not, with `extra` fields.
