@@ -19,7 +19,6 @@ use crate::policy;
 use crate::routes::admin::AdminApi;
 use crate::serving::{LegSettings, Serving, ServingMetrics};
 use crate::sessions::conversation::ConversationCache;
-use crate::sessions::response_chains::ResponseChains;
 
 /// State shared by the server's routes and tasks. axum copies the router's state for
 /// every request, so it is one `Arc` (a count, not a copy of each part); handlers take
@@ -112,7 +111,6 @@ impl AppState {
                 config.max_conversations,
                 config.conversation_ttl,
             )),
-            responses: Arc::new(ResponseChains::new(config.max_stored_responses)),
             model_lens: Default::default(),
             tokenizer,
             routing_reads_tokens,

@@ -25,8 +25,14 @@ pub struct HistoryArgs {
     #[arg(long, env = "PDSERVE_HISTORY_RETENTION_SECS", default_value_t = 30 * 24 * 3600)]
     pub history_retention_secs: u64,
 
-    /// Most stored responses; past it the oldest are deleted.
-    #[arg(long, env = "PDSERVE_HISTORY_MAX_RESPONSES", default_value_t = 100_000)]
+    /// Most stored responses; past it the oldest are deleted. (`--max-stored-responses`,
+    /// its name before the history store, is accepted too.)
+    #[arg(
+        long,
+        alias = "max-stored-responses",
+        env = "PDSERVE_HISTORY_MAX_RESPONSES",
+        default_value_t = 100_000
+    )]
     pub history_max_responses: usize,
 
     /// Most conversations; past it the oldest are deleted with their items.

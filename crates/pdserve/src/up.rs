@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use pdserve_engine::orchestrator::HandoffMode;
 use pdserve_gateway::config::Protocol;
+use pdserve_history::HistoryBackend;
 use pdserve_protocol::WorkerRole;
 use tokio::process::Command;
 
@@ -157,6 +158,45 @@ pub struct UpArgs {
     /// kept the simulated time. The gateway's defaults are `up`'s own.
     #[arg(long, env = "PDSERVE_SIM", value_name = "PROFILE")]
     sim: Option<String>,
+    /// Where the gateway keeps stored responses (`previous_response_id` chains) and
+    /// conversations (`/v1/conversations`), its --history-backend: `sqlite` by default,
+    /// so a conversation survives restarting the stack; `postgres` to share it with other
+    /// stacks; `memory`; `none`.
+    #[arg(long, env = "PDSERVE_HISTORY_BACKEND", value_enum, default_value_t = HistoryBackend::Sqlite)]
+    history_backend: HistoryBackend,
+    /// The history database, the gateway's --history-url. Default for `sqlite`:
+    /// history.sqlite in $PDSERVE_HOME (~/.cache/pdserve).
+    #[arg(long, env = "PDSERVE_HISTORY_URL", hide_env_values = true)]
+    history_url: Option<String>,
+}
+
+impl UpArgs {
+    /// The gateway's --history-* flags, unless --gateway-arg gives them.
+    fn history_flags(&self) -> Vec<String> {
+        let given = |flag: &str| {
+            let with_value = format!("{flag}=");
+            self.gateway_args
+                .iter()
+                .any(|a| a == flag || a.starts_with(&with_value))
+        };
+        let mut flags = Vec::new();
+        if !given("--history-backend") {
+            let name = clap::ValueEnum::to_possible_value(&self.history_backend)
+                .map(|v| v.get_name().to_string())
+                .unwrap_or_default();
+            flags.extend(["--history-backend".to_string(), name]);
+        }
+        let url = self.history_url.clone().or_else(|| {
+            (self.history_backend == HistoryBackend::Sqlite).then(|| {
+                let file = pdserve_model::home_dir().join("history.sqlite");
+                file.to_string_lossy().into_owned()
+            })
+        });
+        if let Some(url) = url.filter(|_| !given("--history-url")) {
+            flags.extend(["--history-url".to_string(), url]);
+        }
+        flags
+    }
 }
 
 /// The `pdserve gateway` flag that adds a worker of `role` to its pools.
@@ -388,6 +428,7 @@ impl Stack<'_> {
             self.model.display().to_string(),
         ];
         gateway.extend(args.gateway_args.iter().cloned());
+        gateway.extend(args.history_flags());
         let sglang = args.protocol == Protocol::Sglang;
         if sglang && args.aggregated {
             bail!("--protocol sglang is a P/D handoff: it does not apply to --aggregated");

@@ -130,13 +130,6 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_MAX_CONVERSATIONS", default_value = "100000")]
     pub max_conversations: NonZeroUsize,
 
-    /// Most stored Responses (`/v1/responses`) the gateway remembers: which worker holds
-    /// each, and its conversation, which a later turn's prefill worker is sent in full.
-    /// The least recently used is forgotten first; a forgotten one is found again by
-    /// asking the workers, and its next turn is served by its worker alone.
-    #[arg(long, env = "PDSERVE_MAX_STORED_RESPONSES", default_value = "16384")]
-    pub max_stored_responses: NonZeroUsize,
-
     /// Most generation requests (chat, completions, Responses, SGLang's `/generate`)
     /// served at once; the others wait in a queue, by
     /// priority (vLLM's `priority` field, or the `x-pdserve-priority` header; lower

@@ -58,8 +58,6 @@ pub struct GatewayConfig {
     pub conversation_ttl: Duration,
     /// Capacity of the conversation cache.
     pub max_conversations: NonZeroUsize,
-    /// Capacity of the Responses chain store.
-    pub max_stored_responses: NonZeroUsize,
     /// Requests served at once (0: no limit).
     pub max_concurrent_requests: usize,
     /// Requests waiting for a place at most.
@@ -142,7 +140,6 @@ impl GatewayConfig {
             stream_idle_timeout: Duration::from_secs(120),
             conversation_ttl: Duration::from_secs(450),
             max_conversations: NonZeroUsize::new(100_000).expect("non-zero"),
-            max_stored_responses: NonZeroUsize::new(16_384).expect("non-zero"),
             max_concurrent_requests: 0,
             queue_size: 256,
             queue_timeout: Duration::from_secs(30),

@@ -157,7 +157,6 @@ impl GatewayArgs {
             stream_idle_timeout: self.stream_idle_timeout_secs,
             conversation_ttl: self.conversation_ttl_secs,
             max_conversations: self.max_conversations,
-            max_stored_responses: self.max_stored_responses,
             max_concurrent_requests: self.max_concurrent_requests,
             queue_size: self.queue_size,
             queue_timeout: self.queue_timeout_secs,

@@ -167,8 +167,18 @@ pub(crate) struct TurnPrefill {
 impl TurnPrefill {
     /// Takes the handle kept for conversation `key` (single use), counting the lookup.
     pub(crate) fn for_conversation(state: &Serving, key: Option<&str>) -> Self {
+        Self::for_turn(state, key, None)
+    }
+
+    /// [`Self::for_conversation`], falling back to `stored`: the handle the history store
+    /// kept with the last turn (another gateway replica relayed it).
+    pub(crate) fn for_turn(
+        state: &Serving,
+        key: Option<&str>,
+        stored: Option<KvTransferParams>,
+    ) -> Self {
         let kept = key.and_then(|id| {
-            let kept = state.conversations.take(id);
+            let kept = state.conversations.take(id).or(stored);
             state.metrics.record_conversation_lookup(kept.is_some());
             kept
         });

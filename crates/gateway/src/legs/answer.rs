@@ -183,7 +183,11 @@ async fn send_leg(
             // The decode side's KV handle names internal hosts and blocks: kept for the
             // conversation's next turn when there is one, never shown to the client.
             let body = match &leg.responses {
-                Some(objects) => edit_response_body(body, objects.as_ref(), &worker.base),
+                Some(objects) => {
+                    let body = edit_response_body(body, objects.as_ref(), &worker.base);
+                    objects.flush().await;
+                    body
+                }
                 None => {
                     let (body, kv) = split_kv_params(body);
                     if let (Some(conversation), Some(kv)) = (&leg.conversation_id, kv) {

@@ -192,6 +192,12 @@ impl RelayState {
             match lines {
                 Ok(lines) => {
                     self.store_kv();
+                    if self.scanner.saw_done {
+                        // The terminal event waits until the finished response is kept.
+                        if let Some(AnswerSink::Responses(objects)) = &self.relay.sink {
+                            objects.flush().await;
+                        }
+                    }
                     match out.take() {
                         None if merged.is_empty() => out = Some(lines),
                         previous => {

@@ -110,6 +110,10 @@ pub trait ResponseObjects: Send + Sync {
         finished: bool,
         worker: &str,
     );
+
+    /// Waits until the finished response is kept: the client's last bytes wait for it,
+    /// so a next turn, on any gateway replica, finds the turn it continues.
+    fn flush(&self) -> futures::future::BoxFuture<'_, ()>;
 }
 
 /// Where what an answer says about the conversation's next turn goes.

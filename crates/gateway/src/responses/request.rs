@@ -32,6 +32,8 @@ pub struct ResponsesBody {
     pub input: Vec<Value>,
     /// The stored response this one continues.
     pub previous_response_id: Option<String>,
+    /// The conversation (`/v1/conversations`) this turn continues and is appended to.
+    pub conversation: Option<String>,
     /// Whether the client asked for the event stream.
     pub stream: bool,
     /// Whether the answer is stored (`store`, default true).
@@ -50,6 +52,8 @@ impl ResponsesBody {
         for field in GATEWAY_FIELDS {
             body.remove(*field);
         }
+        // Only the gateway knows conversations: workers are sent their items instead.
+        let conversation = conversation_id(body.remove("conversation"))?;
         let typed: ResponsesRequest =
             serde_json::from_value(Value::Object(body.clone())).map_err(json_error)?;
         let input = match typed.input {
@@ -59,9 +63,18 @@ impl ResponsesBody {
                 _ => Vec::new(),
             },
         };
+        if conversation.is_some() && typed.previous_response_id.is_some() {
+            return Err(ApiError::new(
+                http::StatusCode::BAD_REQUEST,
+                "mutually_exclusive_parameters",
+                "Mutually exclusive parameters: Ensure you are only providing one of: \
+                 'previous_response_id' or 'conversation'.",
+            ));
+        }
         Ok(Self {
             input,
             previous_response_id: typed.previous_response_id,
+            conversation,
             stream: typed.transport.stream.unwrap_or(false),
             store: typed.store.unwrap_or(true),
             body,
@@ -122,6 +135,24 @@ impl ResponsesBody {
         }
         let bytes = serde_json::to_vec(&Value::Object(chat)).unwrap_or_default();
         ClientRequest::parse(Endpoint::Chat, &bytes).map(|(request, _)| request)
+    }
+}
+
+/// The `conversation` parameter's id: a string, or an object with its `id`.
+#[allow(clippy::result_large_err)]
+fn conversation_id(value: Option<Value>) -> Result<Option<String>, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(id)) => Ok(Some(id)),
+        Some(Value::Object(object)) => match object.get("id") {
+            Some(Value::String(id)) => Ok(Some(id.clone())),
+            _ => Err(ApiError::bad_request("'conversation.id' must be a string.")
+                .with_param("conversation.id")),
+        },
+        Some(_) => Err(ApiError::bad_request(
+            "'conversation' must be a conversation id or an object with its 'id'.",
+        )
+        .with_param("conversation")),
     }
 }
 
@@ -245,9 +276,29 @@ mod tests {
             br#"{"input": 5}"#,
             br#"{"input": "x", "stream": "yes"}"#,
             br#"{"input": "x", "previous_response_id": 7}"#,
+            br#"{"input": "x", "conversation": 7}"#,
+            br#"{"input": "x", "conversation": {"id": 7}}"#,
         ] {
             let e = ResponsesBody::parse(bad).unwrap_err();
             assert_eq!(e.status, http::StatusCode::BAD_REQUEST, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_conversation_is_an_id_or_an_object_and_excludes_a_previous_response() {
+        let by_id = parse(json!({"input": "x", "conversation": "conv_1"}));
+        assert_eq!(by_id.conversation.as_deref(), Some("conv_1"));
+        assert!(!by_id.original().contains_key("conversation"));
+        let by_object = parse(json!({"input": "x", "conversation": {"id": "conv_2"}}));
+        assert_eq!(by_object.conversation.as_deref(), Some("conv_2"));
+        let both = ResponsesBody::parse(
+            br#"{"input": "x", "conversation": "conv_1", "previous_response_id": "resp_1"}"#,
+        )
+        .unwrap_err();
+        assert_eq!(both.status, http::StatusCode::BAD_REQUEST);
+        assert_eq!(
+            both.body.error.code,
+            Some(json!("mutually_exclusive_parameters"))
+        );
     }
 }

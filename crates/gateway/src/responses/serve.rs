@@ -1,16 +1,18 @@
 //! `POST /v1/responses`: which workers serve a turn, and with which body.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::Response;
 use bytes::Bytes;
 use http::HeaderMap;
-use pdserve_protocol::{ApiError, WorkerRole};
+use pdserve_history::{ListQuery, Order};
+use pdserve_protocol::{ApiError, KvTransferParams, WorkerRole};
 use serde_json::{json, Map, Value};
 
-use super::edits::ResponseEdits;
+use super::edits::{stored_handle, ResponseEdits};
 use super::request::{encode, prefill_body, ResponsesBody};
 use crate::endpoint::Endpoint;
 use crate::error::Failure;
@@ -23,7 +25,7 @@ use crate::legs::answer::{expose_worker, forward, FinalLeg};
 use crate::legs::prefill::ReleaseOnDrop;
 use crate::policy::RouteRequest;
 use crate::serving::Serving;
-use crate::sessions::response_chains::ChainRecord;
+use crate::sessions::history_items::{chain_items, shape_item, store_error};
 
 /// Handles `POST /v1/responses`.
 pub async fn create(
@@ -39,14 +41,10 @@ pub async fn create(
     let result = async {
         let body = body.map_err(|r| body_rejection(r, state.settings.max_body_bytes))?;
         let request = ResponsesBody::parse(&body)?;
-        let previous = match &request.previous_response_id {
-            None => None,
-            Some(id) => Some(find_previous(&state, &ctx, id).await?),
-        };
+        let previous = find_previous(&state, &ctx, &request).await?;
         let before = previous
             .as_ref()
-            .and_then(|p| p.record.conversation.as_ref())
-            .map(|c| c.items())
+            .and_then(|p| p.before.clone())
             .unwrap_or_default();
         let chat = request.as_chat(&before)?;
         let permit = match crate::handoff::intake::admit_and_count(&state, &mut ctx, &chat).await {
@@ -66,41 +64,114 @@ pub async fn create(
     crate::handoff::intake::answer(&state, &ctx, result)
 }
 
-/// The stored response a request continues.
+/// What a turn continues: a stored response's chain, or a conversation.
 struct Previous {
-    id: String,
-    record: ChainRecord,
+    /// The session key the turn routes by: the chain's first response, or the
+    /// conversation.
+    root: String,
+    /// The worker that answered the last turn, and so holds its prefix (and, for a chain
+    /// only a worker holds, the chain itself).
+    owner: Option<String>,
+    /// The decode side's KV handle the last turn kept, while fresh.
+    kv: Option<KvTransferParams>,
+    /// Every item before this turn; `None` for a chain only its worker holds (another
+    /// gateway relayed it without a shared history store).
+    before: Option<Vec<Value>>,
 }
 
-/// The previous response as this gateway remembers it, or as found on the workers (a
-/// chain another gateway relayed: its conversation is unknown here).
+/// What `request` continues, from the history store (or, for a response the store does
+/// not hold, from the worker that does). A store that cannot answer is a 503: a turn is
+/// never served without its history.
 async fn find_previous(
     state: &Arc<Serving>,
     ctx: &RequestContext,
-    id: &str,
-) -> Result<Previous, Failure> {
-    if let Some(record) = state.responses.get(id) {
-        return Ok(Previous {
-            id: id.to_string(),
-            record,
-        });
+    request: &ResponsesBody,
+) -> Result<Option<Previous>, Failure> {
+    if let Some(conversation) = &request.conversation {
+        return conversation_turns(state, conversation).await.map(Some);
+    }
+    let Some(id) = &request.previous_response_id else {
+        return Ok(None);
+    };
+    if state.history.enabled() {
+        let started = Instant::now();
+        let chain = state.history.chain(id).await;
+        state
+            .metrics
+            .observe_history("read", started.elapsed(), chain.is_ok());
+        if let Some(chain) = chain.map_err(store_error)? {
+            let last = chain.last().expect("a found chain has its own turn");
+            let (owner, kv) = stored_handle(last, state.conversations.ttl());
+            // A handle is worth reading only while its worker is still in the fleet.
+            let live = owner
+                .as_ref()
+                .is_some_and(|o| state.registry.snapshot().get(o).is_some());
+            let kv = kv.filter(|_| live);
+            return Ok(Some(Previous {
+                root: chain[0].id.clone(),
+                owner,
+                kv,
+                before: Some(chain_items(&chain)),
+            }));
+        }
     }
     match super::stored::locate(state, &ctx.headers, id).await {
-        Some(worker) => Ok(Previous {
-            id: id.to_string(),
-            record: ChainRecord {
-                owner: worker.base.clone(),
-                root: id.to_string(),
-                previous: None,
-                conversation: None,
-            },
-        }),
-        None => Err(
-            ApiError::not_found(format!("Previous response with id '{id}' not found."))
-                .with_param("previous_response_id")
-                .into(),
-        ),
+        Some(worker) => Ok(Some(Previous {
+            root: id.clone(),
+            owner: Some(worker.base.clone()),
+            kv: None,
+            before: None,
+        })),
+        None => Err(ApiError::new(
+            http::StatusCode::NOT_FOUND,
+            "previous_response_not_found",
+            format!("Previous response with id '{id}' not found."),
+        )
+        .with_param("previous_response_id")
+        .into()),
     }
+}
+
+/// Every item of conversation `id`, oldest first.
+async fn conversation_turns(state: &Arc<Serving>, id: &str) -> Result<Previous, Failure> {
+    let started = Instant::now();
+    let mut items = Vec::new();
+    let mut after = None;
+    let read = loop {
+        let query = ListQuery {
+            after: after.take(),
+            limit: 100,
+            order: Order::Asc,
+        };
+        match state.history.list_items(id, query).await {
+            Ok(Some(page)) => {
+                after = page.items.last().map(|i| i.id.clone());
+                let more = page.has_more;
+                items.extend(page.items.into_iter().map(|i| i.body));
+                if !more {
+                    break Ok(true);
+                }
+            }
+            Ok(None) => break Ok(false),
+            Err(e) => break Err(e),
+        }
+    };
+    state
+        .metrics
+        .observe_history("read", started.elapsed(), read.is_ok());
+    if !read.map_err(store_error)? {
+        return Err(
+            ApiError::not_found(format!("Conversation with id '{id}' not found."))
+                .with_param("conversation")
+                .into(),
+        );
+    }
+    Ok(Previous {
+        root: id.to_string(),
+        owner: None,
+        kv: None,
+        before: Some(items),
+    })
 }
 
 /// One turn: the request, what it continues, and how it routes.
@@ -117,28 +188,35 @@ struct Turn<'a> {
 impl Turn<'_> {
     /// Whether the gateway knows the whole conversation.
     fn history_known(&self) -> bool {
-        self.previous
-            .is_none_or(|p| p.record.conversation.is_some())
+        self.previous.is_none_or(|p| p.before.is_some())
     }
 
-    /// The live worker of `role` that stores the previous response.
+    /// The live worker of `role` that answered the last turn.
     fn owner(&self, roster: &Roster, role: WorkerRole) -> Option<Arc<Worker>> {
-        let owner = &self.previous?.record.owner;
+        let owner = self.previous?.owner.as_ref()?;
         roster.live(role).iter().find(|w| w.base == *owner).cloned()
     }
 
     /// The edits of the answer; `cached_tokens` from the prefill leg.
     fn edits(&self, state: &Serving, cached_tokens: Option<u64>) -> Arc<ResponseEdits> {
+        let input = self
+            .request
+            .input
+            .iter()
+            .enumerate()
+            .map(|(i, item)| shape_item(item, &format!("input[{i}]")).unwrap_or(item.clone()))
+            .collect();
         Arc::new(ResponseEdits {
-            chains: state.responses.clone(),
+            history: state.history.clone(),
             conversations: state.conversations.clone(),
+            metrics: state.metrics.clone(),
             previous: self.request.previous_response_id.clone(),
-            root: self.previous.map(|p| p.record.root.clone()),
-            before: self.previous.and_then(|p| p.record.conversation.clone()),
+            conversation: self.request.conversation.clone(),
             history_known: self.history_known(),
-            input: self.request.input.clone(),
+            input,
             store: self.request.store,
             cached_tokens,
+            pending: Default::default(),
         })
     }
 }
@@ -150,7 +228,7 @@ async fn serve(
     turn: Turn<'_>,
 ) -> Result<Response, Failure> {
     let roster = state.registry.snapshot();
-    let root = turn.previous.map(|p| p.record.root.as_str());
+    let root = turn.previous.map(|p| p.root.as_str());
     let mode = roster.routing_mode();
     let role = match mode {
         Mode::Aggregated => WorkerRole::PrefillDecode,
@@ -173,13 +251,12 @@ async fn serve(
     // A decode worker's turn at prefilling alone, held until its answer starts.
     let mut local_prefill = None;
     let alone = if mode == Mode::Aggregated {
-        // The owner continues from its own store (and prefix cache); any other worker is
-        // sent the conversation, unless only the owner knows it (then it is that worker's
-        // 404 to give).
-        let known_elsewhere = owner.is_none() && turn.history_known();
+        // The gateway's history writes the conversation out for whichever worker serves
+        // the turn (routed to the last turn's worker, whose prefix cache holds it); a
+        // chain only a worker holds goes to that worker as the client sent it.
         Some((
             "aggregated",
-            turn.request.body_for(known_elsewhere, turn.before),
+            turn.request.body_for(turn.history_known(), turn.before),
         ))
     } else if !turn.history_known() {
         // Only the decode worker that stores the conversation has it: it computes the
@@ -265,10 +342,13 @@ async fn sequential(
         let known = ctx.prompt_tokens.as_ref().map(|t| t.len() as u64);
         crate::clients::model_len::check(&mut turn.chat.clone(), max_model_len, known)?;
     }
-    let (answer, prefill_worker) =
-        TurnPrefill::for_conversation(state, turn.previous.map(|p| p.id.as_str()))
-            .send(state, ctx, route, |params| prefill_body(&body, params))
-            .await?;
+    let (answer, prefill_worker) = TurnPrefill::for_turn(
+        state,
+        turn.request.previous_response_id.as_deref(),
+        turn.previous.and_then(|p| p.kv.clone()),
+    )
+    .send(state, ctx, route, |params| prefill_body(&body, params))
+    .await?;
     // Until decode has answered, P's blocks are released if decode fails or the client
     // leaves.
     let release = ReleaseOnDrop::new(state, &prefill_worker, answer.kv.clone(), &ctx.headers);

@@ -1,7 +1,9 @@
-//! `GET` and `DELETE /v1/responses/{id}`, sent to the worker that holds the response:
-//! the one remembered as its owner, else the first worker that says it has it.
+//! `GET` and `DELETE /v1/responses/{id}`, answered from the history store; a response
+//! the store does not hold (one only a worker stored) is asked of the worker that says it
+//! has it.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
@@ -10,7 +12,7 @@ use futures::future::select_ok;
 use http::{HeaderMap, Method};
 use pdserve_protocol::{ApiError, WorkerRole};
 use reqwest::Url;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::clients::worker_client::{Exchange, ForwardHeaders};
 use crate::endpoint::Endpoint;
@@ -18,6 +20,9 @@ use crate::error::Failure;
 use crate::fleet::registry::Worker;
 use crate::legs::answer::json_response;
 use crate::serving::Serving;
+use crate::sessions::history_items::store_error;
+
+use super::edits::stored_handle;
 
 /// The metrics label of both routes.
 const ROUTE: &str = "/v1/responses/{id}";
@@ -52,29 +57,43 @@ async fn stored(state: &Arc<Serving>, id: &str, headers: &HeaderMap, method: Met
     response
 }
 
-/// The holder's answer to `method` on response `id`; its 404 when none holds it.
+/// The answer to `method` on response `id`: the store's, else its holder's; a 404 when
+/// none holds it, a 503 when the store cannot say.
 async fn send(
     state: &Arc<Serving>,
     id: &str,
     headers: &ForwardHeaders,
     method: &Method,
 ) -> Result<Bytes, Failure> {
-    let not_found = || {
-        Failure::from(
-            ApiError::not_found(format!("Response with id '{id}' not found."))
-                .with_param("response_id"),
-        )
-    };
-    let record = state.responses.get(id);
-    let known = record.as_ref().and_then(|r| {
-        let roster = state.registry.snapshot();
-        roster.get(&r.owner).map(|m| m.worker.clone())
-    });
-    let worker = match known {
-        Some(worker) => worker,
-        None => locate(state, headers, id).await.ok_or_else(not_found)?,
-    };
-    let url = response_url(&worker, id).ok_or_else(not_found)?;
+    if state.history.enabled() {
+        let started = Instant::now();
+        let stored = state.history.response(id).await;
+        state
+            .metrics
+            .observe_history("read", started.elapsed(), stored.is_ok());
+        if let Some(stored) = stored.map_err(store_error)? {
+            if *method != Method::DELETE {
+                return Ok(Bytes::from(
+                    serde_json::to_vec(&stored.response).unwrap_or_default(),
+                ));
+            }
+            state
+                .history
+                .delete_response(id)
+                .await
+                .map_err(store_error)?;
+            // The decode side's handle for a next turn that can no longer come.
+            state.conversations.take(id);
+            let (owner, _) = stored_handle(&stored, state.conversations.ttl());
+            forget_on_worker(state, owner.as_deref(), id, headers).await;
+            let deleted = json!({"id": id, "object": "response", "deleted": true});
+            return Ok(Bytes::from(deleted.to_string()));
+        }
+    }
+    let worker = locate(state, headers, id)
+        .await
+        .ok_or_else(|| not_found(id))?;
+    let url = response_url(&worker, id).ok_or_else(|| not_found(id))?;
     let request = match *method {
         Method::DELETE => state.client.delete(&url, headers),
         _ => state.client.get(&url, headers),
@@ -85,21 +104,37 @@ async fn send(
         e.failure
     })?;
     if *method == Method::DELETE {
-        state.responses.remove(id);
-        // The decode side's handle for a next turn that can no longer come.
         state.conversations.take(id);
-        return Ok(body);
     }
-    // The worker was sent the conversation written out when it answered over P/D, so it
-    // does not know the response it continued; the gateway does.
-    let previous = record.and_then(|r| r.previous);
-    match (previous, serde_json::from_slice::<Value>(&body)) {
-        (Some(previous), Ok(Value::Object(mut object))) => {
-            object.insert("previous_response_id".into(), json!(previous));
-            Ok(serde_json::to_vec(&object).map_or(body, Bytes::from))
-        }
-        _ => Ok(body),
-    }
+    Ok(body)
+}
+
+/// OpenAI's 404 for response `id`.
+fn not_found(id: &str) -> Failure {
+    ApiError::not_found(format!("Response with id '{id}' not found."))
+        .with_param("response_id")
+        .into()
+}
+
+/// Deletes response `id` on the worker that answered it too, where that worker stored
+/// it (the client asked for `store`): best effort, bounded by the health probe's
+/// timeout, since the store's copy is the one clients read.
+async fn forget_on_worker(
+    state: &Arc<Serving>,
+    owner: Option<&str>,
+    id: &str,
+    headers: &ForwardHeaders,
+) {
+    let roster = state.registry.snapshot();
+    let Some(worker) = owner.and_then(|o| roster.get(o)).map(|m| m.worker.clone()) else {
+        return;
+    };
+    let Some(url) = response_url(&worker, id) else {
+        return;
+    };
+    let exchange = Exchange::new(&worker, "worker", state.settings.probe_timeout);
+    // A worker that did not store it answers 404: nothing to undo.
+    let _ = exchange.send(state.client.delete(&url, headers)).await;
 }
 
 /// `/v1/responses/{id}` on `worker` (the id one path segment, escaped).

@@ -13,13 +13,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use pdserve_history::records::{check_metadata, MAX_ITEMS_PER_REQUEST};
-use pdserve_history::{HistoryError, ListQuery, Metadata, Order};
+use pdserve_history::{ListQuery, Metadata, Order};
 use pdserve_protocol::ApiError;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::ingress::request::body_rejection;
 use crate::serving::Serving;
+use crate::sessions::history_items::{shape_item, store_error};
 use crate::state::AppState;
 
 /// A list's `limit` when none is given, and the most it may be.
@@ -266,57 +267,10 @@ fn items(value: Option<&Value>, required: bool) -> Result<Vec<Value>, ApiError> 
         ))
         .with_param("items"));
     }
-    let mut out = Vec::with_capacity(list.len());
-    for (i, item) in list.iter().enumerate() {
-        let Value::Object(fields) = item else {
-            return Err(
-                ApiError::bad_request(format!("'items[{i}]' must be an object."))
-                    .with_param(format!("items[{i}]")),
-            );
-        };
-        let mut fields = fields.clone();
-        let kind = match fields.get("type") {
-            None => "message",
-            Some(Value::String(kind)) => kind.as_str(),
-            Some(_) => {
-                return Err(
-                    ApiError::bad_request(format!("'items[{i}].type' must be a string."))
-                        .with_param(format!("items[{i}].type")),
-                )
-            }
-        }
-        .to_string();
-        if kind == "message" {
-            if !fields.get("role").is_some_and(Value::is_string) {
-                return Err(ApiError::bad_request(format!(
-                    "Missing required parameter: 'items[{i}].role'."
-                ))
-                .with_param(format!("items[{i}].role")));
-            }
-            // A message's text content is a list of parts, as OpenAI returns it.
-            if let Some(Value::String(text)) = fields.get("content") {
-                let part = match fields.get("role").and_then(Value::as_str) {
-                    Some("assistant") => {
-                        json!({"type": "output_text", "text": text, "annotations": []})
-                    }
-                    _ => json!({"type": "input_text", "text": text}),
-                };
-                fields.insert("content".into(), Value::Array(vec![part]));
-            }
-            fields
-                .entry("status")
-                .or_insert_with(|| Value::from("completed"));
-        }
-        fields.insert("type".into(), Value::from(kind));
-        if fields.get("id").is_some_and(|id| !id.is_string()) {
-            return Err(
-                ApiError::bad_request(format!("'items[{i}].id' must be a string."))
-                    .with_param(format!("items[{i}].id")),
-            );
-        }
-        out.push(Value::Object(fields));
-    }
-    Ok(out)
+    list.iter()
+        .enumerate()
+        .map(|(i, item)| shape_item(item, &format!("items[{i}]")))
+        .collect()
 }
 
 /// A list's query, checked.
@@ -364,23 +318,6 @@ async fn missing_item(serving: &Serving, id: &str, item: &str) -> ApiError {
             "Item with id '{item}' not found in conversation '{id}'."
         ))
         .with_param("item_id"),
-    }
-}
-
-/// A store error as the client sees it: 503 when the store is unavailable.
-pub fn store_error(error: HistoryError) -> ApiError {
-    match error {
-        HistoryError::DuplicateItem(_) => {
-            ApiError::bad_request(error.to_string()).with_param("items")
-        }
-        HistoryError::UnknownCursor(_) => {
-            ApiError::bad_request(error.to_string()).with_param("after")
-        }
-        HistoryError::ConversationGone(_) => ApiError::not_found(error.to_string()),
-        HistoryError::Json(_) => ApiError::internal(error.to_string()),
-        HistoryError::Unavailable(_)
-        | HistoryError::Open { .. }
-        | HistoryError::NewerSchema { .. } => ApiError::service_unavailable(error.to_string()),
     }
 }
 

@@ -34,6 +34,12 @@ struct DisaggLabels {
     outcome: String,
 }
 
+/// Labels of the history store's calls.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HistoryLabels {
+    op: &'static str,
+}
+
 /// Labels of per-route latency.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RouteLabels {
@@ -91,6 +97,8 @@ pub struct ServingMetrics {
     encoder_sub_requests: Counter,
     encoder_reencodes: Counter,
     history: Arc<History>,
+    history_seconds: Family<HistoryLabels, Histogram>,
+    history_failures: Family<HistoryLabels, Counter>,
 }
 
 impl ServingMetrics {
@@ -172,6 +180,20 @@ impl ServingMetrics {
             "Turns with a conversation_id but no usable cached decode KV",
             conversation_misses.clone(),
         );
+        let history_seconds =
+            Family::<HistoryLabels, Histogram>::new_with_constructor(stage_histogram);
+        registry.register(
+            "history_seconds",
+            "Calls to the history store (--history-backend) by kind: a turn's read of its \
+             conversation, and its write once answered",
+            history_seconds.clone(),
+        );
+        let history_failures = Family::<HistoryLabels, Counter>::default();
+        registry.register(
+            "history_failures",
+            "History store calls that failed or timed out, by kind",
+            history_failures.clone(),
+        );
         let conversation_fallbacks = Counter::default();
         registry.register(
             "conversation_cache_fallbacks",
@@ -228,6 +250,19 @@ impl ServingMetrics {
             encoder_sub_requests,
             encoder_reencodes,
             history,
+            history_seconds,
+            history_failures,
+        }
+    }
+
+    /// Times a history store call of kind `op` (`read`, `write`) and counts its failure.
+    pub fn observe_history(&self, op: &'static str, took: std::time::Duration, ok: bool) {
+        let labels = HistoryLabels { op };
+        self.history_seconds
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+        if !ok {
+            self.history_failures.get_or_create(&labels).inc();
         }
     }
 

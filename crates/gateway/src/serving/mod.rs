@@ -17,7 +17,6 @@ use crate::ingress::admission::Admission;
 use crate::ingress::prompt_tokens::PromptTokenizer;
 use crate::policy::{CacheMatch, InFlight, Policy, RouteRequest};
 use crate::sessions::conversation::ConversationCache;
-use crate::sessions::response_chains::ResponseChains;
 
 pub use metrics::ServingMetrics;
 pub use settings::{FirstTokenFromPrefill, LegSettings, Protocol};
@@ -35,8 +34,6 @@ pub struct Serving {
     pub client: WorkerClient,
     /// Decode KV handles kept for conversations' next turns.
     pub conversations: Arc<ConversationCache>,
-    /// The stored Responses this gateway relayed: their workers and conversations.
-    pub responses: Arc<ResponseChains>,
     /// The workers' context lengths, for the length check before prefill.
     pub model_lens: ModelLens,
     /// The served model's tokenizer, with `--tokenizer`.

@@ -49,6 +49,11 @@ impl ConversationCache {
         self.lock().put(conversation_id.to_string(), entry);
     }
 
+    /// How long a handle is worth using.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// Removes and returns the conversation's params if they are younger than the TTL.
     pub fn take(&self, conversation_id: &str) -> Option<KvTransferParams> {
         let entry = self.lock().pop(conversation_id)?;

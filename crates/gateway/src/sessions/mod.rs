@@ -1,5 +1,5 @@
 //! What the gateway remembers between requests: decode KV handles kept for a
-//! conversation's next turn, and which worker holds each stored Response.
+//! conversation's next turn, and items in the shapes the history store keeps.
 
 pub mod conversation;
-pub mod response_chains;
+pub mod history_items;

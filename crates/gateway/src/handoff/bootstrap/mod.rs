@@ -306,7 +306,11 @@ async fn attempt(
                 return Err(e);
             }
             let body = match &plan.responses {
-                Some(objects) => edit_response_body(body, objects.as_ref(), &decode.base),
+                Some(objects) => {
+                    let body = edit_response_body(body, objects.as_ref(), &decode.base);
+                    objects.flush().await;
+                    body
+                }
                 None => split_kv_params(body).0,
             };
             let body = match merge {
