@@ -9,13 +9,15 @@ use crate::store::{HistoryBackend, HistoryOptions};
 pub struct HistoryArgs {
     /// Where stored responses (`previous_response_id` chains) and conversations
     /// (`/v1/conversations`) live. `memory`: in this process, lost on restart, not
-    /// shared; `sqlite`: a file (--history-url), kept across restarts; `none`: nothing
-    /// is kept, and the Conversations API answers 503.
+    /// shared; `sqlite`: a file (--history-url), kept across restarts; `postgres`: a
+    /// PostgreSQL database (--history-url), shared by every gateway replica; `none`:
+    /// nothing is kept, and the Conversations API answers 503.
     #[arg(long, env = "PDSERVE_HISTORY_BACKEND", value_enum, default_value_t = HistoryBackend::Memory)]
     pub history_backend: HistoryBackend,
 
-    /// The database: a file path for `sqlite` (`sqlite://PATH` also accepted); its folder
-    /// is created.
+    /// The database: a file path for `sqlite` (`sqlite://PATH` also accepted; its folder
+    /// is created), or `postgres://USER[:PASSWORD]@HOST:PORT/DATABASE` for `postgres` (no
+    /// TLS yet; the gateway refuses to start when it cannot reach it).
     #[arg(long, env = "PDSERVE_HISTORY_URL", hide_env_values = true)]
     pub history_url: Option<String>,
 

@@ -5,10 +5,15 @@
 //! - [`args`]: the `--history-*` flags;
 //! - [`records`]: what is kept, in the API's shapes, and OpenAI's limits;
 //! - [`sqlite`]: the schema and its queries in SQLite (a file, or this process's memory);
+//! - [`postgres`]: the same in PostgreSQL, one database for every gateway replica;
 //! - [`store`]: [`HistoryStore`], what the gateway calls: each operation bounded by a
-//!   timeout, so a slow or dead database is an error and never a hang.
+//!   timeout, so a slow or dead database is an error and never a hang;
+//! - [`local_postgres`]: a throwaway PostgreSQL server for tests (this crate's and others').
 
 pub mod args;
+mod backend;
+pub mod local_postgres;
+pub mod postgres;
 pub mod records;
 pub mod sqlite;
 pub mod store;

@@ -148,6 +148,22 @@ pub fn item_prefix(kind: &str) -> &'static str {
     }
 }
 
+/// The `id` of item `body`, giving it a fresh one (of its type's prefix) when it has none.
+pub fn ensure_item_id(body: &mut Value) -> String {
+    if let Some(given) = body.get("id").and_then(Value::as_str) {
+        return given.to_string();
+    }
+    let kind = body
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("message");
+    let fresh = new_id(item_prefix(kind));
+    if let Some(object) = body.as_object_mut() {
+        object.insert("id".into(), Value::from(fresh.clone()));
+    }
+    fresh
+}
+
 /// Checks `metadata` against OpenAI's limits; the message names what is wrong.
 pub fn check_metadata(metadata: &Metadata) -> Result<(), String> {
     if metadata.len() > MAX_METADATA_PAIRS {

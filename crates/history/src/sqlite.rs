@@ -12,7 +12,8 @@ use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use serde_json::Value;
 
 use crate::records::{
-    item_prefix, new_id, Conversation, Item, ItemPage, ListQuery, Metadata, Order, StoredResponse,
+    ensure_item_id, new_id, Conversation, Item, ItemPage, ListQuery, Metadata, Order,
+    StoredResponse,
 };
 use crate::HistoryError;
 
@@ -415,20 +416,7 @@ fn insert_items(
     )?;
     let mut added = Vec::with_capacity(items.len());
     for mut body in items {
-        let item_id = match body.get("id").and_then(Value::as_str) {
-            Some(given) => given.to_string(),
-            None => {
-                let kind = body
-                    .get("type")
-                    .and_then(Value::as_str)
-                    .unwrap_or("message");
-                let fresh = new_id(item_prefix(kind));
-                if let Some(object) = body.as_object_mut() {
-                    object.insert("id".into(), Value::from(fresh.clone()));
-                }
-                fresh
-            }
-        };
+        let item_id = ensure_item_id(&mut body);
         let text = serde_json::to_string(&body)?;
         match statement.execute(params![id, item_id, response_id, now, text]) {
             Err(rusqlite::Error::SqliteFailure(e, _))

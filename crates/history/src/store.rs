@@ -1,14 +1,18 @@
-//! [`HistoryStore`]: the history as the gateway uses it, whichever database holds it.
-//! SQLite calls block, so each runs on tokio's blocking pool, and every call is bounded by
+//! [`HistoryStore`]: the history as the gateway uses it, whichever database holds it
+//! (`backend.rs` sends each call to it). Every call is bounded by
 //! `--history-timeout-ms`: past it the caller gets [`HistoryError::Unavailable`] (a 503
-//! for the client) while the call finishes or fails on its own.
+//! for the client) while a SQLite call finishes or fails on its own on the blocking pool,
+//! and a PostgreSQL call is dropped (its connection closed).
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
+use crate::backend::Backend;
+use crate::postgres::{redact, PostgresStore};
 use crate::records::{Conversation, Item, ItemPage, ListQuery, Metadata, StoredResponse};
 use crate::sqlite::SqliteStore;
 use crate::HistoryError;
@@ -21,6 +25,9 @@ pub enum HistoryBackend {
     Memory,
     /// A SQLite file (`--history-url`, a path): survives restarts; one machine.
     Sqlite,
+    /// A PostgreSQL database (`--history-url postgres://user@host:port/db`): survives
+    /// restarts, shared by every gateway replica. No TLS yet.
+    Postgres,
     /// Nothing is kept: `store` is ignored and requests that need history are refused.
     None,
 }
@@ -30,7 +37,7 @@ pub enum HistoryBackend {
 pub struct HistoryOptions {
     /// Which database.
     pub backend: HistoryBackend,
-    /// Its location: a file path for SQLite.
+    /// Its location: a file path for SQLite, a `postgres://` url for PostgreSQL.
     pub url: Option<String>,
     /// Responses and conversations older than this are deleted (0: kept until the
     /// bounds below push them out).
@@ -46,31 +53,39 @@ pub struct HistoryOptions {
 /// The gateway's history (see the module documentation). Cheap to clone.
 #[derive(Clone)]
 pub struct HistoryStore {
-    db: Option<Arc<Mutex<SqliteStore>>>,
+    db: Option<Backend>,
     options: Arc<HistoryOptions>,
 }
 
 impl std::fmt::Debug for HistoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The url may carry a password.
+        let url = self.options.url.as_deref().map(redact);
         f.debug_struct("HistoryStore")
-            .field("options", &self.options)
+            .field("backend", &self.options.backend)
+            .field("url", &url)
+            .field("timeout", &self.options.timeout)
             .finish_non_exhaustive()
     }
 }
 
 impl HistoryStore {
-    /// Opens the history `options` describe (creating the database and its schema).
+    /// Opens the history `options` describe (creating the database and its schema). For
+    /// PostgreSQL it connects once, so an unreachable database fails here
+    /// ([`HistoryError::Open`]) and not on the first request; it blocks up to the larger
+    /// of the timeout and 10 s, on a thread of its own (safe inside a tokio runtime).
     pub fn open(options: HistoryOptions) -> Result<Self, HistoryError> {
+        let sqlite = |db: SqliteStore| Some(Backend::Sqlite(Arc::new(Mutex::new(db))));
         let db = match options.backend {
             HistoryBackend::None => None,
-            HistoryBackend::Memory => Some(SqliteStore::in_memory()?),
+            HistoryBackend::Memory => sqlite(SqliteStore::in_memory()?),
             HistoryBackend::Sqlite => {
                 let url = options.url.as_deref().ok_or_else(|| HistoryError::Open {
                     url: String::new(),
                     reason: "--history-backend sqlite needs --history-url (a file path)".into(),
                 })?;
                 let path = PathBuf::from(url.strip_prefix("sqlite://").unwrap_or(url));
-                Some(SqliteStore::open(&path).map_err(|e| match e {
+                sqlite(SqliteStore::open(&path).map_err(|e| match e {
                     HistoryError::Unavailable(reason) => HistoryError::Open {
                         url: url.to_string(),
                         reason,
@@ -78,9 +93,21 @@ impl HistoryStore {
                     other => other,
                 })?)
             }
+            HistoryBackend::Postgres => {
+                let url = options.url.as_deref().ok_or_else(|| HistoryError::Open {
+                    url: String::new(),
+                    reason: "--history-backend postgres needs --history-url \
+                             (postgres://user@host:port/database)"
+                        .into(),
+                })?;
+                Some(Backend::Postgres(PostgresStore::open_blocking(
+                    url,
+                    options.timeout,
+                )?))
+            }
         };
         Ok(Self {
-            db: db.map(|db| Arc::new(Mutex::new(db))),
+            db,
             options: Arc::new(options),
         })
     }
@@ -95,23 +122,18 @@ impl HistoryStore {
         self.options.backend
     }
 
-    /// Runs `op` on the database, on the blocking pool, within the timeout.
-    async fn run<T: Send + 'static>(
-        &self,
-        op: impl FnOnce(&mut SqliteStore) -> Result<T, HistoryError> + Send + 'static,
-    ) -> Result<T, HistoryError> {
-        let Some(db) = self.db.clone() else {
+    /// Runs `op` on the database within the timeout.
+    async fn run<'a, T, F>(&'a self, op: impl FnOnce(&'a Backend) -> F) -> Result<T, HistoryError>
+    where
+        F: Future<Output = Result<T, HistoryError>> + 'a,
+    {
+        let Some(db) = &self.db else {
             return Err(HistoryError::Unavailable(
                 "the gateway keeps no history (--history-backend none)".into(),
             ));
         };
-        let call = tokio::task::spawn_blocking(move || {
-            let mut db = db.lock().unwrap_or_else(|e| e.into_inner());
-            op(&mut db)
-        });
-        match tokio::time::timeout(self.options.timeout, call).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(join)) => Err(HistoryError::Unavailable(join.to_string())),
+        match tokio::time::timeout(self.options.timeout, op(db)).await {
+            Ok(result) => result,
             Err(_) => Err(HistoryError::Unavailable(format!(
                 "no answer within {} ms",
                 self.options.timeout.as_millis()
@@ -126,14 +148,13 @@ impl HistoryStore {
         items: Vec<Value>,
     ) -> Result<(Conversation, Vec<Item>), HistoryError> {
         let now = unix_now();
-        self.run(move |db| db.create_conversation(&metadata, items, now))
+        self.run(|db| db.create_conversation(metadata, items, now))
             .await
     }
 
     /// The conversation `id`.
     pub async fn conversation(&self, id: &str) -> Result<Option<Conversation>, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.conversation(&id)).await
+        self.run(|db| db.conversation(id.to_string())).await
     }
 
     /// Replaces conversation `id`'s metadata.
@@ -142,15 +163,13 @@ impl HistoryStore {
         id: &str,
         metadata: Metadata,
     ) -> Result<Option<Conversation>, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.update_conversation(&id, &metadata))
+        self.run(|db| db.update_conversation(id.to_string(), metadata))
             .await
     }
 
     /// Deletes conversation `id`; whether it existed.
     pub async fn delete_conversation(&self, id: &str) -> Result<bool, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.delete_conversation(&id)).await
+        self.run(|db| db.delete_conversation(id.to_string())).await
     }
 
     /// Adds `items` to conversation `id`; `None` when there is none.
@@ -159,8 +178,9 @@ impl HistoryStore {
         id: &str,
         items: Vec<Value>,
     ) -> Result<Option<Vec<Item>>, HistoryError> {
-        let (id, now) = (id.to_string(), unix_now());
-        self.run(move |db| db.add_items(&id, items, now)).await
+        let now = unix_now();
+        self.run(|db| db.add_items(id.to_string(), items, now))
+            .await
     }
 
     /// A page of conversation `id`'s items; `None` when there is none.
@@ -169,58 +189,64 @@ impl HistoryStore {
         id: &str,
         query: ListQuery,
     ) -> Result<Option<ItemPage>, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.list_items(&id, &query)).await
+        self.run(|db| db.list_items(id.to_string(), query)).await
     }
 
     /// Item `item` of conversation `id`.
     pub async fn item(&self, id: &str, item: &str) -> Result<Option<Item>, HistoryError> {
-        let (id, item) = (id.to_string(), item.to_string());
-        self.run(move |db| db.item(&id, &item)).await
+        self.run(|db| db.item(id.to_string(), item.to_string()))
+            .await
     }
 
     /// Deletes item `item` of conversation `id`; whether it was there.
     pub async fn delete_item(&self, id: &str, item: &str) -> Result<bool, HistoryError> {
-        let (id, item) = (id.to_string(), item.to_string());
-        self.run(move |db| db.delete_item(&id, &item)).await
+        self.run(|db| db.delete_item(id.to_string(), item.to_string()))
+            .await
     }
 
     /// Stores a finished turn (and appends its items to its conversation), all or nothing.
     pub async fn put_response(&self, response: StoredResponse) -> Result<(), HistoryError> {
-        self.run(move |db| db.put_response(&response)).await
+        self.run(|db| db.put_response(response)).await
     }
 
     /// The stored response `id`.
     pub async fn response(&self, id: &str) -> Result<Option<StoredResponse>, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.response(&id)).await
+        self.run(|db| db.response(id.to_string())).await
     }
 
     /// Deletes the stored response `id`; whether it existed.
     pub async fn delete_response(&self, id: &str) -> Result<bool, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.delete_response(&id)).await
+        self.run(|db| db.delete_response(id.to_string())).await
     }
 
     /// The chain ending at response `id`, oldest first; `None` when `id` is not stored.
     pub async fn chain(&self, id: &str) -> Result<Option<Vec<StoredResponse>>, HistoryError> {
-        let id = id.to_string();
-        self.run(move |db| db.chain(&id)).await
+        self.run(|db| db.chain(id.to_string())).await
     }
 
     /// Deletes what retention and the size bounds no longer keep; how many rows went.
     pub async fn sweep(&self) -> Result<usize, HistoryError> {
-        let options = self.options.clone();
+        let options = &self.options;
         let before =
             (!options.retention.is_zero()).then(|| unix_now() - options.retention.as_secs() as i64);
-        self.run(move |db| {
-            db.sweep(
-                before,
-                Some(options.max_responses),
-                Some(options.max_conversations),
-            )
-        })
+        self.sweep_with(
+            before,
+            Some(options.max_responses),
+            Some(options.max_conversations),
+        )
         .await
+    }
+
+    /// Deletes what is older than `before` (Unix seconds), then the oldest past the
+    /// bounds given; how many rows went ([`HistoryStore::sweep`] with explicit bounds).
+    pub async fn sweep_with(
+        &self,
+        before: Option<i64>,
+        max_responses: Option<usize>,
+        max_conversations: Option<usize>,
+    ) -> Result<usize, HistoryError> {
+        self.run(|db| db.sweep(before, max_responses, max_conversations))
+            .await
     }
 }
 
@@ -247,95 +273,5 @@ pub fn unix_now() -> i64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-    use crate::records::Order;
-
-    fn options(backend: HistoryBackend) -> HistoryOptions {
-        HistoryOptions {
-            backend,
-            url: None,
-            retention: Duration::ZERO,
-            max_responses: 1000,
-            max_conversations: 1000,
-            timeout: Duration::from_secs(5),
-        }
-    }
-
-    #[tokio::test]
-    async fn the_memory_backend_serves_every_call() {
-        let store = HistoryStore::open(options(HistoryBackend::Memory)).unwrap();
-        let mut metadata = Metadata::new();
-        metadata.insert("topic".into(), "tests".into());
-        let (conv, items) = store
-            .create_conversation(
-                metadata,
-                vec![json!({"type": "message", "role": "user", "content": "hi"})],
-            )
-            .await
-            .unwrap();
-        assert_eq!(items.len(), 1);
-        assert_eq!(
-            store
-                .conversation(&conv.id)
-                .await
-                .unwrap()
-                .unwrap()
-                .metadata["topic"],
-            "tests"
-        );
-        let query = ListQuery {
-            after: None,
-            limit: 20,
-            order: Order::Desc,
-        };
-        assert_eq!(
-            store
-                .list_items(&conv.id, query)
-                .await
-                .unwrap()
-                .unwrap()
-                .items
-                .len(),
-            1
-        );
-        assert!(store.delete_conversation(&conv.id).await.unwrap());
-        assert!(store.conversation(&conv.id).await.unwrap().is_none());
-    }
-
-    #[tokio::test]
-    async fn no_backend_is_unavailable_and_sqlite_needs_a_path() {
-        let none = HistoryStore::open(options(HistoryBackend::None)).unwrap();
-        assert!(!none.enabled());
-        let refused = none.response("resp_1").await.unwrap_err();
-        assert!(
-            refused.to_string().contains("--history-backend none"),
-            "{refused}"
-        );
-        let missing = HistoryStore::open(options(HistoryBackend::Sqlite))
-            .err()
-            .unwrap();
-        assert!(missing.to_string().contains("--history-url"), "{missing}");
-    }
-
-    #[tokio::test]
-    async fn a_call_that_outlives_the_timeout_is_unavailable_not_a_hang() {
-        let mut slow = options(HistoryBackend::Memory);
-        slow.timeout = Duration::from_millis(50);
-        let store = HistoryStore::open(slow).unwrap();
-        // Hold the database, as a stuck call would.
-        let db = store.db.clone().unwrap();
-        let held = std::thread::spawn(move || {
-            let _guard = db.lock().unwrap();
-            std::thread::sleep(Duration::from_millis(300));
-        });
-        std::thread::sleep(Duration::from_millis(20));
-        let err = store.response("resp_1").await.unwrap_err();
-        assert!(matches!(err, HistoryError::Unavailable(_)), "{err}");
-        held.join().unwrap();
-        // Once free again, it answers.
-        assert!(store.response("resp_1").await.unwrap().is_none());
-    }
-}
+#[path = "store_tests.rs"]
+pub(crate) mod tests;
