@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use super::*;
-use crate::local_postgres::{start_for_test, LocalPostgres};
+use crate::local_postgres::start_for_test;
 use crate::store::tests::{all_items, message, options, turn};
 use crate::store::{unix_now, HistoryBackend, HistoryStore};
 
@@ -269,55 +269,63 @@ fn a_password_never_shows_in_a_url() {
     assert_eq!(redact("host=h user=u"), "host=h user=u");
 }
 
-/// put_response per second from one store, then from two stores on one database, each
-/// turn appending two items to one of 8 conversations. Run by hand:
-/// `cargo test -p pdserve-history --release -- --ignored --nocapture put_response_rate`.
+/// Turns stored per second by `callers` tasks on each of `replicas`, each task appending
+/// `per_caller` turns (two items each) to a conversation of its own index (so replicas
+/// contend for the same conversations' locks).
+async fn put_response_rate(replicas: &[HistoryStore], callers: usize, per_caller: usize) -> f64 {
+    let mut convs = Vec::new();
+    for _ in 0..callers {
+        let (conv, _) = replicas[0]
+            .create_conversation(Metadata::new(), vec![])
+            .await
+            .unwrap();
+        convs.push(conv.id);
+    }
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (r, store) in replicas.iter().enumerate() {
+        for (t, conv) in convs.iter().enumerate() {
+            let (store, conv) = (store.clone(), conv.clone());
+            tasks.push(tokio::spawn(async move {
+                for i in 0..per_caller {
+                    let id = crate::records::new_id(&format!("resp_{r}_{t}_{i}"));
+                    store
+                        .put_response(turn(&id, None, Some(&conv), unix_now()))
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    (replicas.len() * callers * per_caller) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// put_response per second from one store and from two on one database, with one caller
+/// and with 8 per store; SQLite's (a file) beside it. Run by hand:
+/// `cargo test -p pdserve-history -- --ignored --nocapture put_response_per_second`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement, run by hand"]
-async fn put_response_rate() {
-    let Some(server) = start_for_test("put_response_rate") else {
+async fn put_response_per_second() {
+    let Some(server) = start_for_test("put_response_per_second") else {
         return;
     };
-    const PER_TASK: usize = 250;
-    const TASKS_PER_STORE: usize = 8;
-    for stores in [1, 2] {
-        let replicas: Vec<_> = (0..stores)
-            .map(|_| open(&server.url(), Duration::from_secs(10)).unwrap())
-            .collect();
-        let mut convs = Vec::new();
-        for _ in 0..TASKS_PER_STORE {
-            let (conv, _) = replicas[0]
-                .create_conversation(Metadata::new(), vec![])
-                .await
-                .unwrap();
-            convs.push(conv.id);
-        }
-        let start = Instant::now();
-        let mut tasks = Vec::new();
-        for (r, store) in replicas.iter().enumerate() {
-            for (t, conv) in convs.iter().enumerate() {
-                let (store, conv) = (store.clone(), conv.clone());
-                tasks.push(tokio::spawn(async move {
-                    for i in 0..PER_TASK {
-                        let id = format!("resp_{stores}_{r}_{t}_{i}");
-                        store
-                            .put_response(turn(&id, None, Some(&conv), unix_now()))
-                            .await
-                            .unwrap();
-                    }
-                }));
-            }
-        }
-        for task in tasks {
-            task.await.unwrap();
-        }
-        let total = stores * TASKS_PER_STORE * PER_TASK;
-        let rate = total as f64 / start.elapsed().as_secs_f64();
-        eprintln!(
-            "put_response: {stores} store(s), {} concurrent callers: {total} turns in {:.2} s = {rate:.0}/s",
-            stores * TASKS_PER_STORE,
-            start.elapsed().as_secs_f64()
-        );
+    let pg = |_| open(&server.url(), Duration::from_secs(10)).unwrap();
+    for (stores, callers, per_caller) in [(1, 1, 1000), (1, 8, 250), (2, 1, 1000), (2, 8, 250)] {
+        let replicas: Vec<_> = (0..stores).map(pg).collect();
+        let rate = put_response_rate(&replicas, callers, per_caller).await;
+        eprintln!("PostgreSQL: {stores} store(s) x {callers} caller(s): {rate:.0} put_response/s");
     }
-    drop::<LocalPostgres>(server);
+    let file = std::env::temp_dir().join(format!("pdserve-rate-{}.db", std::process::id()));
+    let url = Some(file.display().to_string());
+    let sqlite = HistoryStore::open(options(HistoryBackend::Sqlite, url)).unwrap();
+    for callers in [1, 8] {
+        let rate = put_response_rate(std::slice::from_ref(&sqlite), callers, 2000 / callers).await;
+        eprintln!("SQLite file: 1 store x {callers} caller(s): {rate:.0} put_response/s");
+    }
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+    }
 }
