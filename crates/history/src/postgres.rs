@@ -21,7 +21,7 @@ use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 use deadpool_postgres::{
-    ClientWrapper, Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime,
+    ClientWrapper, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
 };
 use serde_json::Value;
 use tokio_postgres::NoTls;
@@ -109,6 +109,7 @@ impl PostgresStore {
             .recycle_timeout(Some(timeout))
             .build()
             .map_err(|e| open_error(e.to_string()))?;
+        tracing::info!(url = %redact(url), "history store opened (PostgreSQL)");
         Ok(Self { pool })
     }
 
@@ -137,11 +138,13 @@ impl PostgresStore {
     }
 
     async fn lease(&self) -> Result<Lease, HistoryError> {
-        let client = self
-            .pool
-            .get()
-            .await
-            .map_err(|e| HistoryError::Unavailable(e.to_string()))?;
+        let client = self.pool.get().await.map_err(|e| {
+            HistoryError::Unavailable(match &e {
+                // Its own message leaves out why ("error connecting to server").
+                PoolError::Backend(pg) => format!("cannot connect: {}", describe(pg)),
+                other => other.to_string(),
+            })
+        })?;
         Ok(Lease(Some(client)))
     }
 

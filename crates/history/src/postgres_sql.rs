@@ -56,7 +56,7 @@ const MIGRATIONS: &[&str] = &[
 /// Advisory lock keys (any constants no other program uses on the same database): one
 /// migration at a time when replicas start together, one sweep at a time across them.
 const MIGRATION_LOCK: i64 = 0x7064_7365_7276_0001;
-const SWEEP_LOCK: i64 = 0x7064_7365_7276_0002;
+pub(super) const SWEEP_LOCK: i64 = 0x7064_7365_7276_0002;
 
 /// Creates a conversation with `metadata` and its first `items`.
 pub(super) async fn create_conversation(

@@ -5,6 +5,7 @@
 
 use std::time::Instant;
 
+use super::sql::SWEEP_LOCK;
 use super::*;
 use crate::local_postgres::start_for_test;
 use crate::store::tests::{all_items, message, options, turn};
@@ -234,6 +235,30 @@ async fn a_call_stuck_behind_a_lock_times_out_and_its_connection_is_not_reused()
         .map(|i| i.body["content"][0]["text"].as_str().unwrap())
         .collect();
     assert_eq!(texts, ["after"]);
+}
+
+#[tokio::test]
+async fn a_sweep_while_another_replica_sweeps_deletes_nothing() {
+    let test = "a_sweep_while_another_replica_sweeps_deletes_nothing";
+    let Some(server) = start_for_test(test) else {
+        return;
+    };
+    let store = open(&server.url(), Duration::from_secs(5)).unwrap();
+    store
+        .put_response(turn("resp_old", None, None, 1))
+        .await
+        .unwrap();
+    // The other replica's sweep, holding the sweep lock.
+    let mut other = connect(&server.url()).await;
+    let sweeping = other.transaction().await.unwrap();
+    sweeping
+        .execute("SELECT pg_advisory_xact_lock($1)", &[&SWEEP_LOCK])
+        .await
+        .unwrap();
+    assert_eq!(store.sweep_with(Some(10), None, None).await.unwrap(), 0);
+    assert!(store.response("resp_old").await.unwrap().is_some());
+    sweeping.commit().await.unwrap();
+    assert_eq!(store.sweep_with(Some(10), None, None).await.unwrap(), 1);
 }
 
 #[tokio::test]
