@@ -4,10 +4,10 @@
 //! down ([`LocalPostgres::stop`]) and bring it back on the same port with the same data
 //! ([`LocalPostgres::start_again`]).
 //!
-//! It uses the installed server's programs (`pg_config --bindir`, else
-//! `/usr/lib/postgresql/*/bin`, else `initdb` on the PATH), run as the `postgres` user
-//! when this process is root (PostgreSQL refuses to run as root). Every step is bounded in
-//! time, so a server that never comes up is an error, not a hang.
+//! It uses the installed server's programs (`PDSERVE_POSTGRES_BINDIR` when set, else
+//! `pg_config --bindir`, else `/usr/lib/postgresql/*/bin`, else `initdb` on the PATH), run
+//! as the `postgres` user when this process is root (PostgreSQL refuses to run as root).
+//! Every step is bounded in time, so a server that never comes up is an error, not a hang.
 //!
 //! [`start_for_test`] holds the rule for tests: without the server's programs a test says
 //! `SKIPPED:` and returns, except under `CI=true`, where it fails (unless
@@ -278,6 +278,17 @@ fn find_bindir() -> Result<PathBuf, LocalPostgresError> {
             .iter()
             .all(|p| dir.join(p).is_file())
     };
+    if let Some(given) = std::env::var_os("PDSERVE_POSTGRES_BINDIR") {
+        let given = PathBuf::from(given);
+        return if complete(&given) {
+            Ok(given)
+        } else {
+            Err(Missing(format!(
+                "no initdb, pg_ctl and postgres in PDSERVE_POSTGRES_BINDIR={}",
+                given.display()
+            )))
+        };
+    }
     let mut candidates = Vec::new();
     let probe = std::env::temp_dir().join(format!("pdserve-pg-config-{}", unique()));
     if let Ok(out) = run_bounded(

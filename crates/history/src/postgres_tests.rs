@@ -292,6 +292,15 @@ fn a_password_never_shows_in_a_url() {
     );
     assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
     assert_eq!(redact("host=h user=u"), "host=h user=u");
+    let options = options(
+        HistoryBackend::Postgres,
+        Some("postgres://u:hunter2@h/db".into()),
+    );
+    let shown = format!("{options:?}");
+    assert!(
+        shown.contains("u:***@h") && !shown.contains("hunter2"),
+        "{shown}"
+    );
 }
 
 /// Turns stored per second by `callers` tasks on each of `replicas`, each task appending

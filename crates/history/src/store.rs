@@ -33,7 +33,7 @@ pub enum HistoryBackend {
 }
 
 /// How the history is kept.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct HistoryOptions {
     /// Which database.
     pub backend: HistoryBackend,
@@ -50,6 +50,20 @@ pub struct HistoryOptions {
     pub timeout: Duration,
 }
 
+impl std::fmt::Debug for HistoryOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The url may carry a password.
+        f.debug_struct("HistoryOptions")
+            .field("backend", &self.backend)
+            .field("url", &self.url.as_deref().map(redact))
+            .field("retention", &self.retention)
+            .field("max_responses", &self.max_responses)
+            .field("max_conversations", &self.max_conversations)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
 /// The gateway's history (see the module documentation). Cheap to clone.
 #[derive(Clone)]
 pub struct HistoryStore {
@@ -59,12 +73,8 @@ pub struct HistoryStore {
 
 impl std::fmt::Debug for HistoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The url may carry a password.
-        let url = self.options.url.as_deref().map(redact);
         f.debug_struct("HistoryStore")
-            .field("backend", &self.options.backend)
-            .field("url", &url)
-            .field("timeout", &self.options.timeout)
+            .field("options", &self.options)
             .finish_non_exhaustive()
     }
 }
