@@ -42,7 +42,7 @@ enum LogFormat {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// The whole stack on this machine: gateway plus workers on the default model.
-    Up(up::UpArgs),
+    Up(Box<up::UpArgs>),
     /// OpenAI-compatible gateway in front of prefill, decode and aggregated workers.
     Gateway(Box<pdserve_gateway::GatewayArgs>),
     /// The embedded CPU engine, serving a GGUF model as a prefill, decode or aggregated worker.
@@ -114,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
             .init(),
     }
     match cli.command {
-        Command::Up(args) => up::run(args).await?,
+        Command::Up(args) => up::run(*args).await?,
         Command::Gateway(args) => {
             let telemetry = telemetry::start(&args.tracing, "pdserve-gateway", None)?;
             let result = pdserve_gateway::run(*args).await;

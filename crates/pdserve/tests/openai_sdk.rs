@@ -33,6 +33,10 @@ const CONVERSATIONS_SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/sdk/conversations_sdk.py"
 );
+const REPLICAS_SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/sdk/conversations_replicas_sdk.py"
+);
 /// Bounds one run of the script (it is killed past this).
 const SCRIPT_TIMEOUT: Duration = Duration::from_secs(120);
 /// The SDK release the script needs (the Responses API's streaming events).
@@ -166,11 +170,18 @@ fn run_script(python: &str, base: &str, what: &str) -> Value {
 
 /// Runs `script` against `base`, bounded by [`SCRIPT_TIMEOUT`]; its JSON result.
 fn run(python: &str, script: &str, base: &str, what: &str) -> Value {
+    run_on(python, script, &[base], what)
+}
+
+/// Runs `script` with each of `bases`' API URLs as an argument, bounded by
+/// [`SCRIPT_TIMEOUT`]; its JSON result.
+fn run_on(python: &str, script: &str, bases: &[&str], what: &str) -> Value {
     let name = Path::new(script).file_name().unwrap().to_string_lossy();
-    let url = format!("{base}/v1");
+    let urls: Vec<String> = bases.iter().map(|b| format!("{b}/v1")).collect();
+    let url = urls.join(" ");
     let mut child = python_command(python)
         .arg(script)
-        .arg(&url)
+        .args(&urls)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -384,4 +395,68 @@ fn openai_sdk_drives_the_conversations_api() {
         (got["deleted"].as_bool(), got["gone"].as_u64()),
         (Some(true), Some(404))
     );
+}
+
+/// Bar D2-durable-history, the SDK's part: two gateway replicas on one PostgreSQL, a
+/// conversation created on one, its turns answered by both (the Responses API's
+/// `conversation` parameter appending each turn), listed and retrieved across them.
+#[test]
+fn openai_sdk_conversations_cross_gateway_replicas_on_postgres() {
+    let Some(python) = sdk_python() else {
+        return;
+    };
+    let Some(db) = pdserve_history::local_postgres::start_for_test(
+        "openai_sdk_conversations_cross_gateway_replicas_on_postgres",
+    ) else {
+        return;
+    };
+    let url = db.url();
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let up = Up::start(
+        &model,
+        &[
+            "--gateway-replicas",
+            "2",
+            "--history-backend",
+            "postgres",
+            "--history-url",
+            &url,
+        ],
+    );
+    let port: u16 = up.entry.rsplit(':').next().unwrap().parse().unwrap();
+    let second = format!("http://127.0.0.1:{}", port + 1);
+    let got = run_on(
+        &python,
+        REPLICAS_SCRIPT,
+        &[&up.entry, &second],
+        "pdserve up --gateway-replicas 2 (P/D, PostgreSQL)",
+    );
+    up.stop();
+    assert_eq!(got["first_conversation"], got["conversation"], "{got}");
+    assert_eq!(
+        got["roles"],
+        serde_json::json!(["user", "user", "assistant", "user", "assistant"]),
+        "{got}"
+    );
+    let texts: Vec<&str> = got["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        texts,
+        [
+            "My name is Ada.",
+            "What is my name?",
+            got["first_text"].as_str().unwrap(),
+            "Say it again.",
+            got["second_text"].as_str().unwrap()
+        ],
+        "{got}"
+    );
+    assert!(!texts[2].is_empty(), "{got}");
+    assert_eq!(got["retrieved"], got["first_id"]);
+    assert_eq!(got["retrieved_text"], got["first_text"]);
+    assert_eq!(got["metadata"], serde_json::json!({"topic": "replicas"}));
 }

@@ -71,10 +71,16 @@ impl Drop for RunningUp {
 /// `pdserve up --port P --cores 2 <extra>` once it printed its summary, and the summary's
 /// worker lines.
 fn start_up(port: u16, extra: &[&str]) -> (RunningUp, Vec<String>) {
+    start_up_with(port, extra, &[])
+}
+
+/// [`start_up`] with `env` set for the stack.
+fn start_up_with(port: u16, extra: &[&str], env: &[(&str, &str)]) -> (RunningUp, Vec<String>) {
     let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
     let mut up = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args(["up", "--port", &port.to_string(), "--cores", "2"])
         .args(extra)
+        .envs(env.iter().copied())
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::piped())
@@ -103,6 +109,69 @@ fn start_up(port: u16, extra: &[&str]) -> (RunningUp, Vec<String>) {
         }
     }
     (up, worker_lines)
+}
+
+/// `pdserve up` keeps history in SQLite under `$PDSERVE_HOME` by default: a conversation
+/// and a stored response outlive the stack that made them.
+#[test]
+fn a_conversation_survives_restarting_the_stack() {
+    let home = std::env::temp_dir().join(format!("pdserve-up-history-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let home_env = [("PDSERVE_HOME", home.to_str().unwrap())];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let http = reqwest::Client::new();
+    let call = |method: reqwest::Method, url: String, body: Option<serde_json::Value>| {
+        let request = http.request(method, url).timeout(Duration::from_secs(60));
+        let request = match body {
+            Some(body) => request.json(&body),
+            None => request,
+        };
+        rt.block_on(async {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<serde_json::Value>().await.unwrap())
+        })
+    };
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let (mut up, _) = start_up_with(port, &["--aggregated"], &home_env);
+    let (status, conversation) = call(
+        reqwest::Method::POST,
+        format!("{base}/v1/conversations"),
+        Some(serde_json::json!({"items": [{"role": "user", "content": "Remember me."}]})),
+    );
+    assert_eq!(status, 200, "{conversation}");
+    let (status, response) = call(
+        reqwest::Method::POST,
+        format!("{base}/v1/responses"),
+        Some(serde_json::json!({"input": "Hi.", "max_output_tokens": 4, "temperature": 0})),
+    );
+    assert_eq!(status, 200, "{response}");
+    assert!(up.stop().expect("up did not stop").success());
+    assert!(
+        home.join("history.sqlite").is_file(),
+        "no history.sqlite in {home:?}"
+    );
+
+    let (mut up, _) = start_up_with(port, &["--aggregated"], &home_env);
+    let conversation_id = conversation["id"].as_str().unwrap();
+    let (status, items) = call(
+        reqwest::Method::GET,
+        format!("{base}/v1/conversations/{conversation_id}/items"),
+        None,
+    );
+    assert_eq!(status, 200, "{items}");
+    assert_eq!(items["data"][0]["content"][0]["text"], "Remember me.");
+    let response_id = response["id"].as_str().unwrap();
+    let (status, stored) = call(
+        reqwest::Method::GET,
+        format!("{base}/v1/responses/{response_id}"),
+        None,
+    );
+    assert_eq!(status, 200, "{stored}");
+    assert_eq!(stored["output"], response["output"]);
+    assert!(up.stop().expect("up did not stop").success());
+    let _ = std::fs::remove_dir_all(&home);
 }
 
 /// The URL in a summary line "<role> worker at <url> on cores [..]".
