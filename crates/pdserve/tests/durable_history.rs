@@ -122,6 +122,25 @@ async fn two_gateways_on_one_postgres_share_a_chain_that_survives_a_restart() {
             ids.push(body["id"].as_str().unwrap().to_string());
         }
 
+        // Turns 2 and 3 continued a turn the other replica relayed: their prefill read the
+        // last decode's blocks with the handle kept in the database.
+        for base in &replicas {
+            let metrics = http
+                .get(format!("{base}/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let hits = metrics
+                .lines()
+                .find_map(|l| l.strip_prefix("pdserve_gateway_conversation_cache_hits_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or(0.0);
+            assert!(hits >= 1.0, "{base} read no kept handle:\n{metrics}");
+        }
+
         // Stored through one replica, read through the other; unknown ids are 404s.
         let got: Value = http
             .get(format!("{}/v1/responses/{}", replicas[0], ids[1]))

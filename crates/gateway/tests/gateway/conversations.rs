@@ -14,6 +14,7 @@ async fn gateway(backend: HistoryBackend, url: Option<String>) -> (Double, Gatew
     let mut config = GatewayConfig::new(Vec::new(), Vec::new(), urls(&[&w]));
     config.history.backend = backend;
     config.history.url = url;
+    config.max_body_bytes = 1 << 20;
     (w, Gateway::start(config).await)
 }
 
@@ -232,6 +233,36 @@ async fn bad_input_gets_a_400_that_names_the_parameter() {
             .await
             .unwrap();
         assert_eq!(response.status(), 400);
+        // Over --max-body-bytes: 413, for conversations and for Responses alike.
+        let huge = json!({"items": [{"role": "user", "content": "x".repeat(5 << 20)}]});
+        for path in ["/v1/conversations", items.as_str()] {
+            let (status, error) = call(&gw, "POST", path, Some(huge.clone())).await;
+            assert_eq!(status, 413, "{path}: {error}");
+        }
+        let huge_turn = json!({"input": "x".repeat(5 << 20), "conversation": id});
+        let (status, error) = call(&gw, "POST", "/v1/responses", Some(huge_turn)).await;
+        assert_eq!(status, 413, "{error}");
+        // A turn of a conversation that does not exist, and both ways of continuing.
+        let (status, error) = call(
+            &gw,
+            "POST",
+            "/v1/responses",
+            Some(json!({"input": "hi", "conversation": "conv_nope"})),
+        )
+        .await;
+        assert_eq!(
+            (status, error["error"]["param"].as_str()),
+            (404, Some("conversation"))
+        );
+        let (status, error) = call(
+            &gw,
+            "POST",
+            "/v1/responses",
+            Some(json!({"input": "hi", "conversation": id, "previous_response_id": "resp_1"})),
+        )
+        .await;
+        assert_eq!(status, 400, "{error}");
+        assert_eq!(error["error"]["code"], "mutually_exclusive_parameters");
     })
     .await;
 }
