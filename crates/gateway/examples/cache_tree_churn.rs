@@ -93,6 +93,7 @@ fn main() {
             notes: None,
             prefer: None,
             trace: None,
+            seen: None,
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

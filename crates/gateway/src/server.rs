@@ -323,10 +323,12 @@ async fn sglang_generate(
         // Only the gateway writes KV handles (the bootstrap fields are overwritten).
         body.remove("kv_transfer_params");
         let field = body.get("priority").map(Value::to_string);
+        ctx.slo = crate::ingress::slo::Slo::from_headers(&ctx.client_headers, state.settings.slo)?;
         let permit = match crate::ingress::admission::admit(
             &state.admission,
             field.as_deref(),
             &ctx.client_headers,
+            ctx.slo.ttft,
         )
         .await
         {

@@ -59,6 +59,8 @@ impl AppState {
         let mut metrics = Metrics::default();
         let history = metrics.history.clone();
         let serving_metrics = Arc::new(ServingMetrics::register(metrics.registry_mut(), history));
+        let predictor = Arc::new(crate::policy::predictor::LatencyPredictor::new());
+        predictor.register(metrics.registry_mut());
         let metrics = Arc::new(metrics);
         let registry = Arc::new(Registry::new(metrics.fleet.clone(), config.health));
         for spec in config.static_workers() {
@@ -119,6 +121,7 @@ impl AppState {
             metrics: serving_metrics,
             history: pdserve_history::HistoryStore::open(config.history.clone())
                 .map_err(|e| GatewayError::Config(e.to_string()))?,
+            predictor,
         };
         let instance = Arc::new(Instance::new());
         let worker_check = WorkerCheck {
@@ -186,5 +189,6 @@ fn leg_settings(config: &GatewayConfig) -> LegSettings {
         expose_routing: config.expose_routing,
         max_body_bytes: config.max_body_bytes,
         kv_secret: config.kv_secret.clone(),
+        slo: config.slo,
     }
 }

@@ -126,6 +126,17 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_CONVERSATION_TTL_SECS", default_value = "450", value_parser = parse_secs)]
     pub conversation_ttl_secs: Duration,
 
+    /// The time-to-first-token objective, in milliseconds, of requests without an
+    /// `x-slo-ttft-ms` header: the queue orders waiters by arrival + this (within their
+    /// priority), and the latency predictor aims at it. None by default.
+    #[arg(long, env = "PDSERVE_SLO_TTFT_MS", value_parser = crate::ingress::slo::parse_ms)]
+    pub slo_ttft_ms: Option<Duration>,
+
+    /// The time-per-output-token objective, in milliseconds, of requests without an
+    /// `x-slo-tpot-ms` header. None by default.
+    #[arg(long, env = "PDSERVE_SLO_TPOT_MS", value_parser = crate::ingress::slo::parse_ms)]
+    pub slo_tpot_ms: Option<Duration>,
+
     /// Most conversations whose KV handle is kept; the least recently used is dropped first.
     #[arg(long, env = "PDSERVE_MAX_CONVERSATIONS", default_value = "100000")]
     pub max_conversations: NonZeroUsize,

@@ -118,6 +118,8 @@ pub struct GatewayConfig {
     pub kv_secret: Option<String>,
     /// Where stored responses and conversations live.
     pub history: pdserve_history::HistoryOptions,
+    /// Latency objectives for requests that name none.
+    pub slo: crate::ingress::slo::Slo,
 }
 
 impl GatewayConfig {
@@ -180,6 +182,7 @@ impl GatewayConfig {
                 max_conversations: 100_000,
                 timeout: Duration::from_secs(2),
             },
+            slo: Default::default(),
         }
     }
 

@@ -203,6 +203,10 @@ impl GatewayArgs {
             worker_api_key: self.worker_api_key.clone().filter(|k| !k.is_empty()),
             kv_secret: self.kv_secret.clone().filter(|k| !k.is_empty()),
             history: self.history.to_options(),
+            slo: crate::ingress::slo::Slo {
+                ttft: self.slo_ttft_ms,
+                tpot: self.slo_tpot_ms,
+            },
         })
     }
 }

@@ -9,8 +9,9 @@ use crate::ingress::request::ClientRequest;
 use crate::legs::RequestContext;
 use crate::serving::Serving;
 
-/// What every generation route does before routing: admission (past
-/// `--max-concurrent-requests` the request waits, or is refused with the returned
+/// What every generation route does before routing: its latency objectives (a malformed
+/// `x-slo-*` header is a 400), admission (past `--max-concurrent-requests` the request
+/// waits, earliest deadline first within its priority, or is refused with the returned
 /// answer), then the prompt's token ids where routing or the length check reads them.
 pub async fn admit_and_count(
     state: &Serving,
@@ -18,9 +19,14 @@ pub async fn admit_and_count(
     request: &ClientRequest,
 ) -> Result<crate::ingress::admission::Permit, Response> {
     crate::observe::trace::describe(ctx.trace.as_ref(), request);
+    ctx.slo = crate::ingress::slo::Slo::from_headers(&ctx.client_headers, state.settings.slo)
+        .map_err(IntoResponse::into_response)?;
+    ctx.journey.learn_into(state.predictor.clone());
     let field = request.verbatim_number("priority");
+    let ttft = ctx.slo.ttft;
     let permit =
-        crate::ingress::admission::admit(&state.admission, field, &ctx.client_headers).await?;
+        crate::ingress::admission::admit(&state.admission, field, &ctx.client_headers, ttft)
+            .await?;
     if let Some(tokenizer) = &state.tokenizer {
         if state.routing_reads_tokens
             || crate::ingress::prompt_tokens::may_overflow(request, state.model_lens.smallest())

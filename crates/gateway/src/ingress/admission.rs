@@ -1,6 +1,8 @@
 //! Overload control: at most `--max-concurrent-requests` generation requests run at once;
 //! the others wait in a queue of at most `--queue-size`, ordered by priority (lower value
-//! first, as vLLM's `priority`) and then by arrival, for at most `--queue-timeout-secs`.
+//! first, as vLLM's `priority`), then by deadline (arrival + the request's TTFT objective,
+//! `x-slo-ttft-ms` or `--slo-ttft-ms`; without one, arrival + `--queue-timeout-secs`),
+//! then by arrival, for at most `--queue-timeout-secs`.
 //! A full queue is a 429 and a wait that ran out a 408, both with `Retry-After`; a client
 //! that leaves while queued frees its place at once.
 
@@ -50,12 +52,13 @@ pub async fn admit(
     admission: &Arc<Admission>,
     field: Option<&str>,
     headers: &HeaderMap,
+    ttft: Option<Duration>,
 ) -> Result<Permit, Response> {
     if admission.max_running == 0 {
         return Ok(Permit { admission: None });
     }
     let priority = priority(field, headers).map_err(IntoResponse::into_response)?;
-    let rejection = match admission.admit(priority).await {
+    let rejection = match admission.admit_by(priority, ttft).await {
         Ok(permit) => return Ok(permit),
         Err(rejection) => rejection,
     };
@@ -171,8 +174,9 @@ impl Rejection {
     }
 }
 
-/// A waiting request's place: priority, then arrival.
-type Place = (i64, u64);
+/// A waiting request's place: priority, then deadline (microseconds after the admission
+/// began), then arrival.
+type Place = (i64, u64, u64);
 
 #[derive(Default)]
 struct Queue {
@@ -188,6 +192,8 @@ pub struct Admission {
     timeout: Duration,
     queue: Mutex<Queue>,
     metrics: Arc<AdmissionMetrics>,
+    /// What deadlines are counted from.
+    epoch: Instant,
 }
 
 /// A place among the running requests; dropping it hands the place to the first waiter.
@@ -247,6 +253,7 @@ impl Admission {
             timeout,
             queue: Mutex::default(),
             metrics,
+            epoch: Instant::now(),
         })
     }
 
@@ -262,6 +269,16 @@ impl Admission {
     /// A running place for a request of `priority`: at once, after waiting its turn, or
     /// refused.
     pub async fn admit(self: &Arc<Self>, priority: i64) -> Result<Permit, Rejection> {
+        self.admit_by(priority, None).await
+    }
+
+    /// [`Self::admit`] for a request whose first token is due within `ttft`: among
+    /// waiters of one priority, the earliest deadline goes first.
+    pub async fn admit_by(
+        self: &Arc<Self>,
+        priority: i64,
+        ttft: Option<Duration>,
+    ) -> Result<Permit, Rejection> {
         let permit = || Permit {
             admission: Some(self.clone()),
         };
@@ -280,7 +297,9 @@ impl Admission {
                 self.metrics.record_rejection(Rejection::QueueFull.reason());
                 return Err(Rejection::QueueFull);
             }
-            let place = (priority, queue.next_arrival);
+            let due = started + ttft.unwrap_or(self.timeout);
+            let deadline = due.saturating_duration_since(self.epoch).as_micros() as u64;
+            let place = (priority, deadline, queue.next_arrival);
             queue.next_arrival += 1;
             let (tx, rx) = oneshot::channel();
             queue.waiting.insert(place, tx);
@@ -365,6 +384,40 @@ mod tests {
         }
         assert_eq!(*order.lock().unwrap(), ["high-1", "high-2", "mid", "low"]);
         assert_eq!(a.lock().running, 0);
+    }
+
+    #[tokio::test]
+    async fn within_a_priority_the_earliest_deadline_goes_first() {
+        let a = admission(1, 8, 5_000);
+        let running = a.admit(0).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        // (name, priority, TTFT objective in ms): arrival order is the list's.
+        for (name, priority, ttft) in [
+            ("relaxed", 0, Some(4_000)),
+            ("none", 0, None),
+            ("urgent", 0, Some(100)),
+            ("later-priority", 1, Some(10)),
+            ("soon", 0, Some(1_000)),
+        ] {
+            let (a, order) = (a.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                let ttft = ttft.map(Duration::from_millis);
+                let permit = a.admit_by(priority, ttft).await.unwrap();
+                order.lock().unwrap().push(name);
+                drop(permit);
+            }));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(running);
+        for task in tasks {
+            task.await.unwrap();
+        }
+        // Without an objective, the queue timeout (5 s) is the deadline.
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["urgent", "soon", "relaxed", "none", "later-priority"]
+        );
     }
 
     #[tokio::test]

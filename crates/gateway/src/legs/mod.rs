@@ -58,6 +58,8 @@ pub struct RequestContext {
     pub journey: std::sync::Arc<crate::observe::journey::Journey>,
     /// The request's server span, when it is traced (`--otlp-traces-endpoint`).
     pub trace: Option<pdserve_telemetry::Context>,
+    /// Its latency objectives (`x-slo-*` headers, else `--slo-*`), set at intake.
+    pub slo: crate::ingress::slo::Slo,
 }
 
 impl RequestContext {
@@ -78,6 +80,7 @@ impl RequestContext {
             routing_notes: None,
             journey: std::sync::Arc::new(journey),
             trace,
+            slo: Default::default(),
         }
     }
 
@@ -96,6 +99,7 @@ impl RequestContext {
             notes: self.routing_notes.as_deref(),
             trace: self.trace.as_ref(),
             prefer: None,
+            seen: Some(self.journey.seen()),
         }
     }
 }

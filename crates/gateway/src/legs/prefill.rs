@@ -220,6 +220,7 @@ async fn prefill_once(
     let span = crate::observe::trace::leg(ctx.trace.as_ref(), "prefill", worker, url.as_str());
     let headers = crate::observe::trace::leg_headers(&ctx.headers, span.as_ref());
     let request = state.client.leg_request(url, body, &headers, rank);
+    let sent = Instant::now();
     let result = send_prefill(state, worker, Ok(request), None, None, |body| {
         parse_prefill_answer(body).map(|answer| PrefillAnswer {
             body: body.clone(),
@@ -227,6 +228,9 @@ async fn prefill_once(
         })
     })
     .await;
+    if result.is_ok() {
+        ctx.journey.prefill_took(worker, sent.elapsed());
+    }
     crate::observe::trace::leg_done(span, &result);
     result
 }

@@ -1,11 +1,13 @@
 //! A request's journey as the dashboard shows it: which workers served it, in which
 //! mode, and how it ended. One per generation request (in its `RequestContext`); the
 //! legs note the workers that answered, and whoever sees the answer end (the route's
-//! tail for a body, the relay for a stream) files it in the [`History`] once.
+//! tail for a body, the relay for a stream) files it in the [`History`] once. Filing
+//! also teaches the latency predictor what each worker's part took, against how the
+//! worker looked when it was chosen.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use http::HeaderValue;
 use pdserve_protocol::WorkerRole;
@@ -13,6 +15,7 @@ use pdserve_protocol::WorkerRole;
 use super::history::History;
 use super::request_record::{Finished, Hop, Mode, RequestRecord};
 use crate::fleet::registry::Worker;
+use crate::policy::predictor::{Features, LatencyPredictor, SeenFeatures, Target};
 use crate::policy::CacheMatch;
 
 #[derive(Debug, Default)]
@@ -36,6 +39,12 @@ pub struct Journey {
     /// relay sent it (the prefill's first token, sent before the decode worker answers).
     first_byte: OnceLock<Instant>,
     filed: AtomicBool,
+    /// The chosen workers' features, noted by routing.
+    seen: SeenFeatures,
+    /// The predictor that learns from this request when it is filed.
+    learning: OnceLock<Arc<LatencyPredictor>>,
+    /// The prefill leg that succeeded last: its worker and how long it took.
+    prefill_leg: Mutex<Option<(String, Duration)>>,
 }
 
 impl Journey {
@@ -49,7 +58,26 @@ impl Journey {
             relayed: AtomicBool::new(false),
             first_byte: OnceLock::new(),
             filed: AtomicBool::new(false),
+            seen: SeenFeatures::default(),
+            learning: OnceLock::new(),
+            prefill_leg: Mutex::new(None),
         }
+    }
+
+    /// Where routing notes the chosen workers' features.
+    pub fn seen(&self) -> &SeenFeatures {
+        &self.seen
+    }
+
+    /// Has `predictor` learn from this request once it is filed.
+    pub fn learn_into(&self, predictor: Arc<LatencyPredictor>) {
+        let _ = self.learning.set(predictor);
+    }
+
+    /// Notes that the prefill leg on `worker` answered after `took`.
+    pub fn prefill_took(&self, worker: &Worker, took: Duration) {
+        *self.prefill_leg.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((worker.base.clone(), took));
     }
 
     /// When the request arrived.
@@ -112,6 +140,20 @@ impl Journey {
             (Some(_), _, None) => Mode::Disaggregated,
             (None, None, None) => Mode::Unrouted,
         };
+        if let Some(predictor) = self.learning.get() {
+            let prefill = self
+                .prefill_leg
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            let lesson = Lesson {
+                predictor,
+                seen: &self.seen,
+                finished: &finished,
+                prefill,
+            };
+            lesson.teach(mode, &route);
+        }
         history.finish(RequestRecord {
             finished_at: SystemTime::now(),
             request_id: self.request_id.clone(),
@@ -122,5 +164,83 @@ impl Journey {
             worker: route.worker,
             finished,
         });
+    }
+}
+
+/// What a filed request teaches the predictor.
+struct Lesson<'a> {
+    predictor: &'a LatencyPredictor,
+    seen: &'a SeenFeatures,
+    finished: &'a Finished,
+    /// The prefill leg's worker and duration, over P/D.
+    prefill: Option<(String, Duration)>,
+}
+
+impl Lesson<'_> {
+    /// Each worker's part, by the mode: an aggregated worker's (or a decode worker
+    /// prefilling alone) TTFT and TPOT; over P/D the prefill leg's duration as the prefill
+    /// worker's TTFT, the rest of the client's TTFT as the decode worker's (it computes
+    /// nothing of the prompt: its features say no uncached tokens), and its TPOT. Only
+    /// requests that ended well teach; a body has no TTFT, only its prefill leg.
+    fn teach(&self, mode: Mode, route: &Route) {
+        if self.finished.outcome != "ok" {
+            return;
+        }
+        let ttft = self.finished.ttft;
+        let tpot = self.finished.itl;
+        match mode {
+            Mode::Aggregated => self.both(route.worker.as_ref(), ttft, tpot, |f| f),
+            Mode::PrefillSkipped => self.both(route.decode.as_ref(), ttft, tpot, |f| f),
+            Mode::Disaggregated => {
+                let Some((prefill_worker, took)) = &self.prefill else {
+                    return;
+                };
+                self.one(
+                    WorkerRole::Prefill,
+                    prefill_worker,
+                    Target::Ttft,
+                    Some(*took),
+                    |f| f,
+                );
+                let after_prefill = ttft.and_then(|t| t.checked_sub(*took));
+                let imported = |f: Features| Features {
+                    uncached_tokens: 0.0,
+                    ..f
+                };
+                self.both(route.decode.as_ref(), after_prefill, tpot, imported);
+            }
+            _ => {}
+        }
+    }
+
+    fn both(
+        &self,
+        hop: Option<&Hop>,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+        adjust: impl Fn(Features) -> Features + Copy,
+    ) {
+        let Some(hop) = hop else {
+            return;
+        };
+        let role = hop.worker.role();
+        self.one(role, &hop.worker.base, Target::Ttft, ttft, adjust);
+        self.one(role, &hop.worker.base, Target::Tpot, tpot, adjust);
+    }
+
+    fn one(
+        &self,
+        role: WorkerRole,
+        worker: &str,
+        target: Target,
+        actual: Option<Duration>,
+        adjust: impl Fn(Features) -> Features,
+    ) {
+        let (Some(features), Some(actual)) = (self.seen.of(worker), actual) else {
+            return;
+        };
+        let ms = actual.as_secs_f64() * 1000.0;
+        self.predictor
+            .observe(role, target, worker, adjust(features), ms);
     }
 }

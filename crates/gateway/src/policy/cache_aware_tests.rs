@@ -40,6 +40,7 @@ fn cached(
         notes: None,
         prefer: None,
         trace: None,
+        seen: None,
     };
     policy.cached_prefix(role, ws, &route)
 }

@@ -247,6 +247,7 @@ fn token_prompt<'a>(headers: &'a http::HeaderMap, tokens: &'a [u32]) -> RouteReq
         notes: None,
         prefer: None,
         trace: None,
+        seen: None,
     }
 }
 

@@ -16,6 +16,7 @@ pub mod fleet_bench;
 mod in_flight;
 mod power_of_two;
 mod precise_prefix;
+pub mod predictor;
 pub mod prefix_tree;
 mod random;
 mod round_robin;
@@ -63,6 +64,9 @@ pub struct RouteRequest<'a> {
     pub prefer: Option<&'a str>,
     /// The request's span, under which each choice records a `routing` span.
     pub trace: Option<&'a pdserve_telemetry::Context>,
+    /// Where the chosen workers' features are noted, for the latency predictor to learn
+    /// from once the request ends.
+    pub seen: Option<&'a predictor::SeenFeatures>,
 }
 
 /// Where a cache match came from.
@@ -157,6 +161,7 @@ impl<'a> RouteRequest<'a> {
             notes: None,
             prefer: None,
             trace: None,
+            seen: None,
         }
     }
 

@@ -143,6 +143,7 @@ mod tests {
             notes: None,
             prefer: None,
             trace: None,
+            seen: None,
         }
     }
 

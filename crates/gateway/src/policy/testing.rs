@@ -73,6 +73,7 @@ pub fn pick(
         notes: None,
         prefer: None,
         trace: None,
+        seen: None,
     };
     policy
         .select(role, candidates, &route)

@@ -6,6 +6,7 @@
 pub mod metrics;
 pub mod settings;
 
+use crate::policy::predictor::{features_of, LatencyPredictor};
 use std::sync::Arc;
 
 use pdserve_protocol::{ApiError, WorkerRole};
@@ -52,6 +53,8 @@ pub struct Serving {
     pub metrics: Arc<ServingMetrics>,
     /// Stored responses and conversations (`--history-backend`).
     pub history: pdserve_history::HistoryStore,
+    /// TTFT and TPOT predictions per role, learned from finished requests.
+    pub predictor: Arc<LatencyPredictor>,
 }
 
 impl Serving {
@@ -203,8 +206,9 @@ const ANY_ROLE: [WorkerRole; 3] = [
 ];
 
 /// The policy's choice and its cache match, noted for the response headers where the
-/// request keeps notes (`--expose-routing`); the match is looked for only then and for a
-/// traced request (its `routing` span shows it).
+/// request keeps notes (`--expose-routing`) and, with the worker's load, for the latency
+/// predictor; the match is looked for only then and for a traced request (its `routing`
+/// span shows it).
 fn choose(
     policy: &dyn Policy,
     role: WorkerRole,
@@ -216,12 +220,20 @@ fn choose(
             return Some((worker.clone(), None));
         }
     }
-    if route.notes.is_none() && route.trace.is_none() {
+    let learns = route.seen.is_some() && route.tokens.is_some();
+    if route.notes.is_none() && route.trace.is_none() && !learns {
         return policy.select(role, candidates, route).map(|w| (w, None));
     }
     let choice = policy.choose(role, candidates, route)?;
     if let (Some(notes), Some(cache)) = (route.notes, choice.cache) {
         notes.record(&choice.worker, cache);
+    }
+    // The predictor learns from choices whose cache match is known in tokens.
+    if let (Some(seen), Some(tokens), Some(cache)) = (route.seen, route.tokens, choice.cache) {
+        if cache.tokens {
+            let features = features_of(&choice.worker, tokens.len(), cache.matched);
+            seen.note(&choice.worker.base, features);
+        }
     }
     Some((choice.worker, choice.cache))
 }

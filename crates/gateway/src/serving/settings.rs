@@ -63,4 +63,6 @@ pub struct LegSettings {
     pub max_body_bytes: usize,
     /// The workers' KV transfer secret, for release calls.
     pub kv_secret: Option<String>,
+    /// Objectives for requests that name none (`--slo-ttft-ms`, `--slo-tpot-ms`).
+    pub slo: crate::ingress::slo::Slo,
 }

@@ -1,0 +1,548 @@
+//! Latency predictions for serving to an SLO: for a candidate worker of a role, the time
+//! to first token and the time per output token a request would see there, from what the
+//! gateway knows when it routes (the worker's queue and running counts and KV use from its
+//! `/metrics`, this gateway's requests in flight on it, the prompt's length and how much of
+//! it the worker holds).
+//!
+//! One model per role and target, trained online from every finished request: recursive
+//! least squares with forgetting (so it follows a fleet whose speed drifts) over a few
+//! features, bounded in memory (an 8 × 8 matrix each), starting from a prior that is
+//! sensible before the first sample. Each worker also keeps a correction factor of its
+//! own (a slower machine in a pool), dropped when the worker leaves. The mean absolute
+//! percentage error over a recent window is published as
+//! `pdserve_gateway_predictor_error_ratio{role,target}`.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
+use pdserve_protocol::WorkerRole;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::fleet::registry::Worker;
+
+/// What is predicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// Time to first token (for a prefill worker: its leg; for a decode worker after a
+    /// transfer: from the prefill leg's end to the first token).
+    Ttft,
+    /// Time per output token after the first.
+    Tpot,
+}
+
+impl Target {
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Target::Ttft => "ttft",
+            Target::Tpot => "tpot",
+        }
+    }
+}
+
+/// The largest queue or running count believed: a worker reporting more is reporting
+/// nonsense, and its prediction is unknown.
+const MAX_COUNT: f64 = 100_000.0;
+/// The longest prompt believed, in tokens.
+const MAX_TOKENS: f64 = 10_000_000.0;
+
+/// What the gateway knows of a candidate worker when it routes a request to it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Features {
+    /// Prompt tokens the worker must compute (not in its cache).
+    pub uncached_tokens: f64,
+    /// Prompt tokens in all (what a transfer moves; the context decode attends over).
+    pub prompt_tokens: f64,
+    /// Requests waiting in the worker's queue (its `/metrics`).
+    pub waiting: f64,
+    /// Requests running on it (its `/metrics`).
+    pub running: f64,
+    /// Requests this gateway has in flight on it, this one not counted.
+    pub in_flight: f64,
+    /// The share of its KV cache in use, 0 to 1.
+    pub kv_usage: f64,
+}
+
+/// How `worker` looks for a prompt of `prompt_tokens` of which it holds `matched`: its
+/// last reported queue and KV use (none reported: only this gateway's count is known),
+/// and this gateway's requests on it.
+pub fn features_of(worker: &Worker, prompt_tokens: usize, matched: usize) -> Features {
+    let reported = worker.reported_load();
+    Features {
+        uncached_tokens: prompt_tokens.saturating_sub(matched) as f64,
+        prompt_tokens: prompt_tokens as f64,
+        waiting: reported.map_or(0.0, |r| r.waiting),
+        running: reported.map_or(0.0, |r| r.running),
+        in_flight: worker.in_flight().max(0) as f64,
+        kv_usage: reported.and_then(|r| r.kv_usage).unwrap_or(0.0),
+    }
+}
+
+/// Length of a model's input vector.
+const DIM: usize = 8;
+
+impl Features {
+    /// The features checked: `None` when any is not a finite, non-negative number within
+    /// bounds (a worker that reports nonsense gets no prediction, so it cannot draw every
+    /// request to itself).
+    pub fn checked(self) -> Option<Self> {
+        let counts = [self.waiting, self.running, self.in_flight];
+        let tokens = [self.uncached_tokens, self.prompt_tokens];
+        let sane = counts
+            .iter()
+            .all(|c| c.is_finite() && (0.0..=MAX_COUNT).contains(c))
+            && tokens
+                .iter()
+                .all(|t| t.is_finite() && (0.0..=MAX_TOKENS).contains(t))
+            && self.kv_usage.is_finite();
+        sane.then_some(Self {
+            kv_usage: self.kv_usage.clamp(0.0, 1.0),
+            ..self
+        })
+    }
+
+    /// The model's input: a constant, the work (uncached thousands of tokens, and its
+    /// square for attention), the load (the larger of the reported and the gateway's own
+    /// count, since the scrape lags), the work queued behind the load, the context, and
+    /// KV use.
+    fn vector(&self) -> [f64; DIM] {
+        let work = self.uncached_tokens / 1000.0;
+        let load = (self.waiting + self.running).max(self.in_flight);
+        let context = self.prompt_tokens / 1000.0;
+        [
+            1.0,
+            work,
+            work * work,
+            load,
+            load * work,
+            self.waiting,
+            context,
+            self.kv_usage,
+        ]
+    }
+}
+
+/// A prediction for one worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    /// Predicted milliseconds.
+    pub ms: f64,
+    /// Whether the model has learned from enough requests to be trusted over the prior.
+    pub trained: bool,
+}
+
+/// Samples after which a model counts as trained.
+pub const TRAINED_AFTER: u64 = 50;
+/// Recent absolute percentage errors kept per model.
+const ERROR_WINDOW: usize = 256;
+/// How much of the past each sample keeps (recursive least squares' forgetting factor):
+/// the model's memory is about 1 / (1 − λ) = 500 samples.
+const FORGETTING: f64 = 0.998;
+/// The prior's confidence: the initial covariance's diagonal (large: data wins fast).
+const PRIOR_COVARIANCE: f64 = 1.0e4;
+/// The shortest and longest predictions made, in milliseconds.
+const MIN_MS: f64 = 0.05;
+const MAX_MS: f64 = 3_600_000.0;
+/// How fast a worker's own correction follows its errors.
+const BIAS_RATE: f64 = 0.05;
+
+/// Recursive least squares over [`Features::vector`].
+#[derive(Debug, Clone)]
+struct Model {
+    theta: [f64; DIM],
+    p: [[f64; DIM]; DIM],
+    samples: u64,
+    errors: Vec<f64>,
+    next_error: usize,
+}
+
+impl Model {
+    /// A model starting from `prior` weights.
+    fn new(prior: [f64; DIM]) -> Self {
+        let mut p = [[0.0; DIM]; DIM];
+        for (i, row) in p.iter_mut().enumerate() {
+            row[i] = PRIOR_COVARIANCE;
+        }
+        Self {
+            theta: prior,
+            p,
+            samples: 0,
+            errors: Vec::with_capacity(ERROR_WINDOW),
+            next_error: 0,
+        }
+    }
+
+    fn predict(&self, x: &[f64; DIM]) -> f64 {
+        let y: f64 = self.theta.iter().zip(x).map(|(t, v)| t * v).sum();
+        y.clamp(MIN_MS, MAX_MS)
+    }
+
+    fn learn(&mut self, x: &[f64; DIM], actual: f64) {
+        let px: Vec<f64> = (0..DIM)
+            .map(|i| (0..DIM).map(|j| self.p[i][j] * x[j]).sum())
+            .collect();
+        let denom = FORGETTING + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
+        if !denom.is_finite() || denom <= 0.0 {
+            return;
+        }
+        let gain: Vec<f64> = px.iter().map(|v| v / denom).collect();
+        let raw: f64 = self.theta.iter().zip(x).map(|(t, v)| t * v).sum();
+        let residual = actual - raw;
+        for (t, g) in self.theta.iter_mut().zip(&gain) {
+            *t += g * residual;
+        }
+        // P = (P − g xᵀP) / λ, with xᵀP = (P x)ᵀ since P stays symmetric.
+        for (row, g) in self.p.iter_mut().zip(&gain) {
+            for (v, x) in row.iter_mut().zip(&px) {
+                *v = (*v - g * x) / FORGETTING;
+            }
+        }
+        // Forgetting without fresh excitation lets P grow without bound: cap it.
+        let trace: f64 = (0..DIM).map(|i| self.p[i][i]).sum();
+        if !trace.is_finite() || trace > PRIOR_COVARIANCE * DIM as f64 {
+            let scale = if trace.is_finite() {
+                PRIOR_COVARIANCE * DIM as f64 / trace
+            } else {
+                0.0
+            };
+            for row in &mut self.p {
+                for v in row.iter_mut() {
+                    *v *= scale;
+                }
+            }
+            if scale == 0.0 {
+                *self = Self {
+                    samples: self.samples,
+                    ..Self::new(self.theta)
+                };
+            }
+        }
+        if self.theta.iter().any(|t| !t.is_finite()) {
+            *self = Self::new(prior_weights(Target::Ttft));
+        }
+        self.samples += 1;
+    }
+
+    fn record_error(&mut self, ape: f64) {
+        if self.errors.len() < ERROR_WINDOW {
+            self.errors.push(ape);
+        } else {
+            self.errors[self.next_error] = ape;
+        }
+        self.next_error = (self.next_error + 1) % ERROR_WINDOW;
+    }
+
+    fn error_ratio(&self) -> Option<f64> {
+        (!self.errors.is_empty())
+            .then(|| self.errors.iter().sum::<f64>() / self.errors.len() as f64)
+    }
+}
+
+/// Weights before any sample: a small constant, a few tens of milliseconds per thousand
+/// uncached tokens, and every request ahead costing about as much as this one.
+fn prior_weights(target: Target) -> [f64; DIM] {
+    match target {
+        //          1     work  work²  load  load·work  waiting  context  kv
+        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 60.0, 20.0, 0.0, 0.0],
+        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0],
+    }
+}
+
+/// The features of the workers one request was routed to, noted when each was chosen:
+/// what the predictor learns from once the request's latencies are known.
+#[derive(Debug, Default)]
+pub struct SeenFeatures {
+    seen: Mutex<Vec<(String, Features)>>,
+}
+
+impl SeenFeatures {
+    /// Notes that `worker` (its base URL) was chosen looking like `features` (a retried
+    /// leg's worker replaces nothing: each worker keeps its own entry).
+    pub fn note(&self, worker: &str, features: Features) {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.retain(|(base, _)| base != worker);
+        seen.push((worker.to_string(), features));
+    }
+
+    /// How `worker` looked when it was chosen.
+    pub fn of(&self, worker: &str) -> Option<Features> {
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.iter()
+            .find(|(base, _)| base == worker)
+            .map(|(_, f)| *f)
+    }
+}
+
+/// Labels of the error gauge.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ErrorLabels {
+    role: &'static str,
+    target: &'static str,
+}
+
+/// The predictors of every role (see the module documentation).
+#[derive(Debug)]
+pub struct LatencyPredictor {
+    /// Per role index ([`super::role_index`]) and target.
+    models: Mutex<Vec<[Model; 2]>>,
+    /// Per (worker, target): the log of its typical actual / predicted.
+    bias: Mutex<HashMap<(String, Target), f64>>,
+    errors: Family<ErrorLabels, Gauge<f64, AtomicU64>>,
+}
+
+impl Default for LatencyPredictor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LatencyPredictor {
+    /// Untrained predictors, at their priors.
+    pub fn new() -> Self {
+        let models = (0..4)
+            .map(|_| {
+                [
+                    Model::new(prior_weights(Target::Ttft)),
+                    Model::new(prior_weights(Target::Tpot)),
+                ]
+            })
+            .collect();
+        Self {
+            models: Mutex::new(models),
+            bias: Mutex::new(HashMap::new()),
+            errors: Family::default(),
+        }
+    }
+
+    /// Registers `predictor_error_ratio` in `registry` (prefixed as the registry is).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "predictor_error_ratio",
+            "Mean absolute percentage error of the latency predictions over the last 256 \
+             finished requests, by role and target (ttft, tpot), as a ratio",
+            self.errors.clone(),
+        );
+    }
+
+    /// What `worker` (its base URL), of `role`, would give a request with `features`;
+    /// `None` when its features are nonsense.
+    pub fn predict(
+        &self,
+        role: WorkerRole,
+        target: Target,
+        worker: &str,
+        features: Features,
+    ) -> Option<Prediction> {
+        let features = features.checked()?;
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let model = &models[super::role_index(role)][target.index()];
+        let bias = self
+            .bias
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(worker.to_string(), target))
+            .copied()
+            .unwrap_or(0.0);
+        Some(Prediction {
+            ms: (model.predict(&features.vector()) * bias.exp()).clamp(MIN_MS, MAX_MS),
+            trained: model.samples >= TRAINED_AFTER,
+        })
+    }
+
+    /// Learns that a request routed to `worker` with `features` took `actual_ms`: its
+    /// prediction's error is recorded first (what the metric reports is the error of
+    /// predictions made before their outcome was known).
+    pub fn observe(
+        &self,
+        role: WorkerRole,
+        target: Target,
+        worker: &str,
+        features: Features,
+        actual_ms: f64,
+    ) {
+        let Some(features) = features.checked() else {
+            return;
+        };
+        if !actual_ms.is_finite() || actual_ms <= 0.0 || actual_ms > MAX_MS {
+            return;
+        }
+        let predicted = self.predict(role, target, worker, features).map(|p| p.ms);
+        let x = features.vector();
+        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let model = &mut models[super::role_index(role)][target.index()];
+        if let Some(predicted) = predicted {
+            model.record_error((predicted - actual_ms).abs() / actual_ms);
+        }
+        let pooled = model.predict(&x);
+        model.learn(&x, actual_ms);
+        if let Some(ratio) = model.error_ratio() {
+            self.errors
+                .get_or_create(&ErrorLabels {
+                    role: role.as_str(),
+                    target: target.name(),
+                })
+                .set(ratio);
+        }
+        drop(models);
+        // The worker's own correction, against the pooled model's prediction.
+        let mut bias = self.bias.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = bias.entry((worker.to_string(), target)).or_insert(0.0);
+        let log_ratio = (actual_ms / pooled).ln().clamp(-3.0, 3.0);
+        *entry += BIAS_RATE * (log_ratio - *entry);
+    }
+
+    /// The recent mean absolute percentage error of `role`'s `target` predictions.
+    pub fn error_ratio(&self, role: WorkerRole, target: Target) -> Option<f64> {
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        models[super::role_index(role)][target.index()].error_ratio()
+    }
+
+    /// Whether `role`'s `target` model has learned enough to be trusted.
+    pub fn trained(&self, role: WorkerRole, target: Target) -> bool {
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        models[super::role_index(role)][target.index()].samples >= TRAINED_AFTER
+    }
+
+    /// Forgets the workers whose base URL is not in `live` (their corrections leave with
+    /// them).
+    pub fn retain_workers(&self, live: &[&str]) {
+        self.bias
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(worker, _), _| live.contains(&worker.as_str()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn features(uncached: f64, load: f64) -> Features {
+        Features {
+            uncached_tokens: uncached,
+            prompt_tokens: uncached + 100.0,
+            waiting: load / 2.0,
+            running: load / 2.0,
+            in_flight: load,
+            kv_usage: 0.2,
+        }
+    }
+
+    /// A worker whose TTFT is 30 ms + 0.1 ms per uncached token, times one more for each
+    /// request ahead.
+    fn truth(f: &Features) -> f64 {
+        (30.0 + 0.1 * f.uncached_tokens) * (1.0 + f.in_flight)
+    }
+
+    #[test]
+    fn it_learns_a_worker_to_within_ten_percent() {
+        let p = LatencyPredictor::new();
+        let role = WorkerRole::PrefillDecode;
+        assert!(p
+            .predict(role, Target::Ttft, "w", features(500.0, 0.0))
+            .is_some());
+        assert!(!p.trained(role, Target::Ttft));
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as f64 / (1u64 << 31) as f64
+        };
+        for _ in 0..2000 {
+            let f = features((next() * 2000.0).round(), (next() * 6.0).floor());
+            let noise = 1.0 + (next() - 0.5) * 0.1;
+            p.observe(role, Target::Ttft, "w", f, truth(&f) * noise);
+        }
+        assert!(p.trained(role, Target::Ttft));
+        let error = p.error_ratio(role, Target::Ttft).unwrap();
+        assert!(error < 0.10, "recent error {error}");
+        let f = features(1000.0, 2.0);
+        let predicted = p.predict(role, Target::Ttft, "w", f).unwrap().ms;
+        let want = truth(&f);
+        assert!(
+            (predicted - want).abs() / want < 0.15,
+            "{predicted} vs {want}"
+        );
+    }
+
+    #[test]
+    fn nonsense_features_get_no_prediction_and_teach_nothing() {
+        let p = LatencyPredictor::new();
+        let role = WorkerRole::Decode;
+        for bad in [
+            Features {
+                waiting: -1.0,
+                ..features(10.0, 1.0)
+            },
+            Features {
+                running: 1e9,
+                ..features(10.0, 1.0)
+            },
+            Features {
+                uncached_tokens: f64::NAN,
+                ..features(10.0, 1.0)
+            },
+        ] {
+            assert!(p.predict(role, Target::Tpot, "w", bad).is_none(), "{bad:?}");
+            p.observe(role, Target::Tpot, "w", bad, 20.0);
+        }
+        p.observe(role, Target::Tpot, "w", features(10.0, 1.0), f64::INFINITY);
+        p.observe(role, Target::Tpot, "w", features(10.0, 1.0), -3.0);
+        assert!(p.error_ratio(role, Target::Tpot).is_none());
+        // KV use past 1 is read as full, not refused.
+        let full = Features {
+            kv_usage: 3.0,
+            ..features(10.0, 1.0)
+        };
+        assert!(p.predict(role, Target::Tpot, "w", full).is_some());
+    }
+
+    #[test]
+    fn a_slower_worker_keeps_its_own_correction_until_it_leaves() {
+        let p = LatencyPredictor::new();
+        let role = WorkerRole::Decode;
+        let f = features(0.0, 2.0);
+        for i in 0..400 {
+            let (worker, ms) = if i % 2 == 0 {
+                ("fast", 20.0)
+            } else {
+                ("slow", 40.0)
+            };
+            p.observe(role, Target::Tpot, worker, f, ms);
+        }
+        let fast = p.predict(role, Target::Tpot, "fast", f).unwrap().ms;
+        let slow = p.predict(role, Target::Tpot, "slow", f).unwrap().ms;
+        assert!(slow > 1.6 * fast, "fast {fast}, slow {slow}");
+        p.retain_workers(&["fast"]);
+        let forgotten = p.predict(role, Target::Tpot, "slow", f).unwrap().ms;
+        assert!((forgotten - 30.0).abs() < 6.0, "pooled again: {forgotten}");
+    }
+
+    #[test]
+    fn the_error_gauge_is_published_per_role_and_target() {
+        let p = LatencyPredictor::new();
+        let mut registry = Registry::with_prefix("pdserve_gateway");
+        p.register(&mut registry);
+        p.observe(
+            WorkerRole::Prefill,
+            Target::Ttft,
+            "w",
+            features(100.0, 0.0),
+            50.0,
+        );
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(r#"pdserve_gateway_predictor_error_ratio{role="prefill",target="ttft"}"#),
+            "{text}"
+        );
+    }
+}
