@@ -94,6 +94,7 @@ fn main() {
             prefer: None,
             trace: None,
             seen: None,
+            slo: Default::default(),
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

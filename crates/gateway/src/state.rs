@@ -73,7 +73,7 @@ impl AppState {
             metrics.kv_events.clone(),
         ));
         let build = |name: &str| {
-            policy::build_with(name, &config.policy_config, &kv_events)
+            policy::build_with(name, &config.policy_config, &kv_events, &predictor)
                 .ok_or_else(|| GatewayError::Config(format!("unknown routing policy `{name}`")))
         };
         let own =

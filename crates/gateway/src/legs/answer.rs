@@ -170,7 +170,11 @@ async fn send_leg(
         .client
         .leg_request(url, leg.body.clone(), &headers, rank);
     let shape = BodyShape::Object;
+    let sent = Instant::now();
     let started = start_answer(state, &worker, &label, request, leg.stream, shape).await;
+    if leg.stream && started.is_ok() {
+        ctx.journey.answer_began(&worker, sent.elapsed());
+    }
     let started = match started {
         Ok(AnswerStart::Stream(head)) => Ok(AnswerStart::Stream(head)),
         other => {

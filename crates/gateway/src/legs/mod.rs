@@ -100,6 +100,7 @@ impl RequestContext {
             trace: self.trace.as_ref(),
             prefer: None,
             seen: Some(self.journey.seen()),
+            slo: self.slo,
         }
     }
 }

@@ -45,6 +45,8 @@ pub struct Journey {
     learning: OnceLock<Arc<LatencyPredictor>>,
     /// The prefill leg that succeeded last: its worker and how long it took.
     prefill_leg: Mutex<Option<(String, Duration)>>,
+    /// The answering leg's time to its first byte (a stream's), and its worker.
+    answer_head: Mutex<Option<(String, Duration)>>,
 }
 
 impl Journey {
@@ -61,6 +63,7 @@ impl Journey {
             seen: SeenFeatures::default(),
             learning: OnceLock::new(),
             prefill_leg: Mutex::new(None),
+            answer_head: Mutex::new(None),
         }
     }
 
@@ -72,6 +75,12 @@ impl Journey {
     /// Has `predictor` learn from this request once it is filed.
     pub fn learn_into(&self, predictor: Arc<LatencyPredictor>) {
         let _ = self.learning.set(predictor);
+    }
+
+    /// Notes that the answering leg's stream on `worker` began after `took`.
+    pub fn answer_began(&self, worker: &Worker, took: Duration) {
+        *self.answer_head.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((worker.base.clone(), took));
     }
 
     /// Notes that the prefill leg on `worker` answered after `took`.
@@ -146,11 +155,17 @@ impl Journey {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .take();
+            let answer_head = self
+                .answer_head
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
             let lesson = Lesson {
                 predictor,
                 seen: &self.seen,
                 finished: &finished,
                 prefill,
+                answer_head,
             };
             lesson.teach(mode, &route);
         }
@@ -174,14 +189,18 @@ struct Lesson<'a> {
     finished: &'a Finished,
     /// The prefill leg's worker and duration, over P/D.
     prefill: Option<(String, Duration)>,
+    /// The answering leg's worker and its time to first byte.
+    answer_head: Option<(String, Duration)>,
 }
 
 impl Lesson<'_> {
     /// Each worker's part, by the mode: an aggregated worker's (or a decode worker
     /// prefilling alone) TTFT and TPOT; over P/D the prefill leg's duration as the prefill
-    /// worker's TTFT, the rest of the client's TTFT as the decode worker's (it computes
-    /// nothing of the prompt: its features say no uncached tokens), and its TPOT. Only
-    /// requests that ended well teach; a body has no TTFT, only its prefill leg.
+    /// worker's TTFT, the decode leg's own time to first byte as the decode worker's (the
+    /// transfer and its first step: it computes nothing of the prompt, its features say
+    /// no uncached tokens; the client's TTFT may not wait for it when the first token
+    /// comes from prefill), and its TPOT. Only requests that ended well teach; a body has
+    /// no TTFT, only its prefill leg.
     fn teach(&self, mode: Mode, route: &Route) {
         if self.finished.outcome != "ok" {
             return;
@@ -202,12 +221,17 @@ impl Lesson<'_> {
                     Some(*took),
                     |f| f,
                 );
-                let after_prefill = ttft.and_then(|t| t.checked_sub(*took));
+                let decode = route.decode.as_ref();
+                let decode_head = self
+                    .answer_head
+                    .as_ref()
+                    .filter(|(worker, _)| decode.is_some_and(|h| h.worker.base == *worker))
+                    .map(|(_, took)| *took);
                 let imported = |f: Features| Features {
                     uncached_tokens: 0.0,
                     ..f
                 };
-                self.both(route.decode.as_ref(), after_prefill, tpot, imported);
+                self.both(decode, decode_head, tpot, imported);
             }
             _ => {}
         }

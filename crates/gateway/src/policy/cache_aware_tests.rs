@@ -41,6 +41,7 @@ fn cached(
         prefer: None,
         trace: None,
         seen: None,
+        slo: Default::default(),
     };
     policy.cached_prefix(role, ws, &route)
 }

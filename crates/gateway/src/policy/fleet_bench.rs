@@ -248,6 +248,7 @@ fn token_prompt<'a>(headers: &'a http::HeaderMap, tokens: &'a [u32]) -> RouteReq
         prefer: None,
         trace: None,
         seen: None,
+        slo: Default::default(),
     }
 }
 

@@ -7,8 +7,9 @@
 //! Policies (`--policy`): `round_robin`, `random`, `power_of_two` (fewer in-flight of two
 //! random candidates), `cache_aware` (an approximate prefix tree per worker, bounded by
 //! `max_tree_size`), `precise_prefix` (the workers' own KV-event indexes, net of load;
-//! `cache_aware` where there are no events) and `session` (rendezvous hashing on a
-//! session key).
+//! `cache_aware` where there are no events), `session` (rendezvous hashing on a
+//! session key) and `slo` (predicted latency against the request's objectives,
+//! `precise_prefix` until the predictor is trained).
 
 mod cache_aware;
 mod event_match;
@@ -21,6 +22,7 @@ pub mod prefix_tree;
 mod random;
 mod round_robin;
 mod session;
+mod slo;
 #[cfg(test)]
 mod testing;
 
@@ -43,6 +45,7 @@ pub use precise_prefix::PrecisePrefix;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use session::Session;
+pub use slo::SloPolicy;
 
 /// What a policy may route on.
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +70,8 @@ pub struct RouteRequest<'a> {
     /// Where the chosen workers' features are noted, for the latency predictor to learn
     /// from once the request ends.
     pub seen: Option<&'a predictor::SeenFeatures>,
+    /// The request's latency objectives (`slo` routes on them).
+    pub slo: crate::ingress::slo::Slo,
 }
 
 /// Where a cache match came from.
@@ -162,6 +167,7 @@ impl<'a> RouteRequest<'a> {
             prefer: None,
             trace: None,
             seen: None,
+            slo: Default::default(),
         }
     }
 
@@ -366,7 +372,7 @@ impl PolicyConfig {
             || !POLICY_NAMES.contains(&self.session_fallback.as_str())
         {
             return Err(format!(
-                "--session-fallback must be one of round_robin, random, power_of_two, cache_aware; got `{}`",
+                "--session-fallback must be one of round_robin, random, power_of_two, cache_aware, precise_prefix, slo; got `{}`",
                 self.session_fallback
             ));
         }
@@ -388,14 +394,21 @@ pub fn build(name: &str, config: &PolicyConfig) -> Option<Arc<dyn Policy>> {
         Default::default(),
         Arc::new(KvEventMetrics::register(&mut Default::default())),
     ));
-    build_with(name, config, &hub)
+    build_with(
+        name,
+        config,
+        &hub,
+        &Arc::new(predictor::LatencyPredictor::new()),
+    )
 }
 
-/// [`build`], with `precise_prefix` reading `hub`'s indexes.
+/// [`build`], with `precise_prefix` reading `hub`'s indexes and `slo` predicting with
+/// `predictor`.
 pub fn build_with(
     name: &str,
     config: &PolicyConfig,
     hub: &Arc<KvEventsHub>,
+    predictor: &Arc<predictor::LatencyPredictor>,
 ) -> Option<Arc<dyn Policy>> {
     match name {
         "round_robin" => Some(Arc::new(RoundRobin::default())),
@@ -408,7 +421,15 @@ pub fn build_with(
             config.precise_load_cost,
         ))),
         "session" if config.session_fallback != "session" => Some(Arc::new(Session::new(
-            build_with(&config.session_fallback, config, hub)?,
+            build_with(&config.session_fallback, config, hub, predictor)?,
+        ))),
+        "slo" => Some(Arc::new(SloPolicy::new(
+            PrecisePrefix::new(
+                hub.clone(),
+                CacheAware::new(config),
+                config.precise_load_cost,
+            ),
+            predictor.clone(),
         ))),
         _ => None,
     }
@@ -422,6 +443,7 @@ pub const POLICY_NAMES: &[&str] = &[
     "cache_aware",
     "precise_prefix",
     "session",
+    "slo",
 ];
 
 /// A dense index per role, for policies that keep per-role state in an array.
@@ -440,7 +462,7 @@ mod tests {
 
     #[test]
     fn every_listed_name_builds_under_its_own_name() {
-        assert_eq!(POLICY_NAMES.len(), 6);
+        assert_eq!(POLICY_NAMES.len(), 7);
         for name in POLICY_NAMES {
             assert_eq!(by_name(name).unwrap().name(), *name);
             assert_eq!(build(name, &PolicyConfig::default()).unwrap().name(), *name);

@@ -129,6 +129,28 @@ fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[
         .expect("the least loaded candidate is within the slack")
 }
 
+impl PrecisePrefix {
+    /// The tokens of `tokens` each of `candidates` holds, when some candidate has a
+    /// trusted index (the `slo` policy weighs them with its predictions).
+    pub(crate) fn held_by_each(
+        &self,
+        candidates: &[Arc<Worker>],
+        tokens: &[u32],
+    ) -> Option<Vec<usize>> {
+        let mut keys = PromptKeys::new(tokens);
+        let held = self.matcher.held_by_each(candidates, &mut keys);
+        held.iter()
+            .any(|h| h.indexed)
+            .then(|| held.iter().map(|h| h.tokens).collect())
+    }
+
+    /// Notes that `tokens` went to `worker`, which held `held` of them.
+    pub(crate) fn note_sent(&self, worker: &Worker, tokens: &[u32], held: usize) {
+        self.matcher
+            .sent(worker, &mut PromptKeys::new(tokens), held);
+    }
+}
+
 fn token_ids<'a>(request: &RouteRequest<'a>) -> Option<&'a [u32]> {
     match request.prompt()? {
         RoutePrompt::TokenIds(ids) if !ids.is_empty() => Some(ids),

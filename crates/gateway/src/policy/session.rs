@@ -144,6 +144,7 @@ mod tests {
             prefer: None,
             trace: None,
             seen: None,
+            slo: Default::default(),
         }
     }
 

@@ -74,6 +74,7 @@ pub fn pick(
         prefer: None,
         trace: None,
         seen: None,
+        slo: Default::default(),
     };
     policy
         .select(role, candidates, &route)
