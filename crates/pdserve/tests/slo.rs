@@ -1,6 +1,7 @@
-//! Serving to an SLO through `pdserve up` (P/D, the real engine): the objectives'
-//! headers are checked, and the latency predictor learns every worker's part from the
-//! requests that went through and publishes its error.
+//! Serving to an SLO through `pdserve up --policy slo` (P/D, the real engine): the
+//! objectives' headers are checked, and the latency predictor learns every worker's part
+//! from the requests that went through (routed by `precise_prefix` while it is untrained)
+//! and publishes its error.
 
 use std::time::Duration;
 
