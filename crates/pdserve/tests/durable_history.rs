@@ -241,14 +241,16 @@ async fn killed_mid_turn_leaves_nothing(http: &reqwest::Client, up: &Up, db_url:
         .unwrap();
     let conversation = conversation["id"].as_str().unwrap().to_string();
     let port = up::free_port();
-    let mut gateway = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .args(["gateway", "--port", &port.to_string()])
-        .args(["--prefill", &up.workers[0], "--decode", &up.workers[1]])
-        .args(["--history-backend", "postgres", "--history-url", db_url])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut gateway = KilledOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            .args(["gateway", "--port", &port.to_string()])
+            .args(["--prefill", &up.workers[0], "--decode", &up.workers[1]])
+            .args(["--history-backend", "postgres", "--history-url", db_url])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let base = format!("http://127.0.0.1:{port}");
     let started = Instant::now();
     while http
@@ -288,8 +290,8 @@ async fn killed_mid_turn_leaves_nothing(http: &reqwest::Client, up: &Up, db_url:
             break seen[at..end].to_string();
         }
     };
-    gateway.kill().unwrap();
-    gateway.wait().unwrap();
+    gateway.0.kill().unwrap();
+    gateway.0.wait().unwrap();
     drop(stream);
     let gone = http
         .get(format!("{}/v1/responses/{id}", up.entry))
@@ -313,4 +315,14 @@ async fn killed_mid_turn_leaves_nothing(http: &reqwest::Client, up: &Up, db_url:
         1,
         "only the item the conversation began with: {items}"
     );
+}
+
+/// A child process killed when dropped, so a failed assertion leaves none behind.
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
