@@ -54,11 +54,12 @@ const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/vllm-cp
 /// The served model name the instances answer to.
 const MODEL: &str = "SmolLM2-135M-Instruct";
 /// NixlConnector on CPU memory; the prefill/decode pair of one test.
-const NIXL: &str = r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":300,"kv_lease_duration":20}}"#;
+const NIXL: &str = r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":300,"kv_lease_duration":60}}"#;
 /// NIXL's `kv_lease_duration` above: prefill blocks nobody read are released (and logged) after it.
 /// Until the decode instance has the request and heartbeats, this is all the time it has
-/// to take it: 10 s ran out once on a CI machine running at half speed.
-const KV_LEASE: Duration = Duration::from_secs(20);
+/// to take it: 10 s ran out once on a CI machine running at half speed, and 20 s on a
+/// logprobs request (about 18 s each on this machine, the first ones slower still).
+const KV_LEASE: Duration = Duration::from_secs(60);
 /// How long one vLLM instance may take to answer `/health` (about 60 s here).
 const START_LIMIT_SECS: u64 = 400;
 /// Every request's client-side limit: nothing hangs.
