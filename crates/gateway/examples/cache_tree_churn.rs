@@ -95,6 +95,7 @@ fn main() {
             trace: None,
             seen: None,
             slo: Default::default(),
+            local_prefill: false,
         };
         let started = Instant::now();
         let chosen = policy.select(WorkerRole::PrefillDecode, &workers, &route);

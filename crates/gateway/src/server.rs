@@ -324,17 +324,14 @@ async fn sglang_generate(
         body.remove("kv_transfer_params");
         let field = body.get("priority").map(Value::to_string);
         ctx.slo = crate::ingress::slo::Slo::from_headers(&ctx.client_headers, state.settings.slo)?;
-        let permit = match crate::ingress::admission::admit(
-            &state.admission,
-            field.as_deref(),
-            &ctx.client_headers,
-            ctx.slo.ttft,
-        )
-        .await
-        {
-            Ok(permit) => permit,
-            Err(refused) => return Ok(refused),
-        };
+        ctx.priority = crate::ingress::admission::priority(field.as_deref(), &ctx.client_headers)?;
+        let permit =
+            match crate::ingress::admission::admit(&state.admission, ctx.priority, ctx.slo.ttft)
+                .await
+            {
+                Ok(permit) => permit,
+                Err(refused) => return Ok(refused),
+            };
         let roster = state.registry.snapshot();
         if roster.routing_mode() != Mode::Disaggregated {
             return Err(state

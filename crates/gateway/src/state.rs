@@ -190,5 +190,6 @@ fn leg_settings(config: &GatewayConfig) -> LegSettings {
         max_body_bytes: config.max_body_bytes,
         kv_secret: config.kv_secret.clone(),
         slo: config.slo,
+        shed_priority: config.shed_priority,
     }
 }

@@ -1,7 +1,10 @@
-//! Serving to an SLO through `pdserve up --policy slo` (P/D, the real engine): the
-//! objectives' headers are checked, and the latency predictor learns every worker's part
-//! from the requests that went through (routed by `precise_prefix` while it is untrained)
-//! and publishes its error.
+//! Serving to an SLO through `pdserve up --policy slo`.
+//! - The real engine (P/D): the objectives' headers are checked, and the latency
+//!   predictor learns every worker's part from the requests that went through (routed by
+//!   `precise_prefix` while it is untrained) and publishes its error.
+//! - A simulated 2P+2D fleet, trained: the routing notes carry each choice's prediction,
+//!   and a sheddable request that no worker is predicted to serve in time is a 429 with
+//!   `Retry-After`, while the same request at priority 0 is served.
 
 use std::time::Duration;
 
@@ -81,6 +84,112 @@ async fn objectives_are_checked_and_the_predictor_learns_each_role() {
                 .unwrap_or_else(|| panic!("no {series} after 8 requests:\n{text}"));
             assert!(error.is_finite() && error >= 0.0, "{series} {error}");
             eprintln!("{series} {error:.3} after 8 requests (untrained: the prior's error)");
+        }
+    })
+    .await
+    .expect("the test ran past its time limit");
+    up.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trained_fleet_shows_its_predictions_and_sheds_only_sheddable_requests() {
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let up = Up::start(
+        &model,
+        &[
+            "--sim",
+            "h100-llama-3.1-8b",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--policy",
+            "slo",
+            "--gateway-arg=--expose-routing",
+        ],
+    );
+    tokio::time::timeout(Duration::from_secs(300), async {
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let prompt = |i: usize, words: usize| -> String {
+            (0..words).map(|w| format!("t{i}w{w} ")).collect()
+        };
+        let completion = |text: String| {
+            json!({"prompt": text, "max_tokens": 6, "temperature": 0, "stream": true})
+        };
+        // Train: past the predictor's 50 samples per model, four at a time.
+        let mut served = 0;
+        for round in 0..40 {
+            let mut sends = tokio::task::JoinSet::new();
+            for k in 0..4 {
+                let i = round * 4 + k;
+                let send = http
+                    .post(format!("{}/v1/completions", up.entry))
+                    .json(&completion(prompt(i, 60 + 90 * (i % 5))))
+                    .send();
+                sends.spawn(async move {
+                    let response = send.await.unwrap();
+                    assert_eq!(response.status(), 200);
+                    assert!(response.text().await.unwrap().contains("[DONE]"));
+                });
+            }
+            while let Some(sent) = sends.join_next().await {
+                sent.unwrap();
+                served += 1;
+            }
+        }
+        assert_eq!(served, 160);
+        // Trained: each choice's prediction is in the routing notes.
+        let response = http
+            .post(format!("{}/v1/completions", up.entry))
+            .header("x-slo-ttft-ms", "5000")
+            .json(&completion(prompt(1000, 400)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let headers = response.headers().clone();
+        let _ = response.text().await;
+        let predicted: Vec<String> = ["x-pdserve-prefill-predicted", "x-pdserve-decode-predicted", "x-pdserve-worker-predicted"]
+            .iter()
+            .filter_map(|h| headers.get(*h).map(|v| format!("{h}: {}", v.to_str().unwrap())))
+            .collect();
+        assert!(!predicted.is_empty(), "no prediction in the routing notes: {headers:?}");
+        assert!(predicted.iter().all(|p| p.contains("ttft_ms=")), "{predicted:?}");
+        eprintln!("{predicted:?}");
+
+        // An objective no worker can meet: sheddable requests are refused, priority 0 is served.
+        let hopeless = |priority: &str| {
+            http.post(format!("{}/v1/completions", up.entry))
+                .header("x-slo-ttft-ms", "0.01")
+                .header("x-pdserve-priority", priority)
+                .json(&completion(prompt(2000, 300)))
+                .send()
+        };
+        let shed = hopeless("1").await.unwrap();
+        assert_eq!(shed.status(), 429);
+        let retry_after: u64 = shed
+            .headers()
+            .get("retry-after")
+            .expect("a shed request is told when to retry")
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=60).contains(&retry_after), "Retry-After {retry_after}");
+        let error: Value = shed.json().await.unwrap();
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("predicted") && message.contains("--shed-priority"), "{error}");
+        let kept = hopeless("0").await.unwrap();
+        assert_eq!(kept.status(), 200, "priority 0 is never shed on a prediction");
+        assert!(kept.text().await.unwrap().contains("[DONE]"));
+        let text = metrics(&http, &up.entry).await;
+        let sheds = sample(&text, r#"pdserve_gateway_rejected_requests_total{reason="slo_shed"}"#);
+        assert_eq!(sheds, Some(1.0), "{text}");
+        for (role, target) in [("prefill", "ttft"), ("decode", "ttft"), ("decode", "tpot")] {
+            let series = format!(
+                r#"pdserve_gateway_predictor_error_ratio{{role="{role}",target="{target}"}}"#
+            );
+            eprintln!("{series} {:?} after 160 requests", sample(&text, &series));
         }
     })
     .await

@@ -70,6 +70,10 @@ pub const PDSERVE_ROUTING_CACHE_MATCHED: &str = "pdserve.routing.cache.matched";
 pub const PDSERVE_ROUTING_CACHE_PROMPT: &str = "pdserve.routing.cache.prompt";
 /// `events` or `approximate`.
 pub const PDSERVE_ROUTING_CACHE_SOURCE: &str = "pdserve.routing.cache.source";
+/// The chosen worker's predicted time to first token, in milliseconds (`--policy slo`).
+pub const PDSERVE_ROUTING_PREDICTED_TTFT_MS: &str = "pdserve.routing.predicted.ttft_ms";
+/// The chosen worker's predicted time per output token, in milliseconds.
+pub const PDSERVE_ROUTING_PREDICTED_TPOT_MS: &str = "pdserve.routing.predicted.tpot_ms";
 /// Which leg: `prefill`, `decode`, `prefill_decode`, `encode`.
 pub const PDSERVE_LEG: &str = "pdserve.leg";
 /// The worker role of this process.

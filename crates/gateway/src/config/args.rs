@@ -137,6 +137,19 @@ pub struct GatewayArgs {
     #[arg(long, env = "PDSERVE_SLO_TPOT_MS", value_parser = crate::ingress::slo::parse_ms)]
     pub slo_tpot_ms: Option<Duration>,
 
+    /// Requests whose priority is above this (later in vLLM's order: `priority` in the
+    /// body, else `x-pdserve-priority`) are sheddable: with `--policy slo`, once its
+    /// predictor is trained, such a request is refused with 429 and `Retry-After` when no
+    /// worker is predicted to meet its objectives. Requests at or below it are never shed
+    /// on a prediction.
+    #[arg(
+        long,
+        env = "PDSERVE_SHED_PRIORITY",
+        default_value = "0",
+        allow_hyphen_values = true
+    )]
+    pub shed_priority: i64,
+
     /// Most conversations whose KV handle is kept; the least recently used is dropped first.
     #[arg(long, env = "PDSERVE_MAX_CONVERSATIONS", default_value = "100000")]
     pub max_conversations: NonZeroUsize,

@@ -120,6 +120,8 @@ pub struct GatewayConfig {
     pub history: pdserve_history::HistoryOptions,
     /// Latency objectives for requests that name none.
     pub slo: crate::ingress::slo::Slo,
+    /// Requests above this priority may be shed on a prediction.
+    pub shed_priority: i64,
 }
 
 impl GatewayConfig {
@@ -183,6 +185,7 @@ impl GatewayConfig {
                 timeout: Duration::from_secs(2),
             },
             slo: Default::default(),
+            shed_priority: 0,
         }
     }
 

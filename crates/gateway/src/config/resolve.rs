@@ -207,6 +207,7 @@ impl GatewayArgs {
                 ttft: self.slo_ttft_ms,
                 tpot: self.slo_tpot_ms,
             },
+            shed_priority: self.shed_priority,
         })
     }
 }

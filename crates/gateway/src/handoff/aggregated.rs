@@ -23,7 +23,8 @@ pub async fn serve(
     conversation_id: Option<String>,
     role: WorkerRole,
 ) -> Result<Response, Failure> {
-    let route = ctx.route_for(&request, conversation_id.as_deref());
+    let mut route = ctx.route_for(&request, conversation_id.as_deref());
+    route.local_prefill = role == WorkerRole::Decode;
     let leg = FinalLeg {
         role,
         body: request.to_body(),

@@ -3,6 +3,12 @@
 //! With `--disagg-min-prefill-load L` that holds only while every prefill worker has L
 //! prefill legs in flight: an idle prefill worker still takes short prompts. At most one
 //! such prompt per live decode worker is in its prefill at a time ([`LocalPrefill`]).
+//!
+//! For a request with objectives (`x-slo-*`, `--slo-*`) under `--policy slo`, the latency
+//! predictors decide first: a prompt is prefilled on the decode worker when the route
+//! through the prefill pool is predicted to miss its objectives and the decode worker
+//! alone to meet them, and handed off when it is the other way round; the size rule
+//! decides the rest.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,6 +17,7 @@ use pdserve_protocol::WorkerRole;
 
 use crate::fleet::registry::Roster;
 use crate::policy::{RoutePrompt, RouteRequest};
+use crate::serving::outlook::Outlook;
 use crate::serving::Serving;
 
 /// Characters per token assumed when only prompt text is known (English BPE averages
@@ -64,13 +71,32 @@ pub fn skips_prefill(
     route: &RouteRequest<'_>,
 ) -> Option<LocalPrefill> {
     let threshold = state.settings.disagg_threshold?;
-    if !prefill_pool_busy(roster, state.settings.disagg_min_prefill_load) {
-        return None;
-    }
-    if uncached_tokens(state, roster, route).is_none_or(|uncached| uncached >= threshold) {
+    let by_size = || {
+        prefill_pool_busy(roster, state.settings.disagg_min_prefill_load)
+            && uncached_tokens(state, roster, route).is_some_and(|uncached| uncached < threshold)
+    };
+    if !predicted_choice(state, roster, route).unwrap_or_else(by_size) {
         return None;
     }
     take_turn(&state.local_prefills, roster.live(WorkerRole::Decode).len())
+}
+
+/// What the latency predictors say, for a request with objectives where both routes are
+/// predicted: prefill on the decode worker when the route through the prefill pool is
+/// predicted to miss the objectives and the decode worker alone to meet them (its TPOT
+/// included); keep the handoff when it is the other way round. `None` (the size rule
+/// decides) when both or neither meet them, or nothing is predicted.
+fn predicted_choice(state: &Serving, roster: &Roster, route: &RouteRequest<'_>) -> Option<bool> {
+    if route.slo.ttft.is_none() && route.slo.tpot.is_none() {
+        return None;
+    }
+    let outlook = Outlook::of(state, roster, route);
+    let (through_prefill, local) = (outlook.disaggregated?, outlook.local?);
+    match (through_prefill.meets(route.slo), local.meets(route.slo)) {
+        (false, true) => Some(true),
+        (true, false) => Some(false),
+        _ => None,
+    }
 }
 
 /// One of `slots` turns at a local prefill, if one is free.

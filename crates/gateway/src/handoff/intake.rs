@@ -12,7 +12,8 @@ use crate::serving::Serving;
 /// What every generation route does before routing: its latency objectives (a malformed
 /// `x-slo-*` header is a 400), admission (past `--max-concurrent-requests` the request
 /// waits, earliest deadline first within its priority, or is refused with the returned
-/// answer), then the prompt's token ids where routing or the length check reads them.
+/// answer), the prompt's token ids where routing or the length check reads them, then
+/// shedding (a sheddable request no route is predicted to serve in time is a 429).
 pub async fn admit_and_count(
     state: &Serving,
     ctx: &mut RequestContext,
@@ -23,16 +24,19 @@ pub async fn admit_and_count(
         .map_err(IntoResponse::into_response)?;
     ctx.journey.learn_into(state.predictor.clone());
     let field = request.verbatim_number("priority");
-    let ttft = ctx.slo.ttft;
+    ctx.priority = crate::ingress::admission::priority(field, &ctx.client_headers)
+        .map_err(IntoResponse::into_response)?;
     let permit =
-        crate::ingress::admission::admit(&state.admission, field, &ctx.client_headers, ttft)
-            .await?;
+        crate::ingress::admission::admit(&state.admission, ctx.priority, ctx.slo.ttft).await?;
     if let Some(tokenizer) = &state.tokenizer {
         if state.routing_reads_tokens
             || crate::ingress::prompt_tokens::may_overflow(request, state.model_lens.smallest())
         {
             ctx.prompt_tokens = crate::ingress::prompt_tokens::tokenize(tokenizer, request).await;
         }
+    }
+    if let Some(refusal) = super::shed::refusal(state, ctx, request) {
+        return Err(refusal);
     }
     Ok(permit)
 }

@@ -11,6 +11,7 @@ pub mod intake;
 pub mod prewarm;
 pub mod sequential;
 pub mod sglang_route;
+pub mod shed;
 
 use std::sync::Arc;
 

@@ -45,19 +45,16 @@ pub fn priority(field: Option<&str>, headers: &HeaderMap) -> Result<i64, ApiErro
     }
 }
 
-/// Admits a request whose body's `priority` is `field` (see [`priority`]) or answers why
-/// not: a bad priority (400), a full queue (429), a wait that ran out (408); the refusals
-/// with `Retry-After`.
+/// Admits a request at `priority` (see [`priority`]) or answers why not: a full queue
+/// (429), a wait that ran out (408), both with `Retry-After`.
 pub async fn admit(
     admission: &Arc<Admission>,
-    field: Option<&str>,
-    headers: &HeaderMap,
+    priority: i64,
     ttft: Option<Duration>,
 ) -> Result<Permit, Response> {
     if admission.max_running == 0 {
         return Ok(Permit { admission: None });
     }
-    let priority = priority(field, headers).map_err(IntoResponse::into_response)?;
     let rejection = match admission.admit_by(priority, ttft).await {
         Ok(permit) => return Ok(permit),
         Err(rejection) => rejection,
@@ -132,7 +129,8 @@ impl AdmissionMetrics {
         );
         registry.register(
             "rejected_requests",
-            "Requests refused by overload control: queue_full (429), queue_timeout (408)",
+            "Requests refused by overload control: queue_full (429), queue_timeout (408), \
+             slo_shed (429: sheddable, and no worker predicted to meet its objectives)",
             metrics.rejected.clone(),
         );
         metrics
@@ -144,6 +142,12 @@ impl AdmissionMetrics {
 
     fn observe_queue_wait(&self, waited: Duration) {
         self.wait_seconds.observe(waited.as_secs_f64());
+    }
+
+    /// Counts a sheddable request refused because no worker was predicted to meet its
+    /// objectives.
+    pub fn record_shed(&self) {
+        self.record_rejection("slo_shed");
     }
 
     fn record_rejection(&self, reason: &str) {
@@ -260,6 +264,12 @@ impl Admission {
     /// How long a rejected client is told to wait (`Retry-After`, whole seconds).
     pub fn retry_after(&self) -> u64 {
         self.timeout.as_secs().clamp(1, 60)
+    }
+
+    /// Counts a sheddable request refused on its prediction (`rejected_requests`,
+    /// `reason="slo_shed"`).
+    pub fn record_shed(&self) {
+        self.metrics.record_shed();
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {

@@ -14,8 +14,9 @@ use serde::de::IgnoredAny;
 use tokio::time::timeout_at;
 
 use super::{
-    RequestContext, X_PDSERVE_DECODE, X_PDSERVE_DECODE_CACHE, X_PDSERVE_PREFILL,
-    X_PDSERVE_PREFILL_CACHE, X_PDSERVE_WORKER, X_PDSERVE_WORKER_CACHE,
+    RequestContext, X_PDSERVE_DECODE, X_PDSERVE_DECODE_CACHE, X_PDSERVE_DECODE_PREDICTED,
+    X_PDSERVE_PREFILL, X_PDSERVE_PREFILL_CACHE, X_PDSERVE_PREFILL_PREDICTED, X_PDSERVE_WORKER,
+    X_PDSERVE_WORKER_CACHE, X_PDSERVE_WORKER_PREDICTED,
 };
 use crate::clients::worker_client::{Exchange, LegError, LegFault, LegRequest, LegResponse};
 use crate::error::Failure;
@@ -115,13 +116,17 @@ pub fn expose_worker(
     if let Ok(value) = HeaderValue::from_str(&worker.base) {
         response.headers_mut().insert(name, value);
     }
-    let cache_header = match name {
-        X_PDSERVE_PREFILL => X_PDSERVE_PREFILL_CACHE,
-        X_PDSERVE_DECODE => X_PDSERVE_DECODE_CACHE,
-        _ => X_PDSERVE_WORKER_CACHE,
+    let (cache_header, forecast_header) = match name {
+        X_PDSERVE_PREFILL => (X_PDSERVE_PREFILL_CACHE, X_PDSERVE_PREFILL_PREDICTED),
+        X_PDSERVE_DECODE => (X_PDSERVE_DECODE_CACHE, X_PDSERVE_DECODE_PREDICTED),
+        _ => (X_PDSERVE_WORKER_CACHE, X_PDSERVE_WORKER_PREDICTED),
     };
     if let Some(value) = held.and_then(|m| HeaderValue::from_str(&m.header_value()).ok()) {
         response.headers_mut().insert(cache_header, value);
+    }
+    let predicted = notes.forecast(worker).and_then(|f| f.header_value());
+    if let Some(value) = predicted.and_then(|v| HeaderValue::from_str(&v).ok()) {
+        response.headers_mut().insert(forecast_header, value);
     }
 }
 

@@ -35,6 +35,14 @@ pub const X_PDSERVE_PREFILL_CACHE: &str = "x-pdserve-prefill-cache";
 pub const X_PDSERVE_DECODE_CACHE: &str = "x-pdserve-decode-cache";
 /// With `--expose-routing`: what the prefill_decode worker held of the prompt when chosen.
 pub const X_PDSERVE_WORKER_CACHE: &str = "x-pdserve-worker-cache";
+/// With `--expose-routing` and `--policy slo`: what the prefill worker was predicted to
+/// give the request when chosen (`ttft_ms=412.3`).
+pub const X_PDSERVE_PREFILL_PREDICTED: &str = "x-pdserve-prefill-predicted";
+/// With `--expose-routing` and `--policy slo`: the decode worker's prediction
+/// (`ttft_ms=35.0; tpot_ms=31.2`).
+pub const X_PDSERVE_DECODE_PREDICTED: &str = "x-pdserve-decode-predicted";
+/// With `--expose-routing` and `--policy slo`: the prefill_decode worker's prediction.
+pub const X_PDSERVE_WORKER_PREDICTED: &str = "x-pdserve-worker-predicted";
 
 /// Per-request facts every leg needs.
 #[derive(Debug, Clone)]
@@ -60,6 +68,9 @@ pub struct RequestContext {
     pub trace: Option<pdserve_telemetry::Context>,
     /// Its latency objectives (`x-slo-*` headers, else `--slo-*`), set at intake.
     pub slo: crate::ingress::slo::Slo,
+    /// Its priority (vLLM's `priority`, else `x-pdserve-priority`; lower goes first), set
+    /// at intake.
+    pub priority: i64,
 }
 
 impl RequestContext {
@@ -81,6 +92,7 @@ impl RequestContext {
             journey: std::sync::Arc::new(journey),
             trace,
             slo: Default::default(),
+            priority: 0,
         }
     }
 
@@ -101,6 +113,7 @@ impl RequestContext {
             prefer: None,
             seen: Some(self.journey.seen()),
             slo: self.slo,
+            local_prefill: false,
         }
     }
 }

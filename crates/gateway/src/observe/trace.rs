@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::clients::worker_client::{ForwardHeaders, LegError};
 use crate::fleet::registry::Worker;
 use crate::ingress::request::ClientRequest;
-use crate::policy::CacheMatch;
+use crate::policy::Choice;
 
 /// The request's trace context and the headers its legs carry without a span of their
 /// own: the request's server span, when tracing is on and the request has one.
@@ -79,9 +79,8 @@ pub fn routing(
     began: Instant,
     policy: &str,
     role: WorkerRole,
-    chosen: &Worker,
+    choice: &Choice,
     candidates: usize,
-    cache: Option<CacheMatch>,
 ) {
     if !pdserve_telemetry::is_sampled(cx) {
         return;
@@ -89,10 +88,18 @@ pub fn routing(
     let mut attributes = vec![
         KeyValue::new(sc::PDSERVE_ROUTING_POLICY, policy.to_string()),
         KeyValue::new(sc::PDSERVE_ROUTING_ROLE, role.as_str()),
-        KeyValue::new(sc::PDSERVE_ROUTING_WORKER, chosen.base.clone()),
+        KeyValue::new(sc::PDSERVE_ROUTING_WORKER, choice.worker.base.clone()),
         KeyValue::new(sc::PDSERVE_ROUTING_CANDIDATES, candidates as i64),
     ];
-    if let Some(cache) = cache {
+    if let Some(forecast) = choice.forecast {
+        if let Some(ttft) = forecast.ttft {
+            attributes.push(KeyValue::new(sc::PDSERVE_ROUTING_PREDICTED_TTFT_MS, ttft));
+        }
+        if let Some(tpot) = forecast.tpot {
+            attributes.push(KeyValue::new(sc::PDSERVE_ROUTING_PREDICTED_TPOT_MS, tpot));
+        }
+    }
+    if let Some(cache) = choice.cache {
         let source = match cache.source {
             crate::policy::MatchSource::Events => "events",
             crate::policy::MatchSource::Approximate => "approximate",

@@ -460,6 +460,7 @@ impl Policy for CacheAware {
         Some(Choice {
             worker: worker.clone(),
             cache,
+            forecast: None,
         })
     }
 

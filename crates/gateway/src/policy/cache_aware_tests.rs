@@ -42,6 +42,7 @@ fn cached(
         trace: None,
         seen: None,
         slo: Default::default(),
+        local_prefill: false,
     };
     policy.cached_prefix(role, ws, &route)
 }

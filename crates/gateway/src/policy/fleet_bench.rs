@@ -249,6 +249,7 @@ fn token_prompt<'a>(headers: &'a http::HeaderMap, tokens: &'a [u32]) -> RouteReq
         trace: None,
         seen: None,
         slo: Default::default(),
+        local_prefill: false,
     }
 }
 

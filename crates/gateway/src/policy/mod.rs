@@ -72,6 +72,9 @@ pub struct RouteRequest<'a> {
     pub seen: Option<&'a predictor::SeenFeatures>,
     /// The request's latency objectives (`slo` routes on them).
     pub slo: crate::ingress::slo::Slo,
+    /// Whether the decode worker chosen prefills the prompt itself (conditional
+    /// disaggregation skipped the prefill leg).
+    pub local_prefill: bool,
 }
 
 /// Where a cache match came from.
@@ -118,13 +121,16 @@ pub struct Choice {
     pub worker: Arc<Worker>,
     /// Its cache match at the time of choosing.
     pub cache: Option<CacheMatch>,
+    /// What it was predicted to give the request (`slo`).
+    pub forecast: Option<predictor::Forecast>,
 }
 
-/// The cache matches of the workers a request was routed to, kept for its response
-/// headers.
+/// The cache matches of the workers a request was routed to, and the latency each was
+/// predicted to give it, kept for its response headers.
 #[derive(Debug, Default)]
 pub struct RoutingNotes {
     matches: Mutex<Vec<(String, CacheMatch)>>,
+    forecasts: Mutex<Vec<(String, predictor::Forecast)>>,
 }
 
 impl RoutingNotes {
@@ -142,6 +148,22 @@ impl RoutingNotes {
             .iter()
             .find(|(base, _)| *base == worker.base)
             .map(|(_, m)| *m)
+    }
+
+    /// Notes that `worker` was chosen on the prediction `forecast`.
+    pub fn record_forecast(&self, worker: &Worker, forecast: predictor::Forecast) {
+        let mut forecasts = self.forecasts.lock().unwrap_or_else(|e| e.into_inner());
+        forecasts.retain(|(base, _)| *base != worker.base);
+        forecasts.push((worker.base.clone(), forecast));
+    }
+
+    /// What `worker` was predicted to give the request when it was last chosen.
+    pub fn forecast(&self, worker: &Worker) -> Option<predictor::Forecast> {
+        let forecasts = self.forecasts.lock().unwrap_or_else(|e| e.into_inner());
+        forecasts
+            .iter()
+            .find(|(base, _)| *base == worker.base)
+            .map(|(_, f)| *f)
     }
 }
 
@@ -168,6 +190,7 @@ impl<'a> RouteRequest<'a> {
             trace: None,
             seen: None,
             slo: Default::default(),
+            local_prefill: false,
         }
     }
 
@@ -225,7 +248,20 @@ pub trait Policy: fmt::Debug + Send + Sync {
         self.select(role, candidates, request).map(|worker| Choice {
             worker,
             cache: None,
+            forecast: None,
         })
+    }
+
+    /// What each of `candidates` is predicted to give the request, in their order, where
+    /// the policy predicts latency (`slo`, once trained); `None` otherwise.
+    fn forecast(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Vec<predictor::Forecast>> {
+        let _ = (role, candidates, request);
+        None
     }
 
     /// Called once for every request this policy routed, when it ends on `worker`.

@@ -207,6 +207,7 @@ impl Policy for PrecisePrefix {
                 prompt_len: tokens.len(),
                 tokens: true,
             }),
+            forecast: None,
         })
     }
 

@@ -138,6 +138,33 @@ pub struct Prediction {
     pub trained: bool,
 }
 
+/// What one candidate worker is predicted to give a request, in milliseconds (`None`:
+/// unknown, e.g. the worker reports nonsense load).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Forecast {
+    /// Prompt tokens it holds.
+    pub held: usize,
+    /// Time to first token: a prefill worker's leg; a decode worker's first token after a
+    /// transfer; a prefill_decode worker's whole prefill.
+    pub ttft: Option<f64>,
+    /// A decode worker's time to first token when it prefills the prompt itself
+    /// (conditional disaggregation); `None` for other roles.
+    pub ttft_local: Option<f64>,
+    /// Time per output token (`None` for a prefill worker).
+    pub tpot: Option<f64>,
+}
+
+impl Forecast {
+    /// The `--expose-routing` header value: `ttft_ms=412.3; tpot_ms=31.0`.
+    pub fn header_value(&self) -> Option<String> {
+        let ttft = self.ttft?;
+        Some(match self.tpot {
+            Some(tpot) => format!("ttft_ms={ttft:.1}; tpot_ms={tpot:.1}"),
+            None => format!("ttft_ms={ttft:.1}"),
+        })
+    }
+}
+
 /// Samples after which a model counts as trained.
 pub const TRAINED_AFTER: u64 = 50;
 /// Recent absolute percentage errors kept per model.

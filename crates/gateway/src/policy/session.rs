@@ -78,6 +78,7 @@ impl Policy for Session {
             Some(_) => self.select(role, candidates, request).map(|worker| Choice {
                 worker,
                 cache: None,
+                forecast: None,
             }),
             None => self.fallback.choose(role, candidates, request),
         }
@@ -145,6 +146,7 @@ mod tests {
             trace: None,
             seen: None,
             slo: Default::default(),
+            local_prefill: false,
         }
     }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use pdserve_protocol::WorkerRole;
 use rand::Rng;
 
-use super::predictor::{features_of, Features, LatencyPredictor, Target};
+use super::predictor::{features_of, Features, Forecast, LatencyPredictor, Target};
 use super::{CacheMatch, Choice, MatchSource, Policy, PolicyStats, PrecisePrefix, PrefixMatch};
 use super::{RequestOutcome, RouteRequest};
 use crate::fleet::registry::Worker;
@@ -39,16 +39,6 @@ pub struct SloPolicy {
     predictor: Arc<LatencyPredictor>,
 }
 
-/// One candidate as the policy weighs it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Candidate {
-    /// Prompt tokens it holds.
-    pub held: usize,
-    /// Predicted TTFT and TPOT in milliseconds (`None`: unknown, e.g. nonsense load).
-    pub ttft: Option<f64>,
-    pub tpot: Option<f64>,
-}
-
 impl SloPolicy {
     /// Predicted-latency routing with `precise` as the fallback and the source of prefix
     /// matches.
@@ -56,47 +46,83 @@ impl SloPolicy {
         Self { precise, predictor }
     }
 
-    fn candidates(
+    /// Each of `workers`' forecast for a prompt of `prompt_len` tokens of which each
+    /// holds `held`.
+    fn forecasts(
         &self,
         role: WorkerRole,
         workers: &[Arc<Worker>],
         held: &[usize],
         prompt_len: usize,
-    ) -> Vec<Candidate> {
+    ) -> Vec<Forecast> {
         workers
             .iter()
             .zip(held)
             .map(|(worker, &held)| {
                 let features = features_of(worker, prompt_len, held);
-                let ttft_features = match role {
-                    // A decode worker after a transfer computes nothing of the prompt.
-                    WorkerRole::Decode => Features {
-                        uncached_tokens: 0.0,
-                        ..features
-                    },
-                    _ => features,
-                };
                 let predict = |target, f| {
                     self.predictor
                         .predict(role, target, &worker.base, f)
                         .map(|p| p.ms)
                 };
-                Candidate {
-                    held,
-                    ttft: predict(Target::Ttft, ttft_features),
-                    tpot: match role {
-                        WorkerRole::Prefill => None,
-                        _ => predict(Target::Tpot, features),
+                match role {
+                    // After a transfer a decode worker computes nothing of the prompt.
+                    WorkerRole::Decode => Forecast {
+                        held,
+                        ttft: predict(
+                            Target::Ttft,
+                            Features {
+                                uncached_tokens: 0.0,
+                                ..features
+                            },
+                        ),
+                        ttft_local: predict(Target::Ttft, features),
+                        tpot: predict(Target::Tpot, features),
+                    },
+                    WorkerRole::Prefill => Forecast {
+                        held,
+                        ttft: predict(Target::Ttft, features),
+                        ..Forecast::default()
+                    },
+                    _ => Forecast {
+                        held,
+                        ttft: predict(Target::Ttft, features),
+                        ttft_local: None,
+                        tpot: predict(Target::Tpot, features),
                     },
                 }
             })
             .collect()
     }
+
+    /// The forecasts of `workers` for the request, with what each holds of its prompt;
+    /// `None` while the role's model is untrained or the prompt's tokens or the workers'
+    /// events are unknown.
+    fn forecast_all(
+        &self,
+        role: WorkerRole,
+        workers: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<(Vec<Forecast>, Vec<usize>, usize)> {
+        if workers.is_empty() || !self.predictor.trained(role, Target::Ttft) {
+            return None;
+        }
+        let tokens = request.tokens.filter(|t| !t.is_empty())?;
+        let held = self.precise.held_by_each(workers, tokens)?;
+        let mut forecasts = self.forecasts(role, workers, &held, tokens.len());
+        if request.local_prefill {
+            // This decode worker will prefill the prompt itself.
+            for f in &mut forecasts {
+                f.ttft = f.ttft_local.or(f.ttft);
+            }
+        }
+        Some((forecasts, held, tokens.len()))
+    }
 }
 
 /// The index of the candidate to route to, or `None` when none has a prediction.
 pub(crate) fn pick(
-    candidates: &[Candidate],
+    candidates: &[Forecast],
     prompt_len: usize,
     slo: Slo,
     explore: f64,
@@ -120,7 +146,7 @@ pub(crate) fn pick(
         .fold(f64::INFINITY, f64::min);
     let ttft_goal = slo.ttft.map(|d| d.as_secs_f64() * 1000.0);
     let tpot_goal = slo.tpot.map(|d| d.as_secs_f64() * 1000.0);
-    let headroom = |c: &Candidate| {
+    let headroom = |c: &Forecast| {
         let share = |predicted: f64, goal: Option<f64>, best: f64| match goal {
             Some(goal) => (goal - predicted) / goal,
             None => -(predicted / best.max(f64::MIN_POSITIVE)),
@@ -180,26 +206,20 @@ impl Policy for SloPolicy {
         request: &RouteRequest<'_>,
     ) -> Option<Choice> {
         let fallback = || self.precise.choose(role, workers, request);
-        if workers.is_empty() || !self.predictor.trained(role, Target::Ttft) {
-            return fallback();
-        }
-        let Some(tokens) = request.tokens.filter(|t| !t.is_empty()) else {
+        let Some((forecasts, held, prompt_len)) = self.forecast_all(role, workers, request) else {
             return fallback();
         };
-        let Some(held) = self.precise.held_by_each(workers, tokens) else {
-            return fallback();
-        };
-        let candidates = self.candidates(role, workers, &held, tokens.len());
-        let Some(index) = pick(&candidates, tokens.len(), request.slo, EXPLORE) else {
+        let Some(index) = pick(&forecasts, prompt_len, request.slo, EXPLORE) else {
             return fallback();
         };
         let chosen = workers[index].clone();
+        let tokens = request.tokens.unwrap_or_default();
         self.precise.note_sent(&chosen, tokens, held[index]);
         tracing::debug!(
             %role,
             worker = %chosen.base,
-            predicted_ttft_ms = candidates[index].ttft,
-            predicted_tpot_ms = candidates[index].tpot,
+            predicted_ttft_ms = forecasts[index].ttft,
+            predicted_tpot_ms = forecasts[index].tpot,
             cached_tokens = held[index],
             "slo: the most headroom against the request's objectives"
         );
@@ -208,10 +228,21 @@ impl Policy for SloPolicy {
             cache: Some(CacheMatch {
                 source: MatchSource::Events,
                 matched: held[index],
-                prompt_len: tokens.len(),
+                prompt_len,
                 tokens: true,
             }),
+            forecast: Some(forecasts[index]),
         })
+    }
+
+    fn forecast(
+        &self,
+        role: WorkerRole,
+        candidates: &[Arc<Worker>],
+        request: &RouteRequest<'_>,
+    ) -> Option<Vec<Forecast>> {
+        self.forecast_all(role, candidates, request)
+            .map(|(forecasts, _, _)| forecasts)
     }
 
     fn on_request_end(&self, worker: &Worker, outcome: RequestOutcome) {
@@ -251,10 +282,11 @@ mod tests {
 
     use super::*;
 
-    fn c(held: usize, ttft: f64, tpot: f64) -> Candidate {
-        Candidate {
+    fn c(held: usize, ttft: f64, tpot: f64) -> Forecast {
+        Forecast {
             held,
             ttft: Some(ttft),
+            ttft_local: None,
             tpot: Some(tpot),
         }
     }
@@ -292,10 +324,9 @@ mod tests {
 
     #[test]
     fn unknown_predictions_are_passed_over_and_none_means_fall_back() {
-        let unknown = Candidate {
+        let unknown = Forecast {
             held: 1000,
-            ttft: None,
-            tpot: None,
+            ..Forecast::default()
         };
         assert_eq!(
             pick(&[unknown, c(0, 900.0, 90.0)], 1000, slo(100, 10), 0.0),

@@ -75,6 +75,7 @@ pub fn pick(
         trace: None,
         seen: None,
         slo: Default::default(),
+        local_prefill: false,
     };
     policy
         .select(role, candidates, &route)

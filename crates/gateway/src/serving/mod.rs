@@ -4,6 +4,7 @@
 //! (`crate::state`); nothing here reads the flags.
 
 pub mod metrics;
+pub mod outlook;
 pub mod settings;
 
 use crate::policy::predictor::{features_of, LatencyPredictor};
@@ -16,7 +17,7 @@ use crate::clients::worker_client::{LegError, LegFault, WorkerClient};
 use crate::fleet::registry::{CircuitState, Registry, Worker};
 use crate::ingress::admission::Admission;
 use crate::ingress::prompt_tokens::PromptTokenizer;
-use crate::policy::{CacheMatch, InFlight, Policy, RouteRequest};
+use crate::policy::{Choice, InFlight, Policy, RouteRequest};
 use crate::sessions::conversation::ConversationCache;
 
 pub use metrics::ServingMetrics;
@@ -79,13 +80,13 @@ impl Serving {
         let began = route.trace.map(|_| std::time::Instant::now());
         // The common case allocates nothing: a first attempt with every circuit closed.
         if tried.is_empty() && live.iter().all(|w| w.circuit() == CircuitState::Closed) {
-            let (chosen, cache) = self.decide(policy.as_ref(), role, live, route)?;
-            log_choice(policy.name(), role, &chosen, live.len());
+            let choice = self.decide(policy.as_ref(), role, live, route)?;
+            log_choice(policy.name(), role, &choice.worker, live.len());
             if let (Some(cx), Some(began)) = (route.trace, began) {
                 let name = policy.name();
-                crate::observe::trace::routing(cx, began, name, role, &chosen, live.len(), cache);
+                crate::observe::trace::routing(cx, began, name, role, &choice, live.len());
             }
-            return Some(chosen);
+            return Some(choice.worker);
         }
         let mut passed_over: Vec<&str> = tried.iter().map(|w| w.base.as_str()).collect();
         loop {
@@ -97,18 +98,18 @@ impl Serving {
             if candidates.is_empty() {
                 break;
             }
-            let (chosen, cache) = self.decide(policy.as_ref(), role, &candidates, route)?;
+            let choice = self.decide(policy.as_ref(), role, &candidates, route)?;
             // An open circuit past its cooldown admits one trial request; if another
             // request claimed it first, choose again without this worker.
-            if chosen.breaker.admit() {
-                log_choice(policy.name(), role, &chosen, candidates.len());
+            if choice.worker.breaker.admit() {
+                log_choice(policy.name(), role, &choice.worker, candidates.len());
                 if let (Some(cx), Some(began)) = (route.trace, began) {
                     let (name, n) = (policy.name(), candidates.len());
-                    crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
+                    crate::observe::trace::routing(cx, began, name, role, &choice, n);
                 }
-                return Some(chosen);
+                return Some(choice.worker);
             }
-            let base = live.iter().find(|w| w.base == chosen.base)?;
+            let base = live.iter().find(|w| w.base == choice.worker.base)?;
             passed_over.push(base.base.as_str());
         }
         // Every untried worker is kept out by its breaker (open within its cooldown, or
@@ -124,15 +125,15 @@ impl Serving {
         }
         self.registry
             .note_panic(role, 1, "every one's circuit breaker is open");
-        let (chosen, cache) = self.decide(policy.as_ref(), role, &untried, route)?;
+        let choice = self.decide(policy.as_ref(), role, &untried, route)?;
         // Claims the trial when none is on its way, so its outcome decides the circuit.
-        chosen.breaker.admit();
-        log_choice(policy.name(), role, &chosen, untried.len());
+        choice.worker.breaker.admit();
+        log_choice(policy.name(), role, &choice.worker, untried.len());
         if let (Some(cx), Some(began)) = (route.trace, began) {
             let (name, n) = (policy.name(), untried.len());
-            crate::observe::trace::routing(cx, began, name, role, &chosen, n, cache);
+            crate::observe::trace::routing(cx, began, name, role, &choice, n);
         }
-        Some(chosen)
+        Some(choice.worker)
     }
 
     /// The policy's choice among `candidates`, its time recorded in
@@ -143,7 +144,7 @@ impl Serving {
         role: WorkerRole,
         candidates: &[Arc<Worker>],
         route: &RouteRequest<'_>,
-    ) -> Option<(Arc<Worker>, Option<CacheMatch>)> {
+    ) -> Option<Choice> {
         let began = std::time::Instant::now();
         let choice = choose(policy, role, candidates, route);
         self.metrics
@@ -205,28 +206,38 @@ const ANY_ROLE: [WorkerRole; 3] = [
     WorkerRole::Prefill,
 ];
 
-/// The policy's choice and its cache match, noted for the response headers where the
-/// request keeps notes (`--expose-routing`) and, with the worker's load, for the latency
-/// predictor; the match is looked for only then and for a traced request (its `routing`
-/// span shows it).
+/// The policy's choice, its cache match and prediction noted for the response headers
+/// where the request keeps notes (`--expose-routing`) and, with the worker's load, for
+/// the latency predictor; the match is looked for only then and for a traced request
+/// (its `routing` span shows it).
 fn choose(
     policy: &dyn Policy,
     role: WorkerRole,
     candidates: &[Arc<Worker>],
     route: &RouteRequest<'_>,
-) -> Option<(Arc<Worker>, Option<CacheMatch>)> {
+) -> Option<Choice> {
+    let bare = |worker: Arc<Worker>| Choice {
+        worker,
+        cache: None,
+        forecast: None,
+    };
     if let Some(prefer) = route.prefer {
         if let Some(worker) = candidates.iter().find(|w| w.base == prefer) {
-            return Some((worker.clone(), None));
+            return Some(bare(worker.clone()));
         }
     }
     let learns = route.seen.is_some() && route.tokens.is_some();
     if route.notes.is_none() && route.trace.is_none() && !learns {
-        return policy.select(role, candidates, route).map(|w| (w, None));
+        return policy.select(role, candidates, route).map(bare);
     }
     let choice = policy.choose(role, candidates, route)?;
-    if let (Some(notes), Some(cache)) = (route.notes, choice.cache) {
-        notes.record(&choice.worker, cache);
+    if let Some(notes) = route.notes {
+        if let Some(cache) = choice.cache {
+            notes.record(&choice.worker, cache);
+        }
+        if let Some(forecast) = choice.forecast {
+            notes.record_forecast(&choice.worker, forecast);
+        }
     }
     // The predictor learns from choices whose cache match is known in tokens.
     if let (Some(seen), Some(tokens), Some(cache)) = (route.seen, route.tokens, choice.cache) {
@@ -235,7 +246,7 @@ fn choose(
             seen.note(&choice.worker.base, features);
         }
     }
-    Some((choice.worker, choice.cache))
+    Some(choice)
 }
 
 fn log_choice(policy: &str, role: WorkerRole, chosen: &Worker, candidates: usize) {

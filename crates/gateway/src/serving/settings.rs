@@ -65,4 +65,7 @@ pub struct LegSettings {
     pub kv_secret: Option<String>,
     /// Objectives for requests that name none (`--slo-ttft-ms`, `--slo-tpot-ms`).
     pub slo: crate::ingress::slo::Slo,
+    /// Requests of a priority above this are shed (429) when no route is predicted to
+    /// meet their objectives (`--shed-priority`).
+    pub shed_priority: i64,
 }
