@@ -19,6 +19,7 @@ pub mod handoff;
 pub mod ingress;
 pub mod legs;
 pub mod observe;
+pub mod planner;
 pub mod policy;
 pub mod responses;
 pub mod routes;

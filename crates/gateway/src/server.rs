@@ -79,6 +79,7 @@ pub fn router(state: AppState) -> Router {
                 .layer(DefaultBodyLimit::max(admin::MAX_ADMIN_BODY_BYTES)),
         )
         .route("/metrics", get(metrics))
+        .route("/planner", get(crate::routes::planner::planner))
         .route("/dashboard", get(crate::routes::dashboard::page))
         .route("/dashboard/data", get(crate::routes::dashboard::data))
         .route("/start_profile", post(profile::start))
@@ -192,6 +193,7 @@ pub async fn serve(
     if state.config.prewarm {
         tasks.push(prewarm::spawn(state.serving.clone()));
     }
+    tasks.extend(state.planner.clone().spawn(state.serving.clone()));
     if state.serving.history.enabled() {
         // Retention and the size bounds, enforced in the database once a minute.
         tasks.push(tokio::spawn(
@@ -325,6 +327,7 @@ async fn sglang_generate(
         let field = body.get("priority").map(Value::to_string);
         ctx.slo = crate::ingress::slo::Slo::from_headers(&ctx.client_headers, state.settings.slo)?;
         ctx.priority = crate::ingress::admission::priority(field.as_deref(), &ctx.client_headers)?;
+        ctx.journey.aim_at(ctx.slo);
         let permit =
             match crate::ingress::admission::admit(&state.admission, ctx.priority, ctx.slo.ttft)
                 .await

@@ -51,6 +51,8 @@ pub struct SharedState {
     pub admin: Arc<AdminApi>,
     /// How a worker URL is checked before it is routed to (discovery, static flags).
     pub worker_check: WorkerCheck,
+    /// The P:D planner signal (`/planner`).
+    pub planner: Arc<crate::planner::Planner>,
 }
 
 impl AppState {
@@ -61,6 +63,14 @@ impl AppState {
         let serving_metrics = Arc::new(ServingMetrics::register(metrics.registry_mut(), history));
         let predictor = Arc::new(crate::policy::predictor::LatencyPredictor::new());
         predictor.register(metrics.registry_mut());
+        let planner = Arc::new(crate::planner::Planner::new(
+            crate::planner::PlannerSettings::new(
+                config.planner_interval,
+                config.planner_window,
+                config.slo,
+            ),
+        ));
+        planner.register(metrics.unprefixed_mut());
         let metrics = Arc::new(metrics);
         let registry = Arc::new(Registry::new(metrics.fleet.clone(), config.health));
         for spec in config.static_workers() {
@@ -144,6 +154,7 @@ impl AppState {
             kv_events,
             admin,
             worker_check,
+            planner,
             config: Arc::new(config),
         })))
     }

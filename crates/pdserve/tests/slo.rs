@@ -4,7 +4,7 @@
 //!   `precise_prefix` while it is untrained) and publishes its error.
 //! - A simulated 2P+2D fleet, trained: the routing notes carry each choice's prediction,
 //!   and a sheddable request that no worker is predicted to serve in time is a 429 with
-//!   `Retry-After`, while the same request at priority 0 is served.
+//!   `Retry-After`, while the same request at priority 0 is served; `/planner` answers.
 
 use std::time::Duration;
 
@@ -191,6 +191,37 @@ async fn a_trained_fleet_shows_its_predictions_and_sheds_only_sheddable_requests
             );
             eprintln!("{series} {:?} after 160 requests", sample(&text, &series));
         }
+
+        // The planner answers with a count for each pool, and says why; within its next
+        // decision (every 5 s) it has counted the requests with objectives above.
+        let mut plan = Value::Null;
+        for _ in 0..30 {
+            plan = http
+                .get(format!("{}/planner", up.entry))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if plan["attainment"]["ttft"].is_number() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        eprintln!("/planner: {plan}");
+        for role in ["prefill", "decode"] {
+            let n = plan[role].as_u64().unwrap_or_else(|| panic!("no {role} in {plan}"));
+            assert!(n >= 1, "{plan}");
+            assert_eq!(plan["current"][role], 2, "{plan}");
+            let gauge = sample(
+                &text,
+                &format!(r#"pdserve_planner_desired_workers{{role="{role}"}}"#),
+            );
+            assert!(gauge.is_some_and(|g| g >= 1.0), "{role}: {gauge:?}");
+        }
+        assert!(plan["reason"].as_str().is_some_and(|r| !r.is_empty()), "{plan}");
+        assert!(plan["attainment"]["ttft"].is_number(), "the window's TTFT attainment: {plan}");
     })
     .await
     .expect("the test ran past its time limit");

@@ -150,6 +150,17 @@ pub struct GatewayArgs {
     )]
     pub shed_priority: i64,
 
+    /// How often, in seconds, the P:D planner decides how many prefill and decode workers
+    /// the fleet should have (`GET /planner`, `pdserve_planner_desired_workers{role}`);
+    /// 0 decides only when `/planner` is read.
+    #[arg(long, env = "PDSERVE_PLANNER_INTERVAL_SECS", default_value = "5", value_parser = parse_secs)]
+    pub planner_interval_secs: Duration,
+
+    /// The finished requests, in seconds back, whose SLO attainment the planner weighs.
+    /// Its targets are `--slo-ttft-ms` and `--slo-tpot-ms` (else 500 ms and 50 ms).
+    #[arg(long, env = "PDSERVE_PLANNER_WINDOW_SECS", default_value = "60", value_parser = parse_secs)]
+    pub planner_window_secs: Duration,
+
     /// Most conversations whose KV handle is kept; the least recently used is dropped first.
     #[arg(long, env = "PDSERVE_MAX_CONVERSATIONS", default_value = "100000")]
     pub max_conversations: NonZeroUsize,

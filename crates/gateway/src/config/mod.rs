@@ -122,6 +122,10 @@ pub struct GatewayConfig {
     pub slo: crate::ingress::slo::Slo,
     /// Requests above this priority may be shed on a prediction.
     pub shed_priority: i64,
+    /// How often the P:D planner decides.
+    pub planner_interval: std::time::Duration,
+    /// The finished requests the planner looks back over.
+    pub planner_window: std::time::Duration,
 }
 
 impl GatewayConfig {
@@ -186,6 +190,8 @@ impl GatewayConfig {
             },
             slo: Default::default(),
             shed_priority: 0,
+            planner_interval: std::time::Duration::from_secs(5),
+            planner_window: std::time::Duration::from_secs(60),
         }
     }
 

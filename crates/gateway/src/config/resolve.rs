@@ -208,6 +208,8 @@ impl GatewayArgs {
                 tpot: self.slo_tpot_ms,
             },
             shed_priority: self.shed_priority,
+            planner_interval: self.planner_interval_secs,
+            planner_window: self.planner_window_secs,
         })
     }
 }

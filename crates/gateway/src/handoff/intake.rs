@@ -23,6 +23,7 @@ pub async fn admit_and_count(
     ctx.slo = crate::ingress::slo::Slo::from_headers(&ctx.client_headers, state.settings.slo)
         .map_err(IntoResponse::into_response)?;
     ctx.journey.learn_into(state.predictor.clone());
+    ctx.journey.aim_at(ctx.slo);
     let field = request.verbatim_number("priority");
     ctx.priority = crate::ingress::admission::priority(field, &ctx.client_headers)
         .map_err(IntoResponse::into_response)?;

@@ -144,6 +144,42 @@ pub struct Sample {
     pub decode_ttfb_ms: Option<Percentiles>,
     /// End-to-end durations.
     pub e2e_ms: Option<Percentiles>,
+    /// How many of the requests that finished in it met their objectives.
+    pub slo: Attainment,
+}
+
+/// Requests with an objective that met or missed it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Attainment {
+    /// Met their TTFT objective.
+    pub ttft_met: u32,
+    /// Missed it (or failed).
+    pub ttft_missed: u32,
+    /// Met their TPOT objective.
+    pub tpot_met: u32,
+    /// Missed it (or failed).
+    pub tpot_missed: u32,
+}
+
+impl Attainment {
+    /// The shares that met their TTFT and TPOT objectives (`None` without any).
+    pub fn shares(&self) -> (Option<f64>, Option<f64>) {
+        let share = |met: u32, missed: u32| {
+            (met + missed > 0).then(|| f64::from(met) / f64::from(met + missed))
+        };
+        (
+            share(self.ttft_met, self.ttft_missed),
+            share(self.tpot_met, self.tpot_missed),
+        )
+    }
+
+    /// Both counts together.
+    pub fn add(&mut self, other: &Attainment) {
+        self.ttft_met += other.ttft_met;
+        self.ttft_missed += other.ttft_missed;
+        self.tpot_met += other.tpot_met;
+        self.tpot_missed += other.tpot_missed;
+    }
 }
 
 /// The running second's accumulators.
@@ -151,6 +187,8 @@ struct Window {
     requests: AtomicU32,
     errors: AtomicU32,
     series: [Buckets; SERIES],
+    /// TTFT met, TTFT missed, TPOT met, TPOT missed.
+    slo: [AtomicU32; 4],
 }
 
 /// Per-second samples and recent requests (see the module documentation).
@@ -183,6 +221,7 @@ impl Default for History {
                 requests: AtomicU32::new(0),
                 errors: AtomicU32::new(0),
                 series: std::array::from_fn(|_| Buckets::new()),
+                slo: std::array::from_fn(|_| AtomicU32::new(0)),
             },
             samples: Mutex::new(VecDeque::with_capacity(SAMPLE_SECONDS)),
             requests: Mutex::new(VecDeque::with_capacity(RECENT_REQUESTS)),
@@ -213,6 +252,13 @@ impl History {
         }
         if let Some(itl) = f.itl {
             series[Series::Itl as usize].observe(itl);
+        }
+        let (ttft, tpot) = record.attained();
+        for (attained, met) in [(ttft, 0), (tpot, 2)] {
+            if let Some(attained) = attained {
+                let slot = if attained { met } else { met + 1 };
+                self.window.slo[slot].fetch_add(1, Ordering::Relaxed);
+            }
         }
         let mut ring = self.requests.lock().unwrap_or_else(|e| e.into_inner());
         if ring.len() == RECENT_REQUESTS {
@@ -259,6 +305,12 @@ impl History {
             prefill_ms: percentiles(&series[Series::Prefill as usize]),
             decode_ttfb_ms: percentiles(&series[Series::DecodeTtfb as usize]),
             e2e_ms: percentiles(&series[Series::EndToEnd as usize]),
+            slo: Attainment {
+                ttft_met: window.slo[0].swap(0, Ordering::Relaxed),
+                ttft_missed: window.slo[1].swap(0, Ordering::Relaxed),
+                tpot_met: window.slo[2].swap(0, Ordering::Relaxed),
+                tpot_missed: window.slo[3].swap(0, Ordering::Relaxed),
+            },
         };
         let mut samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
         push_bounded(&mut samples, closed);
@@ -278,6 +330,7 @@ impl History {
             prefill_ms: None,
             decode_ttfb_ms: None,
             e2e_ms: None,
+            slo: Attainment::default(),
         }
     }
 
@@ -334,10 +387,62 @@ mod tests {
                     itl: None,
                     duration: Duration::from_millis(3),
                 },
+                slo: Default::default(),
             });
         }
         let recent = history.recent_requests();
         assert_eq!(recent.len(), RECENT_REQUESTS);
         assert_eq!(recent[0].request_id, (RECENT_REQUESTS + 6).to_string());
+    }
+
+    #[test]
+    fn attainment_counts_met_missed_and_failed_requests_per_objective() {
+        let record = |outcome: &'static str, ttft_ms: u64, itl_ms: Option<u64>| RequestRecord {
+            finished_at: SystemTime::now(),
+            request_id: http::HeaderValue::from_static("r"),
+            endpoint: "/v1/completions",
+            mode: Mode::Aggregated,
+            prefill: None,
+            decode: None,
+            worker: None,
+            finished: Finished {
+                status: if outcome == "ok" { 200 } else { 502 },
+                outcome,
+                stream: true,
+                ttft: Some(Duration::from_millis(ttft_ms)),
+                itl: itl_ms.map(Duration::from_millis),
+                duration: Duration::from_millis(ttft_ms + 50),
+            },
+            slo: crate::ingress::slo::Slo {
+                ttft: Some(Duration::from_millis(100)),
+                tpot: Some(Duration::from_millis(20)),
+            },
+        };
+        assert_eq!(
+            record("ok", 80, Some(10)).attained(),
+            (Some(true), Some(true))
+        );
+        assert_eq!(
+            record("ok", 120, Some(30)).attained(),
+            (Some(false), Some(false))
+        );
+        // One output token: no TPOT to compare.
+        assert_eq!(record("ok", 80, None).attained(), (Some(true), None));
+        assert_eq!(
+            record("error", 80, Some(10)).attained(),
+            (Some(false), Some(false))
+        );
+        let mut none = record("ok", 80, Some(10));
+        none.slo = Default::default();
+        assert_eq!(none.attained(), (None, None));
+
+        let mut sum = Attainment::default();
+        sum.add(&Attainment {
+            ttft_met: 3,
+            ttft_missed: 1,
+            tpot_met: 0,
+            tpot_missed: 0,
+        });
+        assert_eq!(sum.shares(), (Some(0.75), None));
     }
 }

@@ -15,6 +15,7 @@ use pdserve_protocol::WorkerRole;
 use super::history::History;
 use super::request_record::{Finished, Hop, Mode, RequestRecord};
 use crate::fleet::registry::Worker;
+use crate::ingress::slo::Slo;
 use crate::policy::predictor::{Features, LatencyPredictor, SeenFeatures, Target};
 use crate::policy::CacheMatch;
 
@@ -47,6 +48,8 @@ pub struct Journey {
     prefill_leg: Mutex<Option<(String, Duration)>>,
     /// The answering leg's time to its first byte (a stream's), and its worker.
     answer_head: Mutex<Option<(String, Duration)>>,
+    /// The objectives it is served to, set at intake.
+    slo: OnceLock<Slo>,
 }
 
 impl Journey {
@@ -64,7 +67,14 @@ impl Journey {
             learning: OnceLock::new(),
             prefill_leg: Mutex::new(None),
             answer_head: Mutex::new(None),
+            slo: OnceLock::new(),
         }
+    }
+
+    /// Notes the objectives the request is served to (its attainment is counted when it
+    /// is filed).
+    pub fn aim_at(&self, slo: Slo) {
+        let _ = self.slo.set(slo);
     }
 
     /// Where routing notes the chosen workers' features.
@@ -178,6 +188,7 @@ impl Journey {
             decode: route.decode,
             worker: route.worker,
             finished,
+            slo: self.slo.get().copied().unwrap_or_default(),
         });
     }
 }

@@ -19,6 +19,8 @@ struct RoleLabels {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// Families named outside `pdserve_gateway_` (the planner's `pdserve_planner_*`).
+    unprefixed: Registry,
     policy_cache_hits: Family<RoleLabels, Gauge>,
     policy_cache_misses: Family<RoleLabels, Gauge>,
     policy_cache_hit_ratio: Family<RoleLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -78,6 +80,7 @@ impl Default for Metrics {
         ));
         Self {
             registry,
+            unprefixed: Registry::default(),
             history: Default::default(),
             fleet,
             loops,
@@ -97,6 +100,11 @@ impl Metrics {
     /// shared).
     pub fn registry_mut(&mut self) -> &mut Registry {
         &mut self.registry
+    }
+
+    /// The registry of families that name their own prefix.
+    pub fn unprefixed_mut(&mut self) -> &mut Registry {
+        &mut self.unprefixed
     }
 
     /// Publishes a role's routing-policy counters (read from the policy at scrape time).
@@ -128,7 +136,10 @@ impl Metrics {
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &self.unprefixed);
+        let _ = encode_eof(&mut out);
         out
     }
 }

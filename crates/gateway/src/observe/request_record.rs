@@ -74,4 +74,23 @@ pub struct RequestRecord {
     pub worker: Option<Hop>,
     /// How it ended.
     pub finished: Finished,
+    /// The latency objectives it was served to.
+    pub slo: crate::ingress::slo::Slo,
+}
+
+impl RequestRecord {
+    /// Whether it met its TTFT and its TPOT objective (`None` for one it had not; a
+    /// request that failed met neither; a body has no TTFT to compare and is not
+    /// counted for it).
+    pub fn attained(&self) -> (Option<bool>, Option<bool>) {
+        let f = &self.finished;
+        let ok = f.outcome == "ok";
+        let within = |goal: Option<Duration>, actual: Option<Duration>| match (goal, actual) {
+            (None, _) => None,
+            (Some(_), _) if !ok => Some(false),
+            (Some(goal), Some(actual)) => Some(actual <= goal),
+            (Some(_), None) => None,
+        };
+        (within(self.slo.ttft, f.ttft), within(self.slo.tpot, f.itl))
+    }
 }

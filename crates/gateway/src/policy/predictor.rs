@@ -177,6 +177,8 @@ const PRIOR_COVARIANCE: f64 = 1.0e4;
 /// The shortest and longest predictions made, in milliseconds.
 const MIN_MS: f64 = 0.05;
 const MAX_MS: f64 = 3_600_000.0;
+/// How fast the typical request follows the requests learned from (about the last 20).
+const TYPICAL_RATE: f64 = 0.05;
 /// How fast a worker's own correction follows its errors.
 const BIAS_RATE: f64 = 0.05;
 
@@ -321,6 +323,8 @@ pub struct LatencyPredictor {
     models: Mutex<Vec<[Model; 2]>>,
     /// Per (worker, target): the log of its typical actual / predicted.
     bias: Mutex<HashMap<(String, Target), f64>>,
+    /// Per role index: a running average of the TTFT features learned from.
+    typical: Mutex<[Option<Features>; 4]>,
     errors: Family<ErrorLabels, Gauge<f64, AtomicU64>>,
 }
 
@@ -344,6 +348,7 @@ impl LatencyPredictor {
         Self {
             models: Mutex::new(models),
             bias: Mutex::new(HashMap::new()),
+            typical: Mutex::new([None; 4]),
             errors: Family::default(),
         }
     }
@@ -401,6 +406,9 @@ impl LatencyPredictor {
             return;
         }
         let predicted = self.predict(role, target, worker, features).map(|p| p.ms);
+        if target == Target::Ttft {
+            self.note_typical(role, features);
+        }
         let x = features.vector();
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let model = &mut models[super::role_index(role)][target.index()];
@@ -423,6 +431,29 @@ impl LatencyPredictor {
         let entry = bias.entry((worker.to_string(), target)).or_insert(0.0);
         let log_ratio = (actual_ms / pooled).ln().clamp(-3.0, 3.0);
         *entry += BIAS_RATE * (log_ratio - *entry);
+    }
+
+    /// A typical recent request of `role` as its workers looked when chosen: a running
+    /// average of the features its TTFT model learned from (`None` before the first).
+    pub fn typical(&self, role: WorkerRole) -> Option<Features> {
+        self.typical.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
+    }
+
+    fn note_typical(&self, role: WorkerRole, f: Features) {
+        let mut typical = self.typical.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = &mut typical[super::role_index(role)];
+        let mix = |old: f64, new: f64| old + TYPICAL_RATE * (new - old);
+        *slot = Some(match *slot {
+            None => f,
+            Some(t) => Features {
+                uncached_tokens: mix(t.uncached_tokens, f.uncached_tokens),
+                prompt_tokens: mix(t.prompt_tokens, f.prompt_tokens),
+                waiting: mix(t.waiting, f.waiting),
+                running: mix(t.running, f.running),
+                in_flight: mix(t.in_flight, f.in_flight),
+                kv_usage: mix(t.kv_usage, f.kv_usage),
+            },
+        });
     }
 
     /// The recent mean absolute percentage error of `role`'s `target` predictions.

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod conversations;
 pub mod dashboard;
 pub mod dashboard_data;
+pub mod planner;
 pub mod profile;
 pub mod readiness;
 pub mod tokenize;
