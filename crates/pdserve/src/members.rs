@@ -21,6 +21,13 @@ pub struct Member {
     child: Child,
 }
 
+impl Member {
+    /// The name its log lines carry.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
 /// SIGTERM and SIGINT (Ctrl-C), caught from creation on.
 pub struct StopSignals {
     terminate: Signal,
@@ -226,6 +233,22 @@ pub async fn stop_all(members: &mut [Member], limit: Duration, signals: &mut Sto
                 }
             }
         }
+    }
+}
+
+/// Stops one member: SIGTERM and `limit` to drain and exit, then it is killed.
+pub async fn stop_one(member: &mut Member, limit: Duration) {
+    if let (Ok(None), Some(pid)) = (member.child.try_wait(), member.child.id()) {
+        // SAFETY: kill(2) on our own running child's pid has no memory-safety
+        // preconditions.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+        }
+    }
+    all_exited(&mut [member], limit).await;
+    if let Ok(None) = member.child.try_wait() {
+        tracing::warn!(member = %member.name, "did not stop in {limit:?}; killing it");
+        let _ = member.child.kill().await;
     }
 }
 

@@ -1,0 +1,255 @@
+//! `pdserve up --autoscale`: the stack acts on its gateway's P:D planner (`GET
+//! /planner`). Every `--autoscale-interval-secs` it reads the desired prefill and decode
+//! counts and moves each pool by at most one worker towards them, within
+//! `--max-workers` and never below one per pool; a pool just resized is left alone for
+//! `--autoscale-cooldown-secs`, so the planner's window sees the new size first.
+//!
+//! The gateways know the workers from a listing file the stack rewrites (their
+//! `--discover-file`). A worker is added once it answers `/health`; one is removed by
+//! taking it out of the listing first (no new requests reach it after the gateways' next
+//! read), waiting for its queue and running requests to empty, and only then stopping it
+//! (SIGTERM, which drains what is left within `--shutdown-timeout`).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use pdserve_protocol::WorkerRole;
+
+use super::stack::{write_listing, Listed, Stack, Started, LISTING_INTERVAL_SECS};
+use super::STOP_MARGIN;
+use crate::members::{first_exit, stop_one, wait_ready, Member};
+use crate::placement::Placement;
+
+/// The pools the planner sizes.
+const POOLS: [WorkerRole; 2] = [WorkerRole::Prefill, WorkerRole::Decode];
+
+/// A worker behind the gateways, with the name its member carries.
+struct Scaled {
+    listed: Listed,
+    name: String,
+}
+
+/// The autoscaling loop's state (see the module documentation).
+pub(super) struct Autoscaler<'s, 'a> {
+    stack: &'s Stack<'a>,
+    /// The gateway whose planner is read.
+    gateway: String,
+    workers: Vec<Scaled>,
+    /// Workers started so far (names their sockets).
+    started: usize,
+    /// Per pool: workers started so far (names their members), and the last resize.
+    per_pool: [(usize, Option<Instant>); 2],
+    http: reqwest::Client,
+}
+
+impl<'s, 'a> Autoscaler<'s, 'a> {
+    /// The autoscaler of what `stack` started.
+    pub(super) fn new(stack: &'s Stack<'a>, started: Started) -> Self {
+        let count = |role| started.workers.iter().filter(|w| w.role == role).count();
+        let per_pool = [(count(POOLS[0]), None), (count(POOLS[1]), None)];
+        let mut seen = [0usize; 2];
+        let workers = started
+            .workers
+            .into_iter()
+            .map(|listed| {
+                let pool = pool_index(listed.role);
+                let name = format!("{}-{}", listed.role, seen[pool]);
+                seen[pool] += 1;
+                Scaled { listed, name }
+            })
+            .collect::<Vec<_>>();
+        Self {
+            stack,
+            gateway: started.entry,
+            started: workers.len(),
+            workers,
+            per_pool,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .no_proxy()
+                .build()
+                .expect("a plain HTTP client builds"),
+        }
+    }
+
+    /// Acts on the planner until a member exits (an error, as without autoscaling).
+    pub(super) async fn run(mut self, members: &mut Vec<Member>) -> anyhow::Result<()> {
+        let every = Duration::from_secs_f64(self.stack.args.autoscale_interval_secs.max(0.1));
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                (name, status) = first_exit(members) => {
+                    bail!("{name} exited unexpectedly ({status}); stopping the stack")
+                }
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = self.step(members).await {
+                tracing::warn!("autoscale: {e:#}");
+            }
+        }
+    }
+
+    /// Reads the planner and resizes each pool it wants resized by one worker.
+    async fn step(&mut self, members: &mut Vec<Member>) -> anyhow::Result<()> {
+        let plan: serde_json::Value = self
+            .http
+            .get(format!("{}/planner", self.gateway))
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .context("cannot read the gateway's /planner")?
+            .json()
+            .await
+            .context("the gateway's /planner is not JSON")?;
+        let reason = plan["reason"].as_str().unwrap_or_default().to_string();
+        let cooldown = Duration::from_secs_f64(self.stack.args.autoscale_cooldown_secs.max(0.0));
+        for role in POOLS {
+            let Some(desired) = plan[role.as_str()].as_u64() else {
+                bail!("/planner has no `{role}` count: {plan}");
+            };
+            let pool = pool_index(role);
+            if self.per_pool[pool]
+                .1
+                .is_some_and(|at| at.elapsed() < cooldown)
+            {
+                continue;
+            }
+            let current = self.count(role) as u64;
+            if desired > current && self.workers.len() < self.stack.args.max_workers {
+                self.grow(role, members, &reason).await?;
+                self.per_pool[pool].1 = Some(Instant::now());
+            } else if desired < current && current > 1 {
+                self.shrink(role, members, &reason).await?;
+                self.per_pool[pool].1 = Some(Instant::now());
+            }
+        }
+        Ok(())
+    }
+
+    fn count(&self, role: WorkerRole) -> usize {
+        self.workers
+            .iter()
+            .filter(|w| w.listed.role == role)
+            .count()
+    }
+
+    fn write(&self) -> anyhow::Result<()> {
+        let listing = self
+            .stack
+            .listing
+            .as_deref()
+            .context("no workers' listing")?;
+        let listed: Vec<Listed> = self.workers.iter().map(|w| w.listed.clone()).collect();
+        write_listing(listing, &listed)
+    }
+
+    /// Starts a worker of `role`, and lists it once it is ready.
+    async fn grow(
+        &mut self,
+        role: WorkerRole,
+        members: &mut Vec<Member>,
+        reason: &str,
+    ) -> anyhow::Result<()> {
+        let pool = pool_index(role);
+        let name = format!("{role}-{}", self.per_pool[pool].0);
+        self.per_pool[pool].0 += 1;
+        let index = self.started;
+        self.started += 1;
+        let (member, listed, line) =
+            self.stack
+                .launch(role, index, &name, &Placement::anywhere())?;
+        members.push(member);
+        let limit = Duration::from_secs(self.stack.args.ready_timeout_secs);
+        wait_ready(members, &listed.url, limit).await?;
+        self.workers.push(Scaled { listed, name });
+        self.write()?;
+        println!("autoscale: started {line} (planner: {reason})");
+        Ok(())
+    }
+
+    /// Drains the newest worker of `role` and stops it.
+    async fn shrink(
+        &mut self,
+        role: WorkerRole,
+        members: &mut Vec<Member>,
+        reason: &str,
+    ) -> anyhow::Result<()> {
+        let Some(i) = self.workers.iter().rposition(|w| w.listed.role == role) else {
+            return Ok(());
+        };
+        let gone = self.workers.remove(i);
+        self.write()?;
+        // The gateways stop routing to it at their next read of the listing.
+        tokio::time::sleep(Duration::from_millis(
+            2 * LISTING_INTERVAL_SECS * 1000 + 500,
+        ))
+        .await;
+        let limit = Duration::from_secs(self.stack.args.shutdown_timeout);
+        let idle = self.wait_idle(&gone.listed.url, limit).await;
+        if let Some(at) = members.iter().position(|m| m.name() == gone.name) {
+            let mut member = members.remove(at);
+            stop_one(&mut member, limit + STOP_MARGIN).await;
+        }
+        let drained = if idle {
+            "drained"
+        } else {
+            "still busy after --shutdown-timeout"
+        };
+        println!(
+            "autoscale: stopped {} at {} ({drained}; planner: {reason})",
+            gone.name, gone.listed.url
+        );
+        Ok(())
+    }
+
+    /// Waits until the worker at `url` reports nothing waiting or running (its vLLM-named
+    /// gauges), for at most `limit`; whether it got there.
+    async fn wait_idle(&self, url: &str, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            let text = match self.http.get(format!("{url}/metrics")).send().await {
+                Ok(response) => response.text().await.unwrap_or_default(),
+                // Gone already: nothing left to drain.
+                Err(_) => return true,
+            };
+            let busy = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+                .iter()
+                .map(|name| gauge(&text, name))
+                .sum::<f64>();
+            if busy == 0.0 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        false
+    }
+}
+
+fn pool_index(role: WorkerRole) -> usize {
+    usize::from(role == WorkerRole::Decode)
+}
+
+/// The sum of `name`'s samples in a Prometheus text exposition.
+fn gauge(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gauge;
+
+    #[test]
+    fn a_gauge_is_summed_over_its_series_and_not_confused_with_a_longer_name() {
+        let text = "# TYPE vllm:num_requests_running gauge\n\
+                    vllm:num_requests_running{model_name=\"m\"} 2\n\
+                    vllm:num_requests_running_total 7\n\
+                    vllm:num_requests_waiting 1\n";
+        assert_eq!(gauge(text, "vllm:num_requests_running"), 2.0);
+        assert_eq!(gauge(text, "vllm:num_requests_waiting"), 1.0);
+        assert_eq!(gauge(text, "vllm:absent"), 0.0);
+    }
+}
