@@ -135,7 +135,9 @@ async fn the_stack_grows_a_pool_the_planner_asks_for_and_drains_one_it_does_not_
         };
         let shrunk = wait_for_total(&http, &up.entry, 2, Duration::from_secs(60)).await;
         assert_eq!(shrunk, (1, 1), "{}", up.log_tail());
-        traffic.await.expect("every request during the drain succeeded");
+        traffic
+            .await
+            .expect("every request during the drain succeeded");
         send(&http, &up.entry, 5000, 4, None).await;
     })
     .await

@@ -108,11 +108,12 @@ pub fn expose_worker(
     worker: &Arc<Worker>,
 ) {
     let Some(notes) = &ctx.routing_notes else {
-        ctx.journey.served_by(worker, None);
+        ctx.journey.served_by(worker, None, None);
         return;
     };
     let held = notes.get(worker);
-    ctx.journey.served_by(worker, held);
+    let forecast = notes.forecast(worker);
+    ctx.journey.served_by(worker, held, forecast);
     if let Ok(value) = HeaderValue::from_str(&worker.base) {
         response.headers_mut().insert(name, value);
     }
@@ -124,7 +125,7 @@ pub fn expose_worker(
     if let Some(value) = held.and_then(|m| HeaderValue::from_str(&m.header_value()).ok()) {
         response.headers_mut().insert(cache_header, value);
     }
-    let predicted = notes.forecast(worker).and_then(|f| f.header_value());
+    let predicted = forecast.and_then(|f| f.header_value());
     if let Some(value) = predicted.and_then(|v| HeaderValue::from_str(&v).ok()) {
         response.headers_mut().insert(forecast_header, value);
     }

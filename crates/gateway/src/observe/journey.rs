@@ -104,12 +104,19 @@ impl Journey {
         self.started
     }
 
-    /// Notes that `worker` served its role's part (the last one noted per role stands:
-    /// a retried leg's worker replaces the one that failed).
-    pub fn served_by(&self, worker: &Arc<Worker>, cache: Option<CacheMatch>) {
+    /// Notes that `worker` served its role's part, what it held of the prompt and what it
+    /// was predicted to give when chosen (the last one noted per role stands: a retried
+    /// leg's worker replaces the one that failed).
+    pub fn served_by(
+        &self,
+        worker: &Arc<Worker>,
+        cache: Option<CacheMatch>,
+        forecast: Option<crate::policy::predictor::Forecast>,
+    ) {
         let hop = Some(Hop {
             worker: worker.clone(),
             cache,
+            forecast,
         });
         let mut route = self.route.lock().unwrap_or_else(|e| e.into_inner());
         match worker.role() {

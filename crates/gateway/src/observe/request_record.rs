@@ -34,6 +34,8 @@ pub struct Hop {
     pub worker: Arc<Worker>,
     /// Its cached share of the prompt when chosen.
     pub cache: Option<CacheMatch>,
+    /// What it was predicted to give the request when chosen (`--policy slo`).
+    pub forecast: Option<crate::policy::predictor::Forecast>,
 }
 
 /// How a finished request went, for the request table and the second's counts.

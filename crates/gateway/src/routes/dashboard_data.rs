@@ -138,6 +138,11 @@ pub struct HopRow {
     pub url: String,
     /// What it held of the prompt when chosen (`--expose-routing` only).
     pub cache: Option<CacheRow>,
+    /// Its predicted time to first token when chosen, ms (`--policy slo` with
+    /// `--expose-routing`).
+    pub predicted_ttft_ms: Option<f64>,
+    /// Its predicted time per output token when chosen, ms.
+    pub predicted_tpot_ms: Option<f64>,
 }
 
 /// A prefix match.
@@ -255,5 +260,7 @@ fn hop_row(hop: &Hop) -> HopRow {
             prompt: c.prompt_len,
             unit: if c.tokens { "tokens" } else { "chars" },
         }),
+        predicted_ttft_ms: hop.forecast.and_then(|f| f.ttft),
+        predicted_tpot_ms: hop.forecast.and_then(|f| f.tpot),
     }
 }

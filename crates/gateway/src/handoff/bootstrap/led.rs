@@ -100,7 +100,7 @@ impl Led {
                 at_boundary: true,
                 metrics: state.metrics.clone(),
             };
-            ctx.journey.served_by(&decode, None);
+            ctx.journey.served_by(&decode, None, None);
             Ok(stream_response(content_type, attached.into_stream()))
         };
         let mut response =
