@@ -14,7 +14,9 @@
 #
 # Env: PDSERVE (binary), SLO_TTFT_MS (300), SLO_TPOT_MS (30), LADDER_RATE (mean req/s,
 # 16), SPEED_RATE (4), SPEEDS ("1 1.5 2 3"), DURATION_S (120), POLICIES ("slo
-# precise_prefix power_of_two cache_aware"), BURST_FACTOR (4), BURST_PERIOD_S (30).
+# precise_prefix power_of_two cache_aware"), BURST_FACTOR (4), BURST_PERIOD_S (30),
+# INPUT_LEN (each request's own prompt tokens after its shared prefix, 2048), OUTPUT_LEN
+# (128).
 set -euo pipefail
 out=${1:?usage: bench-slo.sh OUT_DIR [MODES]}
 modes=${2:-"ladder speeds shed"}
@@ -36,7 +38,7 @@ trace() { # FILE RATE [more trace-gen flags]
   shift 2
   [ -f "$file" ] || "$bin" bench trace-gen --output "$file" --duration-s "$duration" \
     --request-rate "$rate" --prefix-groups 16 --prefix-blocks 4 --prefix-zipf 1.2 \
-    --input-len 256 --output-len 128 --range-ratio 0.5 --session-share 0.2 \
+    --input-len "${INPUT_LEN:-2048}" --output-len "${OUTPUT_LEN:-128}" --range-ratio 0.5 --session-share 0.2 \
     --session-turns 3 --think-time-s 5 --seed 3 "$@"
 }
 

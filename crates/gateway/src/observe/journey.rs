@@ -89,12 +89,14 @@ impl Journey {
 
     /// Notes that the answering leg's stream on `worker` began after `took`.
     pub fn answer_began(&self, worker: &Worker, took: Duration) {
+        self.seen.computed(&worker.base);
         *self.answer_head.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((worker.base.clone(), took));
     }
 
     /// Notes that the prefill leg on `worker` answered after `took`.
     pub fn prefill_took(&self, worker: &Worker, took: Duration) {
+        self.seen.computed(&worker.base);
         *self.prefill_leg.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((worker.base.clone(), took));
     }

@@ -68,6 +68,9 @@ pub struct Features {
     pub in_flight: f64,
     /// The share of its KV cache in use, 0 to 1.
     pub kv_usage: f64,
+    /// Prompt tokens this gateway sent it to compute that it has not computed yet: the
+    /// work queued ahead of this request's.
+    pub queued_tokens: f64,
 }
 
 /// How `worker` looks for a prompt of `prompt_tokens` of which it holds `matched`: its
@@ -82,11 +85,12 @@ pub fn features_of(worker: &Worker, prompt_tokens: usize, matched: usize) -> Fea
         running: reported.map_or(0.0, |r| r.running),
         in_flight: worker.in_flight().max(0) as f64,
         kv_usage: reported.and_then(|r| r.kv_usage).unwrap_or(0.0),
+        queued_tokens: worker.pending_prompt_tokens() as f64,
     }
 }
 
 /// Length of a model's input vector.
-const DIM: usize = 8;
+const DIM: usize = 9;
 
 impl Features {
     /// The features checked: `None` when any is not a finite, non-negative number within
@@ -94,7 +98,7 @@ impl Features {
     /// request to itself).
     pub fn checked(self) -> Option<Self> {
         let counts = [self.waiting, self.running, self.in_flight];
-        let tokens = [self.uncached_tokens, self.prompt_tokens];
+        let tokens = [self.uncached_tokens, self.prompt_tokens, self.queued_tokens];
         let sane = counts
             .iter()
             .all(|c| c.is_finite() && (0.0..=MAX_COUNT).contains(c))
@@ -110,8 +114,8 @@ impl Features {
 
     /// The model's input: a constant, the work (uncached thousands of tokens, and its
     /// square for attention), the load (the larger of the reported and the gateway's own
-    /// count, since the scrape lags), the work queued behind the load, the context, and
-    /// KV use.
+    /// count, since the scrape lags), the work queued behind the load, the context, KV
+    /// use, and the prompt tokens queued ahead (thousands).
     fn vector(&self) -> [f64; DIM] {
         let work = self.uncached_tokens / 1000.0;
         let load = (self.waiting + self.running).max(self.in_flight);
@@ -125,6 +129,7 @@ impl Features {
             self.waiting,
             context,
             self.kv_usage,
+            self.queued_tokens / 1000.0,
         ]
     }
 }
@@ -278,17 +283,29 @@ impl Model {
 /// uncached tokens, and every request ahead costing about as much as this one.
 fn prior_weights(target: Target) -> [f64; DIM] {
     match target {
-        //          1     work  work²  load  load·work  waiting  context  kv
-        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 60.0, 20.0, 0.0, 0.0],
-        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0],
+        //          1     work  work²  load  load·work  waiting  context  kv  queued
+        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 30.0, 20.0, 0.0, 0.0, 30.0],
+        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0, 0.0],
     }
 }
 
 /// The features of the workers one request was routed to, noted when each was chosen:
-/// what the predictor learns from once the request's latencies are known.
+/// what the predictor learns from once the request's latencies are known. It also holds
+/// the prompt tokens the request gave each worker to compute ([`Worker::claim_prompt_tokens`]),
+/// until [`SeenFeatures::computed`] says they are, or it is dropped with the request.
 #[derive(Debug, Default)]
 pub struct SeenFeatures {
     seen: Mutex<Vec<(String, Features)>>,
+    claims: Mutex<Vec<(std::sync::Arc<Worker>, u64)>>,
+}
+
+impl Drop for SeenFeatures {
+    fn drop(&mut self) {
+        let claims = self.claims.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (worker, tokens) in claims.drain(..) {
+            worker.release_prompt_tokens(tokens);
+        }
+    }
 }
 
 impl SeenFeatures {
@@ -298,6 +315,31 @@ impl SeenFeatures {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         seen.retain(|(base, _)| base != worker);
         seen.push((worker.to_string(), features));
+    }
+
+    /// Counts `tokens` of the prompt for `worker` to compute (a retried leg's worker
+    /// keeps its own claim).
+    pub fn claim(&self, worker: &std::sync::Arc<Worker>, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        worker.claim_prompt_tokens(tokens);
+        self.claims
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((worker.clone(), tokens));
+    }
+
+    /// Releases what `worker` (its base URL) was given to compute: its prefill is done.
+    pub fn computed(&self, worker: &str) {
+        let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
+        claims.retain(|(w, tokens)| {
+            let mine = w.base == worker;
+            if mine {
+                w.release_prompt_tokens(*tokens);
+            }
+            !mine
+        });
     }
 
     /// How `worker` looked when it was chosen.
@@ -452,6 +494,7 @@ impl LatencyPredictor {
                 running: mix(t.running, f.running),
                 in_flight: mix(t.in_flight, f.in_flight),
                 kv_usage: mix(t.kv_usage, f.kv_usage),
+                queued_tokens: mix(t.queued_tokens, f.queued_tokens),
             },
         });
     }
@@ -490,6 +533,7 @@ mod tests {
             running: load / 2.0,
             in_flight: load,
             kv_usage: 0.2,
+            queued_tokens: 0.0,
         }
     }
 
@@ -561,6 +605,24 @@ mod tests {
             ..features(10.0, 1.0)
         };
         assert!(p.predict(role, Target::Tpot, "w", full).is_some());
+    }
+
+    #[test]
+    fn prompt_tokens_given_a_worker_are_queued_until_computed_or_the_request_ends() {
+        let pool = crate::policy::testing::workers(WorkerRole::Prefill, &[1, 2]);
+        let seen = SeenFeatures::default();
+        seen.claim(&pool[0], 700);
+        seen.claim(&pool[1], 300);
+        assert_eq!(features_of(&pool[0], 100, 0).queued_tokens, 700.0);
+        seen.computed(&pool[0].base);
+        assert_eq!(pool[0].pending_prompt_tokens(), 0);
+        assert_eq!(pool[1].pending_prompt_tokens(), 300);
+        drop(seen);
+        assert_eq!(
+            pool[1].pending_prompt_tokens(),
+            0,
+            "released with the request"
+        );
     }
 
     #[test]

@@ -244,6 +244,10 @@ fn choose(
         if cache.tokens {
             let features = features_of(&choice.worker, tokens.len(), cache.matched);
             seen.note(&choice.worker.base, features);
+            // A decode worker after a transfer computes nothing of the prompt.
+            if role != WorkerRole::Decode || route.local_prefill {
+                seen.claim(&choice.worker, features.uncached_tokens as u64);
+            }
         }
     }
     Some(choice)

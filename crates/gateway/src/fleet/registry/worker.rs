@@ -1,6 +1,6 @@
 //! One upstream worker: where it is, what it does, whether it is healthy, how loaded it is.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -154,6 +154,9 @@ pub struct Worker {
     draining: AtomicBool,
     /// What the worker's own `/metrics` said last (`--load-scrape-interval`).
     reported: Mutex<Option<ReportedLoad>>,
+    /// Prompt tokens this gateway sent it to compute that it has not computed yet (claimed
+    /// when a request is routed here, released when its prefill is done or it ends).
+    pending_prompt_tokens: AtomicU64,
 }
 
 /// A worker's load as its own metrics report it (vLLM's `vllm:num_requests_*`, SGLang's
@@ -208,6 +211,7 @@ impl Worker {
             evicted: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             reported: Mutex::new(None),
+            pending_prompt_tokens: AtomicU64::new(0),
         }
     }
 
@@ -287,6 +291,26 @@ impl Worker {
     /// Forgets the worker's report (its metrics stopped answering).
     pub fn clear_reported_load(&self) {
         *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Prompt tokens sent here to compute and not computed yet (this gateway's).
+    pub fn pending_prompt_tokens(&self) -> u64 {
+        self.pending_prompt_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Counts `tokens` more prompt tokens to compute here.
+    pub fn claim_prompt_tokens(&self, tokens: u64) {
+        self.pending_prompt_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// Counts `tokens` of them computed (or abandoned).
+    pub fn release_prompt_tokens(&self, tokens: u64) {
+        let _ =
+            self.pending_prompt_tokens
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(tokens))
+                });
     }
 
     /// Counts a request opened on the worker (see [`crate::policy::InFlight`]).
