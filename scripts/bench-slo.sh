@@ -73,7 +73,8 @@ for mode in $modes; do
       fastest=${speeds##* }
       BENCH_ARGS="$BENCH_ARGS --priority 0:0.5 --priority 1:0.5" \
         "$here/bench-sim-fleet.sh" "$out" "shed-x$fastest" "$out/speeds.jsonl" "$fastest" -- \
-        --sim h100-llama-3.1-8b --prefill 2 --decode 2 --policy slo "${objectives[@]}"
+        --sim h100-llama-3.1-8b --prefill 2 --decode 2 --policy slo "${objectives[@]}" \
+        --worker-arg=--scheduling-policy --worker-arg=priority
       python3 "$here/slo_table.py" "$out" "shed-x$fastest" --ttft "$ttft" --tpot "$tpot" | tee "$out/shed.md"
       ;;
     *) echo "unknown mode $mode" >&2; exit 2 ;;

@@ -6,7 +6,7 @@
 //!
 //! One model per role and target, trained online from every finished request: recursive
 //! least squares with forgetting (so it follows a fleet whose speed drifts) over a few
-//! features, bounded in memory (an 8 × 8 matrix each), starting from a prior that is
+//! features, bounded in memory (a 9 × 9 matrix each), starting from a prior that is
 //! sensible before the first sample. Each worker also keeps a correction factor of its
 //! own (a slower machine in a pool), dropped when the worker leaves. The mean absolute
 //! percentage error over a recent window is published as
