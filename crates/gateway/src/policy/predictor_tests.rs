@@ -1,0 +1,144 @@
+//! Tests of the latency predictor.
+
+use super::*;
+
+fn features(uncached: f64, load: f64) -> Features {
+    Features {
+        uncached_tokens: uncached,
+        prompt_tokens: uncached + 100.0,
+        waiting: load / 2.0,
+        running: load / 2.0,
+        in_flight: load,
+        kv_usage: 0.2,
+        queued_tokens: 0.0,
+    }
+}
+
+/// A worker whose TTFT is 30 ms + 0.1 ms per uncached token, times one more for each
+/// request ahead.
+fn truth(f: &Features) -> f64 {
+    (30.0 + 0.1 * f.uncached_tokens) * (1.0 + f.in_flight)
+}
+
+#[test]
+fn it_learns_a_worker_to_within_ten_percent() {
+    let p = LatencyPredictor::new();
+    let role = WorkerRole::PrefillDecode;
+    assert!(p
+        .predict(role, Target::Ttft, "w", features(500.0, 0.0))
+        .is_some());
+    assert!(!p.trained(role, Target::Ttft));
+    let mut seed = 7u64;
+    let mut next = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as f64 / (1u64 << 31) as f64
+    };
+    for _ in 0..2000 {
+        let f = features((next() * 2000.0).round(), (next() * 6.0).floor());
+        let noise = 1.0 + (next() - 0.5) * 0.1;
+        p.observe(role, Target::Ttft, "w", f, truth(&f) * noise);
+    }
+    assert!(p.trained(role, Target::Ttft));
+    let error = p.error_ratio(role, Target::Ttft).unwrap();
+    assert!(error < 0.10, "recent error {error}");
+    let f = features(1000.0, 2.0);
+    let predicted = p.predict(role, Target::Ttft, "w", f).unwrap().ms;
+    let want = truth(&f);
+    assert!(
+        (predicted - want).abs() / want < 0.15,
+        "{predicted} vs {want}"
+    );
+}
+
+#[test]
+fn nonsense_features_get_no_prediction_and_teach_nothing() {
+    let p = LatencyPredictor::new();
+    let role = WorkerRole::Decode;
+    for bad in [
+        Features {
+            waiting: -1.0,
+            ..features(10.0, 1.0)
+        },
+        Features {
+            running: 1e9,
+            ..features(10.0, 1.0)
+        },
+        Features {
+            uncached_tokens: f64::NAN,
+            ..features(10.0, 1.0)
+        },
+    ] {
+        assert!(p.predict(role, Target::Tpot, "w", bad).is_none(), "{bad:?}");
+        p.observe(role, Target::Tpot, "w", bad, 20.0);
+    }
+    p.observe(role, Target::Tpot, "w", features(10.0, 1.0), f64::INFINITY);
+    p.observe(role, Target::Tpot, "w", features(10.0, 1.0), -3.0);
+    assert!(p.error_ratio(role, Target::Tpot).is_none());
+    // KV use past 1 is read as full, not refused.
+    let full = Features {
+        kv_usage: 3.0,
+        ..features(10.0, 1.0)
+    };
+    assert!(p.predict(role, Target::Tpot, "w", full).is_some());
+}
+
+#[test]
+fn prompt_tokens_given_a_worker_are_queued_until_computed_or_the_request_ends() {
+    let pool = crate::policy::testing::workers(WorkerRole::Prefill, &[1, 2]);
+    let seen = SeenFeatures::default();
+    seen.claim(&pool[0], 700);
+    seen.claim(&pool[1], 300);
+    assert_eq!(features_of(&pool[0], 100, 0).queued_tokens, 700.0);
+    seen.computed(&pool[0].base);
+    assert_eq!(pool[0].pending_prompt_tokens(), 0);
+    assert_eq!(pool[1].pending_prompt_tokens(), 300);
+    drop(seen);
+    assert_eq!(
+        pool[1].pending_prompt_tokens(),
+        0,
+        "released with the request"
+    );
+}
+
+#[test]
+fn a_slower_worker_keeps_its_own_correction_until_it_leaves() {
+    let p = LatencyPredictor::new();
+    let role = WorkerRole::Decode;
+    let f = features(0.0, 2.0);
+    for i in 0..400 {
+        let (worker, ms) = if i % 2 == 0 {
+            ("fast", 20.0)
+        } else {
+            ("slow", 40.0)
+        };
+        p.observe(role, Target::Tpot, worker, f, ms);
+    }
+    let fast = p.predict(role, Target::Tpot, "fast", f).unwrap().ms;
+    let slow = p.predict(role, Target::Tpot, "slow", f).unwrap().ms;
+    assert!(slow > 1.6 * fast, "fast {fast}, slow {slow}");
+    p.retain_workers(&["fast"]);
+    let forgotten = p.predict(role, Target::Tpot, "slow", f).unwrap().ms;
+    assert!((forgotten - 30.0).abs() < 6.0, "pooled again: {forgotten}");
+}
+
+#[test]
+fn the_error_gauge_is_published_per_role_and_target() {
+    let p = LatencyPredictor::new();
+    let mut registry = Registry::with_prefix("pdserve_gateway");
+    p.register(&mut registry);
+    p.observe(
+        WorkerRole::Prefill,
+        Target::Ttft,
+        "w",
+        features(100.0, 0.0),
+        50.0,
+    );
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains(r#"pdserve_gateway_predictor_error_ratio{role="prefill",target="ttft"}"#),
+        "{text}"
+    );
+}
