@@ -161,7 +161,15 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
                 .launch(role, index, &name, &Placement::anywhere())?;
         members.push(member);
         let limit = Duration::from_secs(self.stack.args.ready_timeout_secs);
-        wait_ready(members, &listed.url, limit).await?;
+        if let Err(e) = wait_ready(members, &listed.url, limit).await {
+            // A worker that did not come up is stopped and forgotten; the stack goes on
+            // with the workers it had.
+            if let Some(at) = members.iter().position(|m| m.name() == name) {
+                let mut member = members.remove(at);
+                stop_one(&mut member, STOP_MARGIN).await;
+            }
+            return Err(e.context(format!("{name} did not come up; not added")));
+        }
         self.workers.push(Scaled { listed, name });
         self.write()?;
         println!("autoscale: started {line} (planner: {reason})");
