@@ -7,17 +7,13 @@
 //! each worker computing it again. A prompt sent to a worker that must compute new
 //! blocks for it makes its stream owe events (see `--kv-events-stale-secs`).
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use crate::fleet::kv_events::{BlockIndex, BlockKey, KvEventsHub, PromptKeys, WorkerEvents};
+use super::sent_blocks::{Recipient, SentBlocks};
+use crate::fleet::kv_events::{KvEventsHub, PromptKeys, WorkerEvents};
 use crate::fleet::registry::Worker;
 
-/// How long a prompt sent to a worker counts as cached there before its events say so.
-const PENDING_FOR: Duration = Duration::from_secs(10);
-/// Blocks remembered as pending per worker.
-pub(crate) const PENDING_BLOCKS: usize = 65_536;
 /// The block size pending prompts are cut into before a worker's events have said its
 /// own (vLLM's and pdserve's default).
 const PROVISIONAL_BLOCK_SIZE: usize = 16;
@@ -32,69 +28,21 @@ pub struct Held {
     pub indexed: bool,
 }
 
-/// Blocks of prompts recently sent to each worker (by base URL; foldhash, as every
-/// routing decision looks up every candidate).
-type Pending = HashMap<String, SentBlocks, foldhash::fast::FixedState>;
-
-/// Blocks of prompts recently sent to one worker, with when; sends leave after
-/// `PENDING_FOR`, and past `PENDING_BLOCKS` the oldest leave first. A plain map and a
-/// queue rather than an LRU cache: a new prompt of 8k tokens puts 512 blocks on every
-/// routing decision.
-#[derive(Debug, Default)]
-struct SentBlocks {
-    at: HashMap<BlockKey, Instant, foldhash::fast::FixedState>,
-    order: VecDeque<(BlockKey, Instant)>,
-}
-
-impl SentBlocks {
-    fn get(&self, key: &BlockKey) -> Option<&Instant> {
-        self.at.get(key)
-    }
-
-    fn put(&mut self, key: BlockKey, now: Instant) {
-        self.at.insert(key, now);
-        self.order.push_back((key, now));
-        // Sends older than `PENDING_FOR` count for nothing: they leave too, so a large
-        // fleet holds only the last seconds' sends, not `PENDING_BLOCKS` per worker.
-        while let Some(&(old, when)) = self.order.front() {
-            if self.order.len() <= PENDING_BLOCKS && now.duration_since(when) < PENDING_FOR {
-                break;
-            }
-            self.order.pop_front();
-            // A block sent again since is queued again: this entry no longer owns it.
-            if self.at.get(&old) == Some(&when) {
-                self.at.remove(&old);
-            }
-        }
-    }
-}
-
-/// Blocks of `keys`, from the first, that were sent within `PENDING_FOR` and that the
-/// worker's `index` has not removed since (it cached them, then evicted them: they are
-/// gone, however recently sent). Keys chain over their prefix, so a sent block past the
-/// ones the index holds continues that same prefix.
-fn sent_prefix(
-    blocks: &SentBlocks,
-    keys: &[BlockKey],
-    index: Option<&BlockIndex>,
-    now: Instant,
-) -> usize {
-    keys.iter()
-        .take_while(|key| {
-            blocks.get(key).is_some_and(|at| {
-                now.duration_since(*at) < PENDING_FOR
-                    && !index.is_some_and(|i| i.removed_since(key, *at))
-            })
-        })
-        .count()
+/// One candidate after its own index was read.
+struct Indexed<'e> {
+    events: Option<&'e WorkerEvents>,
+    block_size: usize,
+    /// Blocks its index holds.
+    cached: usize,
+    indexed: bool,
 }
 
 /// The workers' event indexes, plus the prompts recently sent to each.
 #[derive(Debug)]
 pub struct EventMatcher {
     hub: Arc<KvEventsHub>,
-    /// Blocks of prompts recently sent to each worker, with when.
-    pending: Mutex<Pending>,
+    /// Blocks of prompts recently sent, fleet-wide.
+    sent: Mutex<SentBlocks>,
 }
 
 impl EventMatcher {
@@ -102,7 +50,7 @@ impl EventMatcher {
     pub fn new(hub: Arc<KvEventsHub>) -> Self {
         Self {
             hub,
-            pending: Mutex::default(),
+            sent: Mutex::default(),
         }
     }
 
@@ -116,47 +64,84 @@ impl EventMatcher {
 
     /// What `worker` holds of the prompt `keys` are of.
     pub fn held(&self, worker: &Worker, keys: &mut PromptKeys<'_>) -> Held {
-        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        self.held_with(&pending, worker, keys, Instant::now())
+        self.held_of(&[worker], keys)[0]
     }
 
-    /// What each of `candidates` holds of the prompt `keys` are of, in their order: one
-    /// lock of what was sent and one clock read for the whole fleet.
+    /// What each of `candidates` holds of the prompt `keys` are of, in their order: each
+    /// candidate's index is read once, then the prompt's blocks are looked up once among
+    /// what was sent, with one clock read for the whole fleet.
     pub fn held_by_each(&self, candidates: &[Arc<Worker>], keys: &mut PromptKeys<'_>) -> Vec<Held> {
-        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        candidates
-            .iter()
-            .map(|w| self.held_with(&pending, w, keys, now))
-            .collect()
+        let candidates: Vec<&Worker> = candidates.iter().map(|w| &**w).collect();
+        self.held_of(&candidates, keys)
+    }
+
+    fn held_of(&self, candidates: &[&Worker], keys: &mut PromptKeys<'_>) -> Vec<Held> {
+        let urls = candidates.iter().map(|w| w.base.as_str());
+        self.hub
+            .with_workers(urls, |events| self.held_with(candidates, events, keys))
     }
 
     fn held_with(
         &self,
-        pending: &Pending,
-        worker: &Worker,
+        candidates: &[&Worker],
+        events: &[Option<&WorkerEvents>],
         keys: &mut PromptKeys<'_>,
-        now: Instant,
-    ) -> Held {
-        let events = self.hub.worker(&worker.base);
-        let index = events.as_deref().map(WorkerEvents::lock);
-        let events_block_size = index.as_ref().and_then(|i| i.block_size());
-        let block_size = events_block_size.map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize);
-        let keys = keys.get(block_size);
-        let indexed = events.as_ref().is_some_and(|e| !e.is_stale());
-        let cached = match index.as_deref() {
-            Some(index) if indexed && events_block_size.is_some() => index.cached_prefix(keys),
-            _ => 0,
-        };
-        // What the index holds, continued by what was sent since: the blocks the worker
-        // is computing now, or computed and has not reported yet.
-        let sent = pending.get(&worker.base).map_or(0, |blocks| {
-            sent_prefix(blocks, &keys[cached..], index.as_deref(), now)
-        });
-        Held {
-            tokens: (cached + sent) * block_size,
-            indexed,
+    ) -> Vec<Held> {
+        let read: Vec<Indexed> = events
+            .iter()
+            .map(|&events| {
+                let index = events.map(WorkerEvents::lock);
+                let events_block_size = index.as_ref().and_then(|i| i.block_size());
+                let block_size = events_block_size.map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize);
+                let indexed = events.is_some_and(|e| !e.is_stale());
+                let cached = match index.as_deref() {
+                    Some(index) if indexed && events_block_size.is_some() => {
+                        index.cached_prefix(keys.get(block_size))
+                    }
+                    _ => 0,
+                };
+                drop(index);
+                Indexed {
+                    events,
+                    block_size,
+                    cached,
+                    indexed,
+                }
+            })
+            .collect();
+        for r in &read {
+            keys.get(r.block_size);
         }
+        let sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        // One prompt per block size among the candidates (in practice one).
+        let mut prompts: Vec<(usize, _)> = Vec::new();
+        candidates
+            .iter()
+            .zip(&read)
+            .map(|(worker, r)| {
+                let at = match prompts.iter().position(|(size, _)| *size == r.block_size) {
+                    Some(at) => at,
+                    None => {
+                        let prompt_keys = keys.computed(r.block_size).unwrap_or_default();
+                        prompts.push((r.block_size, sent.prompt(prompt_keys)));
+                        prompts.len() - 1
+                    }
+                };
+                // What the index holds, continued by what was sent since: the blocks the
+                // worker is computing now, or computed and has not reported yet.
+                let more = prompts[at].1.prefix(
+                    Recipient::of(&worker.base),
+                    r.cached,
+                    || r.events.map(WorkerEvents::lock),
+                    now,
+                );
+                Held {
+                    tokens: (r.cached + more) * r.block_size,
+                    indexed: r.indexed,
+                }
+            })
+            .collect()
     }
 
     /// Remembers that the prompt `keys` are of went to `worker`, which held `held` of
@@ -168,20 +153,23 @@ impl EventMatcher {
                 events.expect_events();
             }
         }
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let blocks = pending.entry(worker.base.clone()).or_default();
-        let now = Instant::now();
+        let keys = keys.get(block_size);
+        let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
         // The blocks it held are not sent work: the index has them, or they are here
         // from an earlier send.
-        for key in keys.get(block_size).iter().skip(held / block_size) {
-            blocks.put(*key, now);
-        }
+        sent.record(
+            Recipient::of(&worker.base),
+            keys,
+            held / block_size,
+            Instant::now(),
+        );
     }
 
     /// Drops what was sent to workers whose base URL is not in `live`.
     pub fn retain_workers(&self, live: &[&str]) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        pending.retain(|base, _| live.contains(&base.as_str()));
+        let live: Vec<Recipient> = live.iter().map(|base| Recipient::of(base)).collect();
+        let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
+        sent.retain(|r| live.contains(&r));
     }
 }
 
@@ -205,29 +193,6 @@ mod tests {
             medium: None,
             lora_name: None,
         }
-    }
-
-    #[test]
-    fn sent_blocks_keep_the_newest_sends_and_a_block_sent_again() {
-        let mut sent = SentBlocks::default();
-        let t0 = Instant::now();
-        for i in 0..PENDING_BLOCKS as u64 {
-            sent.put(BlockKey(i), t0);
-        }
-        let t1 = t0 + Duration::from_millis(1);
-        // Sent again: its first send leaves the queue without taking it along.
-        sent.put(BlockKey(0), t1);
-        sent.put(BlockKey(PENDING_BLOCKS as u64), t1);
-        assert_eq!(sent.get(&BlockKey(0)), Some(&t1));
-        assert_eq!(sent.get(&BlockKey(1)), None, "the oldest send left");
-        assert!(sent.get(&BlockKey(2)).is_some());
-        assert_eq!(sent.at.len(), PENDING_BLOCKS);
-        assert_eq!(sent.order.len(), PENDING_BLOCKS);
-        // Once they count for nothing, old sends leave with the next one.
-        sent.put(BlockKey(u64::MAX), t1 + PENDING_FOR);
-        assert_eq!(sent.get(&BlockKey(2)), None);
-        assert_eq!(sent.get(&BlockKey(0)), None);
-        assert_eq!((sent.at.len(), sent.order.len()), (1, 1));
     }
 
     #[test]

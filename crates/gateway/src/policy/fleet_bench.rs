@@ -18,7 +18,7 @@ use pdserve_protocol::WorkerRole;
 use prometheus_client::metrics::gauge::Gauge;
 use serde::Serialize;
 
-use super::event_match::PENDING_BLOCKS;
+use super::sent_blocks::{remembered_of, PENDING_BLOCKS};
 use super::{CacheAware, Policy, PolicyConfig, PrecisePrefix, RouteRequest};
 use crate::endpoint::Endpoint;
 use crate::fleet::kv_events::{KvEventMetrics, KvEventsConfig, KvEventsHub, WorkerEvents};
@@ -253,14 +253,14 @@ fn token_prompt<'a>(headers: &'a http::HeaderMap, tokens: &'a [u32]) -> RouteReq
     }
 }
 
-/// New prompts routed untimed until every worker's record of the prompts just sent to it
-/// is full (`PENDING_BLOCKS`), as in a gateway that has served a while: those maps have
-/// grown to their size and no longer reallocate in the middle of a decision.
+/// New prompts routed untimed until the record of the prompts just sent is full
+/// (`PENDING_BLOCKS`), as in a gateway that has served a while: its map has grown to its
+/// size and no longer reallocates in the middle of a decision.
 fn warm_up(policy: &PrecisePrefix, fleet: &[Arc<Worker>], args: &KvIndexBenchArgs) -> u64 {
     let headers = http::HeaderMap::new();
     let blocks_per_prompt = (args.prompt_tokens / args.block_size).max(1) as usize;
     // A margin for rendezvous hashing, which spreads new prompts only about evenly.
-    let prompts = (PENDING_BLOCKS * fleet.len()).div_ceil(blocks_per_prompt) * 5 / 4;
+    let prompts = PENDING_BLOCKS.div_ceil(remembered_of(blocks_per_prompt)) * 5 / 4;
     for n in 0..prompts as u64 {
         let tokens = prompt(u64::MAX / 4 + n, args.prompt_tokens as usize);
         let route = token_prompt(&headers, &tokens);

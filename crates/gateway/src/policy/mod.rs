@@ -21,6 +21,7 @@ pub mod predictor;
 pub mod prefix_tree;
 mod random;
 mod round_robin;
+mod sent_blocks;
 mod session;
 mod slo;
 #[cfg(test)]

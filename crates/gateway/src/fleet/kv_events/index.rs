@@ -69,6 +69,16 @@ impl<'a> PromptKeys<'a> {
     }
 }
 
+impl PromptKeys<'_> {
+    /// The keys for `block_size` if [`Self::get`] computed them.
+    pub fn computed(&self, block_size: usize) -> Option<&[BlockKey]> {
+        self.computed
+            .iter()
+            .find(|(s, _)| *s == block_size)
+            .map(|(_, keys)| keys.as_slice())
+    }
+}
+
 /// The keys of every full block of `tokens`, in order.
 pub fn prompt_keys(tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
     let mut keys = Vec::with_capacity(tokens.len() / block_size.max(1));

@@ -162,6 +162,20 @@ impl KvEventsHub {
             .cloned()
     }
 
+    /// Calls `f` with the events of each worker at `urls`, in their order, under one
+    /// read of the roster (no reference counts touched: a routing decision reads a
+    /// whole fleet's).
+    pub fn with_workers<'u, R>(
+        &self,
+        urls: impl Iterator<Item = &'u str>,
+        f: impl FnOnce(&[Option<&WorkerEvents>]) -> R,
+    ) -> R {
+        let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        let events: Vec<Option<&WorkerEvents>> =
+            urls.map(|url| workers.get(url).map(|e| &**e)).collect();
+        f(&events)
+    }
+
     /// Where `spec`'s events come from: `--kv-events` for its URL, else what it was
     /// registered with.
     pub fn endpoints(&self, spec: &WorkerSpec) -> Option<EventEndpoints> {
