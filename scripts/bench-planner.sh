@@ -8,7 +8,8 @@
 #   scripts/bench-planner.sh OUT_DIR [SPLITS]      SPLITS: "1+2 2+1 1+3 2+2 3+1" (P+D)
 #
 # Env: PDSERVE (binary), RATE (mean req/s, 15), DURATION_S (160), BURST_PERIOD_S (80),
-# SLO_TTFT_MS (300), SLO_TPOT_MS (30), MAX_WORKERS (6), PORT (18820).
+# SLO_TTFT_MS (300), SLO_TPOT_MS (30), MAX_WORKERS (6), PORT (18820), AUTOSCALE_FROM (the
+# P+D splits autoscaled runs start from, "1+1"; each is a run labelled autoscale-P+D).
 set -euo pipefail
 out=${1:?usage: bench-planner.sh OUT_DIR [SPLITS]}
 splits=${2:-"1+2 2+1 1+3 2+2 3+1"}
@@ -55,11 +56,14 @@ run() { # LABEL UP_FLAGS...
   wait "$up" || true
 }
 
-labels=(autoscale)
-run autoscale --prefill 1 --decode 1 --autoscale --max-workers "${MAX_WORKERS:-6}" \
-  --autoscale-interval-secs 2 --autoscale-cooldown-secs 5 \
-  --gateway-arg=--planner-interval-secs --gateway-arg=1 \
-  --gateway-arg=--planner-window-secs --gateway-arg=10
+labels=()
+for from in ${AUTOSCALE_FROM:-1+1}; do
+  run "autoscale-$from" --prefill "${from%+*}" --decode "${from#*+}" --autoscale \
+    --max-workers "${MAX_WORKERS:-6}" --autoscale-interval-secs 2 --autoscale-cooldown-secs 5 \
+    --gateway-arg=--planner-interval-secs --gateway-arg=1 \
+    --gateway-arg=--planner-window-secs --gateway-arg=10
+  labels+=("autoscale-$from")
+done
 for split in $splits; do
   run "fixed-$split" --prefill "${split%+*}" --decode "${split#*+}"
   labels+=("fixed-$split")

@@ -25,7 +25,7 @@ mod sent_blocks;
 mod session;
 mod slo;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 
 use std::fmt;
 use std::sync::{Arc, Mutex};

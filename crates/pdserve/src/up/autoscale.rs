@@ -1,8 +1,9 @@
 //! `pdserve up --autoscale`: the stack acts on its gateway's P:D planner (`GET
 //! /planner`). Every `--autoscale-interval-secs` it reads the desired prefill and decode
-//! counts and moves each pool by at most one worker towards them, within
-//! `--max-workers` and never below one per pool; a pool just resized is left alone for
-//! `--autoscale-cooldown-secs`, so the planner's window sees the new size first.
+//! counts and moves each pool towards them, within `--max-workers` and never below one
+//! per pool: up to the desired count at once, down by one worker; a pool just resized is
+//! left alone for `--autoscale-cooldown-secs`, so the planner's window sees the new size
+//! first.
 //!
 //! The gateways know the workers from a listing file the stack rewrites (their
 //! `--discover-file`). A worker is added once it answers `/health`; one is removed by
@@ -90,7 +91,7 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
         }
     }
 
-    /// Reads the planner and resizes each pool it wants resized by one worker.
+    /// Reads the planner and resizes each pool it wants resized.
     async fn step(&mut self, members: &mut Vec<Member>) -> anyhow::Result<()> {
         let plan: serde_json::Value = self
             .http
@@ -116,8 +117,18 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
                 continue;
             }
             let current = self.count(role) as u64;
+            // The planner counted a pool other than this one (a worker just listed or
+            // removed that the gateway has not read yet): its count is for that pool.
+            if plan["current"][role.as_str()].as_u64() != Some(current) {
+                continue;
+            }
             if desired > current && self.workers.len() < self.stack.args.max_workers {
-                self.grow(role, members, &reason).await?;
+                // Up at once: load that needs several more workers misses until they run.
+                let mut count = current;
+                while count < desired && self.workers.len() < self.stack.args.max_workers {
+                    self.grow(role, members, &reason).await?;
+                    count += 1;
+                }
                 self.per_pool[pool].1 = Some(Instant::now());
             } else if desired < current && current > 1 {
                 self.shrink(role, members, &reason).await?;

@@ -157,6 +157,8 @@ pub struct Worker {
     /// Prompt tokens this gateway sent it to compute that it has not computed yet (claimed
     /// when a request is routed here, released when its prefill is done or it ends).
     pending_prompt_tokens: AtomicU64,
+    /// Prompt tokens this gateway has given it to compute, ever (the planner's demand).
+    claimed_prompt_tokens: AtomicU64,
 }
 
 /// A worker's load as its own metrics report it (vLLM's `vllm:num_requests_*`, SGLang's
@@ -212,6 +214,7 @@ impl Worker {
             draining: AtomicBool::new(false),
             reported: Mutex::new(None),
             pending_prompt_tokens: AtomicU64::new(0),
+            claimed_prompt_tokens: AtomicU64::new(0),
         }
     }
 
@@ -302,6 +305,13 @@ impl Worker {
     pub fn claim_prompt_tokens(&self, tokens: u64) {
         self.pending_prompt_tokens
             .fetch_add(tokens, Ordering::Relaxed);
+        self.claimed_prompt_tokens
+            .fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens this gateway has given the worker to compute since it joined.
+    pub fn claimed_prompt_tokens(&self) -> u64 {
+        self.claimed_prompt_tokens.load(Ordering::Relaxed)
     }
 
     /// Counts `tokens` of them computed (or abandoned).

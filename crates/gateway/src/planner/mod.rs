@@ -1,21 +1,29 @@
 //! The P:D planner signal: how many prefill and how many decode workers the fleet should
 //! have, from the SLO attainment of the requests that finished over a window and the
 //! latency the predictors give each pool now and with one worker fewer. In the spirit of
-//! Dynamo's load-based planner (targets of TTFT and ITL, one replica at a time), it moves
-//! each pool by at most one worker per decision:
+//! Dynamo's load-based planner (targets of TTFT and ITL), it moves each pool by one worker
+//! per decision, except where the capacity rule gives a count:
 //! - a pool grows when the requests missed the objective that pool serves (TTFT misses
 //!   are the prefill pool's when its leg is the larger part of the TTFT, else the decode
 //!   pool's; TPOT misses the decode pool's), or when it is predicted to miss its target
 //!   at its current load;
-//! - it shrinks when the window met the objectives and the pool is predicted to keep its
-//!   target with a margin ([`SHRINK_MARGIN`]) when its load is spread over one worker
-//!   fewer.
+//! - the prefill pool also grows, ahead of any miss and towards the count they need (at
+//!   most doubling at once), when the prompt tokens arriving lately need more workers
+//!   than it has at the utilization that keeps the TTFT target ([`demand`]);
+//! - while the prefill pool is short, the decode pool does not grow: decode workers then
+//!   prefill locally (SLO-aware disaggregation), and their TPOT misses are the prefill
+//!   pool's shortage, not theirs;
+//! - a pool shrinks when the window met the objectives and the pool is predicted to keep
+//!   its target with a margin ([`SHRINK_MARGIN`]) when its load is spread over one worker
+//!   fewer, and (prefill) the window's peak demand fits one worker fewer.
 //!
 //! `GET /planner` answers the latest decision, `pdserve_planner_desired_workers{role}`
 //! carries it, and `pdserve up --autoscale` acts on it.
 
+pub mod demand;
+
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_protocol::WorkerRole;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -29,6 +37,7 @@ use crate::ingress::slo::Slo;
 use crate::observe::history::{Attainment, Sample};
 use crate::policy::predictor::{features_of, Features, LatencyPredictor, Target};
 use crate::serving::Serving;
+use demand::{prefill_capacity, DemandLog, DemandView};
 
 /// The share of requests that must meet an objective for the window to count as met.
 pub const ATTAINMENT_GOAL: f64 = 0.9;
@@ -108,6 +117,8 @@ pub struct Plan {
     pub targets_ms: Targets,
     /// What the predictors say of each pool.
     pub pools: Pools,
+    /// The prompt work arriving, and the prefill workers it needs.
+    pub demand: DemandView,
     /// The window looked at, in seconds.
     pub window_secs: u64,
     /// When it was decided, Unix milliseconds.
@@ -151,7 +162,13 @@ pub struct Pools {
 }
 
 /// The desired counts for `window`, `prefill` and `decode` (see the module documentation).
-pub fn decide(window: &WindowView, prefill: &PoolView, decode: &PoolView, targets: Slo) -> Plan {
+pub fn decide(
+    window: &WindowView,
+    prefill: &PoolView,
+    decode: &PoolView,
+    demand: &DemandView,
+    targets: Slo,
+) -> Plan {
     let ttft_target = targets.ttft.unwrap_or(DEFAULT_TTFT).as_secs_f64() * 1000.0;
     let tpot_target = targets.tpot.unwrap_or(DEFAULT_TPOT).as_secs_f64() * 1000.0;
     let a = &window.attainment;
@@ -168,36 +185,51 @@ pub fn decide(window: &WindowView, prefill: &PoolView, decode: &PoolView, target
         (Some(_), None) => true,
         (None, _) => false,
     };
-    let step = |pool: &PoolView, grow: Option<String>, target: f64, name: &str| {
-        let shrink_fits = pool
-            .predicted_one_fewer_ms
-            .is_some_and(|ms| ms <= SHRINK_MARGIN * target);
-        if let Some(why) = grow {
-            (pool.workers + 1, format!("{name} +1: {why}"))
-        } else if pool.workers > 1 && !struggling && shrink_fits {
-            (
-                pool.workers - 1,
-                format!(
-                    "{name} -1: the window met its objectives and {} workers are predicted \
-                     at {:.0} ms against a target of {target:.0} ms",
+    let step =
+        |pool: &PoolView, grow: Option<(usize, String)>, target: f64, name: &str, room: bool| {
+            let shrink_fits = room
+                && pool
+                    .predicted_one_fewer_ms
+                    .is_some_and(|ms| ms <= SHRINK_MARGIN * target);
+            if let Some((to, why)) = grow {
+                // At most twice the pool at once (Kubernetes' HPA scales up as fast): a young
+                // predictor's capacity may be far off.
+                let to = to.clamp(pool.workers + 1, (pool.workers * 2).max(pool.workers + 1));
+                (to, format!("{name} +{}: {why}", to - pool.workers))
+            } else if pool.workers > 1 && !struggling && shrink_fits {
+                (
                     pool.workers - 1,
-                    pool.predicted_one_fewer_ms.unwrap_or_default()
-                ),
-            )
-        } else {
-            (pool.workers.max(1), format!("{name} holds"))
-        }
-    };
+                    format!(
+                        "{name} -1: the window met its objectives and {} workers are predicted \
+                     at {:.0} ms against a target of {target:.0} ms",
+                        pool.workers - 1,
+                        pool.predicted_one_fewer_ms.unwrap_or_default()
+                    ),
+                )
+            } else {
+                (pool.workers.max(1), format!("{name} holds"))
+            }
+        };
     let share = |s: Option<f64>| s.map_or("-".to_string(), |s| format!("{:.0}%", s * 100.0));
-    let prefill_grow = if ttft_missed && prefill_stage_larger {
-        Some(format!(
-            "{} of requests met their TTFT objective and the prefill leg is its larger part",
-            share(ttft_share)
+    // Arriving work gives a count (scale up at once); misses and predictions one more.
+    let needed = demand.needed_now.unwrap_or(0);
+    let prefill_grow = if let Some(why) = demand_over(demand, prefill.workers) {
+        Some((needed, why))
+    } else if ttft_missed && prefill_stage_larger {
+        Some((
+            prefill.workers + 1,
+            format!(
+                "{} of requests met their TTFT objective and the prefill leg is its larger part",
+                share(ttft_share)
+            ),
         ))
     } else {
-        predicted_over(prefill, ttft_target, "TTFT")
+        predicted_over(prefill, ttft_target, "TTFT").map(|why| (prefill.workers + 1, why))
     };
-    let decode_grow = if tpot_missed {
+    let prefill_short = prefill_grow.is_some();
+    let decode_grow = if prefill_short {
+        None
+    } else if tpot_missed {
         Some(format!(
             "{} of requests met their TPOT objective",
             share(tpot_share)
@@ -210,9 +242,19 @@ pub fn decide(window: &WindowView, prefill: &PoolView, decode: &PoolView, target
         ))
     } else {
         predicted_over(decode, tpot_target, "TPOT")
-    };
-    let (prefill_n, prefill_why) = step(prefill, prefill_grow, ttft_target, "prefill");
-    let (decode_n, decode_why) = step(decode, decode_grow, tpot_target, "decode");
+    }
+    .map(|why| (decode.workers + 1, why));
+    let decode_waits = prefill_short && (tpot_missed || ttft_missed);
+    // The window's peak must fit one worker fewer too (unknown: the predictions decide).
+    let prefill_room = demand.needed_peak.is_none_or(|n| n < prefill.workers);
+    let (prefill_n, prefill_why) =
+        step(prefill, prefill_grow, ttft_target, "prefill", prefill_room);
+    let (decode_n, mut decode_why) = step(decode, decode_grow, tpot_target, "decode", true);
+    if decode_waits && decode_n == decode.workers {
+        decode_why.push_str(
+            " (its misses wait on the prefill pool: short of prefill, decode workers prefill)",
+        );
+    }
     Plan {
         prefill: prefill_n.max(1),
         decode: decode_n.max(1),
@@ -233,9 +275,21 @@ pub fn decide(window: &WindowView, prefill: &PoolView, decode: &PoolView, target
             prefill: *prefill,
             decode: *decode,
         },
+        demand: *demand,
         window_secs: 0,
         decided_at_ms: 0,
     }
+}
+
+fn demand_over(demand: &DemandView, workers: usize) -> Option<String> {
+    let needed = demand.needed_now.filter(|&n| n > workers)?;
+    Some(format!(
+        "{:.0} prompt tokens/s arriving need {needed} workers at {:.0} tokens/s each, run at \
+         {:.0}% to keep the TTFT target",
+        demand.tokens_per_s.unwrap_or_default(),
+        demand.worker_tokens_per_s.unwrap_or_default(),
+        demand.utilization.unwrap_or_default() * 100.0
+    ))
 }
 
 fn predicted_over(pool: &PoolView, target: f64, what: &str) -> Option<String> {
@@ -319,6 +373,7 @@ struct RoleLabels {
 #[derive(Debug)]
 pub struct Planner {
     settings: PlannerSettings,
+    demand: DemandLog,
     latest: Mutex<Option<Plan>>,
     desired: Family<RoleLabels, Gauge>,
 }
@@ -328,6 +383,7 @@ impl Planner {
     pub fn new(settings: PlannerSettings) -> Self {
         Self {
             settings,
+            demand: DemandLog::new(settings.window),
             latest: Mutex::new(None),
             desired: Family::default(),
         }
@@ -356,7 +412,23 @@ impl Planner {
             WorkerRole::Decode,
             roster.live(WorkerRole::Decode),
         );
-        let mut plan = decide(&window, &prefill, &decode, self.settings.targets);
+        let workers = roster
+            .live(WorkerRole::Prefill)
+            .iter()
+            .chain(roster.live(WorkerRole::Decode));
+        self.demand.record(workers, Instant::now());
+        let span = self.demand_span();
+        let ttft_target = self.settings.targets.ttft.unwrap_or(DEFAULT_TTFT);
+        let demand = DemandView::new(
+            self.demand.rate(span),
+            self.demand.peak(span),
+            prefill_capacity(
+                &serving.predictor,
+                roster.live(WorkerRole::Prefill),
+                ttft_target.as_secs_f64() * 1000.0,
+            ),
+        );
+        let mut plan = decide(&window, &prefill, &decode, &demand, self.settings.targets);
         plan.window_secs = self.settings.window.as_secs();
         plan.decided_at_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -369,6 +441,11 @@ impl Planner {
         }
         *self.latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan.clone());
         plan
+    }
+
+    /// The stretch the arriving rate is measured over: two decisions, at least 3 s.
+    fn demand_span(&self) -> Duration {
+        (self.settings.interval * 2).max(Duration::from_secs(3))
     }
 
     /// The latest decision, or one made now when there is none yet (or none is made on
@@ -404,114 +481,4 @@ impl Planner {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn targets() -> Slo {
-        Slo {
-            ttft: Some(Duration::from_millis(500)),
-            tpot: Some(Duration::from_millis(50)),
-        }
-    }
-
-    fn pool(workers: usize, now: f64, one_fewer: f64) -> PoolView {
-        PoolView {
-            workers,
-            predicted_ms: Some(now),
-            predicted_one_fewer_ms: Some(one_fewer),
-        }
-    }
-
-    fn window(ttft: (u32, u32), tpot: (u32, u32), prefill: f64, decode: f64) -> WindowView {
-        WindowView {
-            requests: 100,
-            attainment: Attainment {
-                ttft_met: ttft.0,
-                ttft_missed: ttft.1,
-                tpot_met: tpot.0,
-                tpot_missed: tpot.1,
-            },
-            prefill_p90_ms: Some(prefill),
-            decode_ttfb_p90_ms: Some(decode),
-        }
-    }
-
-    #[test]
-    fn ttft_misses_grow_the_stage_that_takes_longer() {
-        let (p, d) = (pool(2, 300.0, 450.0), pool(2, 30.0, 45.0));
-        let plan = decide(&window((50, 50), (100, 0), 900.0, 40.0), &p, &d, targets());
-        assert_eq!((plan.prefill, plan.decode), (3, 2), "{}", plan.reason);
-        let plan = decide(&window((50, 50), (100, 0), 40.0, 900.0), &p, &d, targets());
-        assert_eq!((plan.prefill, plan.decode), (2, 3), "{}", plan.reason);
-    }
-
-    #[test]
-    fn tpot_misses_grow_decode() {
-        let plan = decide(
-            &window((100, 0), (10, 90), 100.0, 20.0),
-            &pool(2, 100.0, 150.0),
-            &pool(2, 80.0, 120.0),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (2, 3), "{}", plan.reason);
-        assert!(plan.reason.contains("TPOT"), "{}", plan.reason);
-    }
-
-    #[test]
-    fn a_pool_predicted_over_its_target_grows_before_requests_miss() {
-        let plan = decide(
-            &WindowView::default(),
-            &pool(1, 800.0, 800.0),
-            &pool(1, 20.0, 20.0),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (2, 1), "{}", plan.reason);
-    }
-
-    #[test]
-    fn pools_shrink_only_with_room_and_never_below_one() {
-        // Met, and one fewer worker is predicted well within the targets.
-        let plan = decide(
-            &window((100, 0), (100, 0), 50.0, 10.0),
-            &pool(3, 100.0, 150.0),
-            &pool(3, 10.0, 15.0),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (2, 2), "{}", plan.reason);
-        // One fewer would come near the target: hold.
-        let plan = decide(
-            &window((100, 0), (100, 0), 50.0, 10.0),
-            &pool(3, 200.0, 300.0),
-            &pool(3, 20.0, 30.0),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (3, 3), "{}", plan.reason);
-        // A pool of one stays.
-        let plan = decide(
-            &window((100, 0), (100, 0), 1.0, 1.0),
-            &pool(1, 1.0, 1.0),
-            &pool(1, 1.0, 1.0),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (1, 1));
-        // An empty pool is asked for one.
-        let plan = decide(
-            &WindowView::default(),
-            &PoolView::default(),
-            &PoolView::default(),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (1, 1));
-    }
-
-    #[test]
-    fn too_few_requests_decide_nothing() {
-        let plan = decide(
-            &window((2, 3), (0, 5), 900.0, 10.0),
-            &pool(2, 100.0, 150.0),
-            &pool(2, 20.0, 30.0),
-            targets(),
-        );
-        assert_eq!((plan.prefill, plan.decode), (2, 2), "{}", plan.reason);
-    }
-}
+mod tests;
