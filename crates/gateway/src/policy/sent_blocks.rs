@@ -32,7 +32,7 @@ pub(crate) fn remembered_of(blocks: usize) -> usize {
 
 /// Whether block `position` of a prompt of `blocks` blocks is kept.
 fn remembered(position: usize, blocks: usize) -> bool {
-    (position + 1) % SENT_STRIDE == 0 || position + 1 == blocks
+    (position + 1).is_multiple_of(SENT_STRIDE) || position + 1 == blocks
 }
 
 /// A worker as the map names it: its base URL hashed (64 bits; equal URLs, equal names).
