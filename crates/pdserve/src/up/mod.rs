@@ -172,10 +172,10 @@ pub struct UpArgs {
     #[arg(long, env = "PDSERVE_HISTORY_URL", hide_env_values = true)]
     history_url: Option<String>,
     /// Size the prefill and decode pools as the gateway's P:D planner asks (its `GET
-    /// /planner`): start a worker of a pool it wants larger, and drain one of a pool it
-    /// wants smaller (taken out of the gateway's listing, its requests finished, then
-    /// stopped), one worker per pool at a time, never below one each. With the real
-    /// engine or `--sim`; not with `--aggregated` or the orchestrator.
+    /// /planner`): start workers of a pool it wants larger (as many as it asks, at once),
+    /// and drain one of a pool it wants smaller (taken out of the gateway's listing, its
+    /// requests finished, then stopped), never below one each. With the real engine or
+    /// `--sim`; not with `--aggregated` or the orchestrator.
     #[arg(long, env = "PDSERVE_AUTOSCALE")]
     autoscale: bool,
     /// With --autoscale: the most workers (prefill and decode together) the stack runs.
