@@ -11,7 +11,8 @@
 #
 # Env: PDSERVE (binary), PROFILE (h100-llama-3.1-8b), SLO_TTFT_MS (200), SLO_TPOT_MS (50),
 # POLICIES, TOPOLOGIES ("pd agg"), PREFIX_GROUPS (128: shared prefixes in the trace; fewer
-# means fewer first-seen prefixes), TRACE_ARGS (more `bench trace-gen` flags).
+# means fewer first-seen prefixes), SESSION_SHARE (0.2: the share of requests in multi-turn
+# sessions, whose later turns bring new tokens), TRACE_ARGS (more `bench trace-gen` flags).
 set -euo pipefail
 out=${1:?usage: bench-sim-policies.sh OUT_DIR "RATES" [DURATION_S]}
 rates=${2:?rates, e.g. "4 8 12"}
@@ -29,7 +30,7 @@ for rate in $rates; do
   # shellcheck disable=SC2086
   [ -f "$trace" ] || "$bin" bench trace-gen --output "$trace" --duration-s "$duration" \
     --request-rate "$rate" --prefix-groups "${PREFIX_GROUPS:-128}" --prefix-blocks 8 --prefix-zipf 0.8 \
-    --input-len 256 --output-len 64 --range-ratio 0.5 --session-share 0.2 \
+    --input-len 256 --output-len 64 --range-ratio 0.5 --session-share "${SESSION_SHARE:-0.2}" \
     --session-turns 3 --think-time-s 5 --seed 11 ${TRACE_ARGS:-}
   for topo in $topologies; do
     case $topo in
