@@ -24,6 +24,8 @@ use crate::policy::predictor::{Features, LatencyPredictor, Target};
 /// Utilization bounds of the capacity rule.
 const MIN_UTILIZATION: f64 = 0.3;
 const MAX_UTILIZATION: f64 = 0.9;
+/// The least time between two readings kept.
+const MIN_READING_GAP: Duration = Duration::from_millis(500);
 /// A queue wait's p90 over its mean, as the capacity rule takes it.
 const P90_OVER_MEAN_WAIT: f64 = 2.5;
 
@@ -56,6 +58,13 @@ impl DemandLog {
             .map(|w| (w.base.clone(), w.claimed_prompt_tokens()))
             .collect();
         let mut readings = self.readings.lock().unwrap_or_else(|e| e.into_inner());
+        // Readings are kept `MIN_READING_GAP` apart, the newest replaced until then: with
+        // the planner deciding on each `/planner` read, a client polling fast grows
+        // nothing.
+        let n = readings.len();
+        if n >= 2 && now.duration_since(readings[n - 2].at) < MIN_READING_GAP {
+            readings.pop_back();
+        }
         readings.push_back(Reading { at: now, totals });
         while readings
             .front()
@@ -227,7 +236,16 @@ mod tests {
         log.record(later.iter(), t0 + Duration::from_secs(4));
         assert_eq!(log.rate(Duration::from_secs(2)), Some(500.0));
         log.record(later.iter(), t0 + Duration::from_secs(6));
-        assert_eq!(log.rate(Duration::from_secs(2)), Some(0.0));
+        // Readings closer than the gap replace the newest: polling grows nothing.
+        let before = log.readings.lock().unwrap().len();
+        for ms in 1..100 {
+            log.record(
+                later.iter(),
+                t0 + Duration::from_secs(6) + Duration::from_millis(ms),
+            );
+        }
+        assert_eq!(log.readings.lock().unwrap().len(), before + 1);
+        assert_eq!(log.rate(Duration::from_secs(3)), Some(0.0));
         assert_eq!(log.peak(Duration::from_secs(2)), Some(2000.0));
     }
 
