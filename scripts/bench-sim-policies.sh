@@ -12,7 +12,9 @@
 # Env: PDSERVE (binary), PROFILE (h100-llama-3.1-8b), SLO_TTFT_MS (200), SLO_TPOT_MS (50),
 # POLICIES, TOPOLOGIES ("pd agg"), PREFIX_GROUPS (128: shared prefixes in the trace; fewer
 # means fewer first-seen prefixes), SESSION_SHARE (0.2: the share of requests in multi-turn
-# sessions, whose later turns bring new tokens), TRACE_ARGS (more `bench trace-gen` flags).
+# sessions, whose later turns bring new tokens), PREFIX_BLOCKS (8: 512-token blocks per
+# prefix), TOKENIZE_PROMPT (1: the bench sends token ids, so nothing in the stack
+# tokenizes the long prompts), TRACE_ARGS (more `bench trace-gen` flags).
 set -euo pipefail
 out=${1:?usage: bench-sim-policies.sh OUT_DIR "RATES" [DURATION_S]}
 rates=${2:?rates, e.g. "4 8 12"}
@@ -24,12 +26,15 @@ topologies=${TOPOLOGIES:-pd agg}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 export BENCH_ARGS="--slo-ttft-ms ${SLO_TTFT_MS:-200} --slo-tpot-ms ${SLO_TPOT_MS:-50}"
+if [ "${TOKENIZE_PROMPT:-0}" = 1 ]; then
+  BENCH_ARGS="$BENCH_ARGS --tokenize-prompt --tokenizer-gguf $("$bin" model fetch)"
+fi
 
 for rate in $rates; do
   trace="$out/trace-r$rate.jsonl"
   # shellcheck disable=SC2086
   [ -f "$trace" ] || "$bin" bench trace-gen --output "$trace" --duration-s "$duration" \
-    --request-rate "$rate" --prefix-groups "${PREFIX_GROUPS:-128}" --prefix-blocks 8 --prefix-zipf 0.8 \
+    --request-rate "$rate" --prefix-groups "${PREFIX_GROUPS:-128}" --prefix-blocks "${PREFIX_BLOCKS:-8}" --prefix-zipf 0.8 \
     --input-len 256 --output-len 64 --range-ratio 0.5 --session-share "${SESSION_SHARE:-0.2}" \
     --session-turns 3 --think-time-s 5 --seed 11 ${TRACE_ARGS:-}
   for topo in $topologies; do

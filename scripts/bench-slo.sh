@@ -16,7 +16,8 @@
 # 16), SPEED_RATE (4), SPEEDS ("1 1.5 2 3"), DURATION_S (120), POLICIES ("slo
 # precise_prefix power_of_two cache_aware"), BURST_FACTOR (4), BURST_PERIOD_S (30),
 # INPUT_LEN (each request's own prompt tokens after its shared prefix, 2048), OUTPUT_LEN
-# (128).
+# (128), TOKENIZE_PROMPT (1: the bench sends token ids, so nothing in the stack tokenizes
+# the prompts and heavier stages fit on this machine).
 set -euo pipefail
 out=${1:?usage: bench-slo.sh OUT_DIR [MODES]}
 modes=${2:-"ladder speeds shed"}
@@ -31,6 +32,9 @@ speeds=${SPEEDS:-1 1.5 2 3}
 mkdir -p "$out"
 export PDSERVE="$bin"
 export BENCH_ARGS="--slo-ttft-ms $ttft --slo-tpot-ms $tpot"
+if [ "${TOKENIZE_PROMPT:-0}" = 1 ]; then
+  BENCH_ARGS="$BENCH_ARGS --tokenize-prompt --tokenizer-gguf $("$bin" model fetch)"
+fi
 objectives=(--gateway-arg=--slo-ttft-ms "--gateway-arg=$ttft" --gateway-arg=--slo-tpot-ms "--gateway-arg=$tpot")
 
 trace() { # FILE RATE [more trace-gen flags]

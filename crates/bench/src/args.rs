@@ -155,6 +155,17 @@ pub struct ServeArgs {
     /// message (the chat template adds a few tokens).
     #[arg(long, env = "PDSERVE_BENCH_ENDPOINT", value_enum, default_value_t = Endpoint::Completions)]
     pub endpoint: Endpoint,
+    /// Send each prompt as token ids (a completions `prompt` of integers, as SGLang's
+    /// bench_serving `--tokenize-prompt` does), so the servers tokenize nothing: a replay
+    /// of long prompts then measures serving, not tokenizing them at the gateway and again
+    /// at each worker. Needs `--tokenizer-gguf` (the served model's) and `--endpoint
+    /// completions`.
+    #[arg(
+        long,
+        env = "PDSERVE_BENCH_TOKENIZE_PROMPT",
+        requires = "tokenizer_gguf"
+    )]
+    pub tokenize_prompt: bool,
     /// shared-prefix: groups, each with its own system prompt.
     #[arg(long, env = "PDSERVE_BENCH_GSP_NUM_GROUPS", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     pub gsp_num_groups: u64,

@@ -98,6 +98,8 @@ impl StreamRecord {
 pub enum RequestInput {
     /// A completion prompt (with `--endpoint chat` it becomes one user message).
     Prompt(String),
+    /// A completion prompt as token ids (`--tokenize-prompt`; completions only).
+    TokenIds(Vec<u32>),
     /// A chat conversation.
     Messages(Vec<ChatMessage>),
 }
@@ -137,10 +139,25 @@ pub fn request_body(
                 verbatim_numbers: Vec::new(),
             })
         }
+        (Endpoint::Completions, RequestInput::TokenIds(ids)) => {
+            serde_json::to_value(CompletionRequest {
+                model: Some(model.to_string()),
+                prompt: Prompt::Tokens(ids),
+                logprobs: None,
+                echo: None,
+                generation,
+                transport,
+                extra,
+                verbatim_numbers: Vec::new(),
+            })
+        }
         (_, input) => {
             let messages = match input {
                 RequestInput::Messages(m) => m,
                 RequestInput::Prompt(p) => vec![chat_message("user", p)],
+                // `Workload::load` refuses `--tokenize-prompt` with chat; were ids to get
+                // here, the server's 400 for an empty conversation would say so.
+                RequestInput::TokenIds(_) => Vec::new(),
             };
             serde_json::to_value(ChatCompletionRequest {
                 model: Some(model.to_string()),
@@ -553,6 +570,15 @@ mod tests {
         assert_eq!(body["messages"], json!([{"role": "user", "content": "p"}]));
         assert!(body.get("ignore_eos").is_none());
         assert_eq!(body["conversation_id"], "c");
+        let body = request_body(
+            Endpoint::Completions,
+            "m",
+            RequestInput::TokenIds(vec![5, 0, 49_151]),
+            7,
+            true,
+            Map::new(),
+        );
+        assert_eq!(body["prompt"], json!([5, 0, 49_151]), "ids go as an array");
     }
 
     #[test]

@@ -101,6 +101,9 @@ pub enum BenchError {
     /// Every request failed (the reasons were printed).
     #[error("all {0} requests failed; see the failure reasons above")]
     AllFailed(u64),
+    /// `--tokenize-prompt` with an endpoint that takes no token ids.
+    #[error("--tokenize-prompt sends prompts as token ids, which only /v1/completions takes; use --endpoint completions")]
+    TokenIdsNeedCompletions,
 }
 
 /// Resolves on Ctrl-C; never, if the signal handler cannot be installed.

@@ -199,6 +199,7 @@ pub async fn run_multi_turn(
             system_prompt_len: Some(args.system_prompt_len),
             priorities: Vec::new(),
             trace: None,
+            tokenize_prompt: false,
         },
         summary: summarize(&records, planned, duration, &slo),
         failures: failures(&records),

@@ -102,6 +102,10 @@ pub struct RunConfig {
     /// written before trace replay).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<TraceConfig>,
+    /// serve `--tokenize-prompt`: prompts went as token ids (absent when they went as
+    /// text).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tokenize_prompt: bool,
 }
 
 impl RunConfig {

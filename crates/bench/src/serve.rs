@@ -235,6 +235,7 @@ fn assemble(
             system_prompt_len: None,
             priorities: args.priority.classes().to_vec(),
             trace: planned.trace,
+            tokenize_prompt: args.tokenize_prompt,
         },
         summary: summarize(&records, planned.count, run.duration, &slo),
         failures: failures(&records),

@@ -36,6 +36,9 @@ pub struct TracePrompts {
     /// The words blocks are drawn from: [`WORDS`], or with a tokenizer, those of them
     /// that are exactly one token in it.
     words: Vec<&'static str>,
+    /// With a tokenizer, the token id of each of `words` (with its leading space): a
+    /// prompt's ids are its words' ids, since no merge crosses a space.
+    ids: Option<Vec<u32>>,
 }
 
 impl TracePrompts {
@@ -43,13 +46,17 @@ impl TracePrompts {
     /// one token in it are used, so a prompt has exactly `input_length` tokens (without
     /// BOS or a chat template); an error if too few are.
     pub fn new(seed: u64, tokenizer: Option<&PromptTokenizer>) -> Result<Self, BenchError> {
-        let words = match tokenizer {
-            None => WORDS.to_vec(),
-            Some(tokenizer) => one_token_words(tokenizer)?,
+        let (words, ids) = match tokenizer {
+            None => (WORDS.to_vec(), None),
+            Some(tokenizer) => {
+                let (words, ids) = one_token_words(tokenizer)?.into_iter().unzip();
+                (words, Some(ids))
+            }
         };
         Ok(Self {
             seed: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15),
             words,
+            ids,
         })
     }
 
@@ -57,42 +64,60 @@ impl TracePrompts {
     /// hash id, then request-unique words up to `input_length` tokens.
     pub fn prompt(&self, index: u64, entry: &TraceEntry) -> String {
         let mut out = String::with_capacity(entry.input_length as usize * 8);
+        self.draw(index, entry, |word| {
+            out.push(' ');
+            out.push_str(self.words[word]);
+        });
+        out
+    }
+
+    /// The token ids of [`Self::prompt`]'s text (`--tokenize-prompt`), without BOS;
+    /// `None` when the prompts were not built with a tokenizer.
+    pub fn prompt_ids(&self, index: u64, entry: &TraceEntry) -> Option<Vec<u32>> {
+        let ids = self.ids.as_ref()?;
+        let mut out = Vec::with_capacity(entry.input_length as usize);
+        self.draw(index, entry, |word| out.push(ids[word]));
+        Some(out)
+    }
+
+    /// Calls `push` with the index in `words` of each word of request `index`'s prompt.
+    fn draw(&self, index: u64, entry: &TraceEntry, mut push: impl FnMut(usize)) {
         let mut left = entry.input_length;
         for &id in &entry.hash_ids {
             // Only the last block can be partial: the reader allows no more blocks than
             // the prompt fills.
             let n = left.min(BLOCK_TOKENS);
-            self.push_words(&mut out, id ^ self.seed ^ BLOCK_SEED_SALT, n);
+            self.stream(id ^ self.seed ^ BLOCK_SEED_SALT, n, &mut push);
             left -= n;
         }
         if left > 0 {
-            self.push_words(&mut out, index ^ self.seed ^ TAIL_SEED_SALT, left);
+            self.stream(index ^ self.seed ^ TAIL_SEED_SALT, left, &mut push);
         }
-        out
     }
 
-    /// Appends the first `n` words of the stream seeded by `key`.
-    fn push_words(&self, out: &mut String, key: u64, n: u64) {
+    /// The first `n` words of the stream seeded by `key`.
+    fn stream(&self, key: u64, n: u64, push: &mut impl FnMut(usize)) {
         let mut rng = StdRng::seed_from_u64(key);
         for _ in 0..n {
-            out.push(' ');
-            out.push_str(self.words[rng.random_range(0..self.words.len())]);
+            push(rng.random_range(0..self.words.len()));
         }
     }
 }
 
-/// The words of [`WORDS`] that are one token in `tokenizer`, checked to stay one token
-/// each when concatenated (no merges across the spaces).
-fn one_token_words(tokenizer: &PromptTokenizer) -> Result<Vec<&'static str>, BenchError> {
+/// The words of [`WORDS`] that are one token in `tokenizer`, with that token's id,
+/// checked to stay one token each when concatenated (no merges across the spaces).
+fn one_token_words(tokenizer: &PromptTokenizer) -> Result<Vec<(&'static str, u32)>, BenchError> {
     let mut words = Vec::new();
     for &word in WORDS {
-        if tokenizer.encode(&format!(" {word}"))?.len() == 1 {
-            words.push(word);
+        if let [id] = tokenizer.encode(&format!(" {word}"))?[..] {
+            words.push((word, id));
         }
     }
-    let joined: String = words.iter().map(|w| format!(" {w}")).collect();
-    let joined_tokens = tokenizer.encode(&joined)?.len();
-    if words.len() < MIN_WORDS || joined_tokens != words.len() {
+    let joined: String = words.iter().map(|(w, _)| format!(" {w}")).collect();
+    let joined_ids = tokenizer.encode(&joined)?;
+    let joined_tokens = joined_ids.len();
+    let ids_kept = joined_ids.iter().eq(words.iter().map(|(_, id)| id));
+    if words.len() < MIN_WORDS || !ids_kept {
         return Err(BenchError::Tokenizer {
             path: tokenizer.path().to_path_buf(),
             reason: format!(

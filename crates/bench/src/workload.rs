@@ -17,8 +17,9 @@ use crate::BenchError;
 
 /// The requests of a run, read or generated before the server is contacted.
 pub enum Workload {
-    /// Prompts built up front (random, shared-prefix).
-    Built(Vec<SyntheticRequest>),
+    /// Prompts built up front (random, shared-prefix), as text or (`--tokenize-prompt`)
+    /// token ids.
+    Built(Vec<(RequestInput, SyntheticRequest)>),
     /// A trace: prompts are built at send time from the hash ids (a production trace's
     /// prompts would take gigabytes); `offsets` are the planned send times.
     Trace {
@@ -36,6 +37,9 @@ pub enum Workload {
 impl Workload {
     /// Reads the trace (`--dataset mooncake`) or generates the prompts `args` asks for.
     pub fn load(args: &ServeArgs) -> Result<Self, BenchError> {
+        if args.tokenize_prompt && args.endpoint != Endpoint::Completions {
+            return Err(BenchError::TokenIdsNeedCompletions);
+        }
         let tokenizer = load_tokenizer(args.server.tokenizer_gguf.as_deref())?;
         if let Some((path, speedup)) = args.load.trace() {
             let trace = read_trace(path, args.num_prompts)?;
@@ -71,7 +75,7 @@ impl Workload {
                 config,
             });
         }
-        let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer);
+        let mut generator = PromptGenerator::new(args.seed).with_tokenizer(tokenizer.clone());
         let requests = match args.load.dataset {
             Dataset::SharedPrefix => generator.shared_prefix(
                 args.gsp_num_groups,
@@ -88,6 +92,18 @@ impl Workload {
                 args.range_ratio,
             )?,
         };
+        let ids_of = tokenizer.filter(|_| args.tokenize_prompt);
+        let requests = requests
+            .into_iter()
+            .map(|mut r| {
+                let input = match &ids_of {
+                    // `clap` makes `--tokenize-prompt` need `--tokenizer-gguf`.
+                    Some(tokenizer) => RequestInput::TokenIds(tokenizer.encode(&r.prompt)?),
+                    None => RequestInput::Prompt(std::mem::take(&mut r.prompt)),
+                };
+                Ok((input, r))
+            })
+            .collect::<Result<_, BenchError>>()?;
         Ok(Self::Built(requests))
     }
 
@@ -103,6 +119,7 @@ impl Workload {
             endpoint: args.endpoint,
             model: model.to_string(),
             ignore_eos: !args.server.no_ignore_eos,
+            token_ids: args.tokenize_prompt,
         });
         match self {
             Self::Built(requests) => {
@@ -124,10 +141,10 @@ impl Workload {
                 let jobs = requests
                     .into_iter()
                     .enumerate()
-                    .map(|(index, r)| {
+                    .map(|(index, (input, r))| {
                         let priority = priority_of(index);
                         Job {
-                            body: JobBody::Ready(bodies.body(r.prompt, r.output_tokens, priority)),
+                            body: JobBody::Ready(bodies.body(input, r.output_tokens, priority)),
                             prompt_tokens: r.prompt_tokens,
                             output_tokens: r.output_tokens,
                             priority,
@@ -214,6 +231,8 @@ pub struct Bodies {
     endpoint: Endpoint,
     model: String,
     ignore_eos: bool,
+    /// `--tokenize-prompt`: trace prompts go as token ids.
+    token_ids: bool,
 }
 
 impl Bodies {
@@ -222,11 +241,11 @@ impl Bodies {
         self.ignore_eos
     }
 
-    fn body(&self, prompt: String, output_tokens: u64, priority: Option<i64>) -> Value {
+    fn body(&self, input: RequestInput, output_tokens: u64, priority: Option<i64>) -> Value {
         request_body(
             self.endpoint,
             &self.model,
-            RequestInput::Prompt(prompt),
+            input,
             output_tokens,
             self.ignore_eos,
             body_fields(priority),
@@ -237,11 +256,16 @@ impl Bodies {
     pub fn build(&self, index: usize, body: JobBody, priority: Option<i64>) -> Value {
         match body {
             JobBody::Ready(body) => body,
-            JobBody::Trace { entry, prompts } => self.body(
-                prompts.prompt(index as u64, &entry),
-                entry.output_length,
-                priority,
-            ),
+            JobBody::Trace { entry, prompts } => {
+                let index = index as u64;
+                // With `--tokenize-prompt` the prompts were built with the tokenizer
+                // (`clap` requires it), so they have ids.
+                let input = match self.token_ids.then(|| prompts.prompt_ids(index, &entry)) {
+                    Some(Some(ids)) => RequestInput::TokenIds(ids),
+                    _ => RequestInput::Prompt(prompts.prompt(index, &entry)),
+                };
+                self.body(input, entry.output_length, priority)
+            }
         }
     }
 }
