@@ -29,7 +29,9 @@ pub async fn admit_and_count(
         .map_err(IntoResponse::into_response)?;
     let permit =
         crate::ingress::admission::admit(&state.admission, ctx.priority, ctx.slo.ttft).await?;
-    if let Some(tokenizer) = &state.tokenizer {
+    if let Some(ids) = crate::ingress::prompt_tokens::client_token_ids(request) {
+        ctx.prompt_tokens = Some(std::sync::Arc::from(ids));
+    } else if let Some(tokenizer) = &state.tokenizer {
         if state.routing_reads_tokens
             || crate::ingress::prompt_tokens::may_overflow(request, state.model_lens.smallest())
         {

@@ -135,6 +135,21 @@ fn prompt_bytes(request: &ClientRequest) -> usize {
     }
 }
 
+/// The ids of a token-id prompt (the first of a batch), as the client sent them: what the
+/// workers compute, so routing, the latency predictor and the planner read them as they
+/// read a tokenized prompt's, with no tokenizer. `None` for text and empty prompts.
+pub fn client_token_ids(request: &ClientRequest) -> Option<&[u32]> {
+    let ClientRequest::Completion(c) = request else {
+        return None;
+    };
+    let ids = match &c.prompt {
+        Prompt::Tokens(ids) => ids.as_slice(),
+        Prompt::TokenBatches(batches) => batches.first()?.as_slice(),
+        Prompt::Text(_) | Prompt::Texts(_) => return None,
+    };
+    (!ids.is_empty()).then_some(ids)
+}
+
 /// `request`'s prompt tokens with `tokenizer`, off the async runtime when the prompt is
 /// long.
 pub async fn tokenize(
@@ -165,6 +180,30 @@ mod tests {
         ClientRequest::parse(Endpoint::Chat, body.to_string().as_bytes())
             .unwrap()
             .0
+    }
+
+    fn completion(prompt: serde_json::Value) -> ClientRequest {
+        let body = serde_json::json!({"prompt": prompt});
+        ClientRequest::parse(Endpoint::Completions, body.to_string().as_bytes())
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn a_token_id_prompt_is_its_own_ids() {
+        let ids = completion(serde_json::json!([5, 6, 7]));
+        assert_eq!(client_token_ids(&ids), Some(&[5, 6, 7][..]));
+        let batch = completion(serde_json::json!([[1, 2], [3]]));
+        assert_eq!(
+            client_token_ids(&batch),
+            Some(&[1, 2][..]),
+            "the first of a batch"
+        );
+        assert_eq!(
+            client_token_ids(&completion(serde_json::json!("text"))),
+            None
+        );
+        assert_eq!(client_token_ids(&chat("Hello", None)), None);
     }
 
     #[test]
