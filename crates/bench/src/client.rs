@@ -126,32 +126,23 @@ pub fn request_body(
         }),
         ..Default::default()
     };
-    let body = match (endpoint, input) {
-        (Endpoint::Completions, RequestInput::Prompt(prompt)) => {
-            serde_json::to_value(CompletionRequest {
-                model: Some(model.to_string()),
-                prompt: Prompt::Text(prompt),
-                logprobs: None,
-                echo: None,
-                generation,
-                transport,
-                extra,
-                verbatim_numbers: Vec::new(),
-            })
-        }
-        (Endpoint::Completions, RequestInput::TokenIds(ids)) => {
-            serde_json::to_value(CompletionRequest {
-                model: Some(model.to_string()),
-                prompt: Prompt::Tokens(ids),
-                logprobs: None,
-                echo: None,
-                generation,
-                transport,
-                extra,
-                verbatim_numbers: Vec::new(),
-            })
-        }
-        (_, input) => {
+    let prompt = match (endpoint, input) {
+        (Endpoint::Completions, RequestInput::Prompt(text)) => Ok(Prompt::Text(text)),
+        (Endpoint::Completions, RequestInput::TokenIds(ids)) => Ok(Prompt::Tokens(ids)),
+        (_, input) => Err(input),
+    };
+    let body = match prompt {
+        Ok(prompt) => serde_json::to_value(CompletionRequest {
+            model: Some(model.to_string()),
+            prompt,
+            logprobs: None,
+            echo: None,
+            generation,
+            transport,
+            extra,
+            verbatim_numbers: Vec::new(),
+        }),
+        Err(input) => {
             let messages = match input {
                 RequestInput::Messages(m) => m,
                 RequestInput::Prompt(p) => vec![chat_message("user", p)],
