@@ -10,7 +10,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use smallvec::SmallVec;
+
 use super::sent_blocks::{Recipient, SentBlocks};
+use crate::fleet::kv_events::first_blocks::IndexId;
 use crate::fleet::kv_events::{KvEventsHub, PromptKeys, WorkerEvents};
 use crate::fleet::registry::Worker;
 
@@ -87,6 +90,10 @@ impl EventMatcher {
         events: &[Option<&WorkerEvents>],
         keys: &mut PromptKeys<'_>,
     ) -> Vec<Held> {
+        // Who holds the prompt's first block, per block size (in practice one): only
+        // their indexes can hold any of it.
+        let mut first_holders: Vec<(usize, SmallVec<[IndexId; 4]>)> = Vec::new();
+        let first_blocks = self.hub.first_blocks();
         let read: Vec<Indexed> = events
             .iter()
             .map(|&events| {
@@ -96,7 +103,31 @@ impl EventMatcher {
                 let indexed = events.is_some_and(|e| !e.is_stale());
                 let cached = match index.as_deref() {
                     Some(index) if indexed && events_block_size.is_some() => {
-                        index.cached_prefix(keys.get(block_size))
+                        let keys = keys.get(block_size);
+                        let holds_first = match (index.first_block_id(), keys.first()) {
+                            (Some(id), Some(first)) => {
+                                let at = match first_holders
+                                    .iter()
+                                    .position(|(s, _)| *s == block_size)
+                                {
+                                    Some(at) => at,
+                                    None => {
+                                        first_holders
+                                            .push((block_size, first_blocks.holders(first)));
+                                        first_holders.len() - 1
+                                    }
+                                };
+                                first_holders[at].1.binary_search(&id).is_ok()
+                            }
+                            // An index outside a hub (tests) is probed.
+                            (None, _) => true,
+                            (_, None) => false,
+                        };
+                        if holds_first {
+                            index.cached_prefix(keys)
+                        } else {
+                            0
+                        }
                     }
                     _ => 0,
                 };

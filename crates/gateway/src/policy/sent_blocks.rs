@@ -80,12 +80,12 @@ impl SentBlocks {
     fn put(&mut self, key: BlockKey, to: Recipient, now: Instant) {
         if self.current.len() >= PENDING_BLOCKS / 2 || now.duration_since(self.since) >= PENDING_FOR
         {
-            // Sized as the generation before: a steady gateway does not grow it again.
-            let fresh = Generation::with_capacity_and_hasher(
-                self.current.len(),
-                foldhash::fast::FixedState::default(),
-            );
-            self.previous = std::mem::replace(&mut self.current, fresh);
+            // The dropped generation's table is emptied and written again, not freed
+            // and allocated afresh: a fresh table of some MiB faults a page on each of
+            // its first sends, which was most of a routing decision's p99.
+            let mut recycled = std::mem::take(&mut self.previous);
+            recycled.clear();
+            self.previous = std::mem::replace(&mut self.current, recycled);
             self.since = now;
         }
         let sends = self.current.entry(key).or_default();

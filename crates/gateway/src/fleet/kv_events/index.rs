@@ -12,6 +12,8 @@ use std::time::Instant;
 use lru::LruCache;
 use pdserve_protocol::kv_events::{EngineBlockHash, KvCacheEvent};
 
+use super::first_blocks::{FirstBlockSink, IndexId};
+
 /// The gateway's key for a block: its tokens hashed after its parent's key, so equal keys
 /// mean equal prefixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -151,6 +153,14 @@ pub struct BlockIndex {
     /// radix leaves), and a block is indexed only under a held parent, so this stays
     /// false in practice until the index is cleared.
     gaps: bool,
+    /// Where the fleet learns which first blocks this index holds, for an index in a hub.
+    first_blocks: Option<FirstBlockSink>,
+}
+
+impl Drop for BlockIndex {
+    fn drop(&mut self) {
+        self.drop_first_blocks();
+    }
 }
 
 impl BlockIndex {
@@ -165,6 +175,28 @@ impl BlockIndex {
             cleared_at: None,
             children: HashMap::default(),
             gaps: false,
+            first_blocks: None,
+        }
+    }
+
+    /// An empty index of at most `capacity` blocks that tells `first_blocks` which
+    /// prompts' first blocks it holds.
+    pub fn reporting(capacity: NonZeroUsize, first_blocks: FirstBlockSink) -> Self {
+        let mut index = Self::new(capacity);
+        index.first_blocks = Some(first_blocks);
+        index
+    }
+
+    /// The index's number in the fleet's first-block map, when it reports there.
+    pub fn first_block_id(&self) -> Option<IndexId> {
+        self.first_blocks.as_ref().map(FirstBlockSink::id)
+    }
+
+    /// Takes every first block this index holds out of the fleet's map.
+    fn drop_first_blocks(&mut self) {
+        if let Some(sink) = &self.first_blocks {
+            let firsts = self.blocks.iter().filter(|(_, b)| b.parent.is_none());
+            sink.remove(firsts.map(|(key, _)| *key));
         }
     }
 
@@ -185,6 +217,7 @@ impl BlockIndex {
 
     /// Forgets everything (the block size too).
     pub fn clear(&mut self) {
+        self.drop_first_blocks();
         self.blocks.clear();
         self.by_engine.clear();
         self.removed_at.clear();
@@ -194,10 +227,15 @@ impl BlockIndex {
         self.gaps = false;
     }
 
-    /// Counts a block stored after `parent`.
-    fn added(&mut self, parent: Option<BlockKey>) {
-        if let Some(parent) = parent {
-            *self.children.entry(parent).or_default() += 1;
+    /// Counts block `key`, stored after `parent`.
+    fn added(&mut self, key: BlockKey, parent: Option<BlockKey>) {
+        match parent {
+            Some(parent) => *self.children.entry(parent).or_default() += 1,
+            None => {
+                if let Some(sink) = &self.first_blocks {
+                    sink.add(key);
+                }
+            }
         }
     }
 
@@ -206,11 +244,18 @@ impl BlockIndex {
         if self.children.get(&key).is_some_and(|n| *n > 0) {
             self.gaps = true;
         }
-        if let Some(parent) = block.parent {
-            if let Some(n) = self.children.get_mut(&parent) {
-                *n -= 1;
-                if *n == 0 {
-                    self.children.remove(&parent);
+        match block.parent {
+            Some(parent) => {
+                if let Some(n) = self.children.get_mut(&parent) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.children.remove(&parent);
+                    }
+                }
+            }
+            None => {
+                if let Some(sink) = &self.first_blocks {
+                    sink.remove([key]);
                 }
             }
         }
@@ -305,13 +350,13 @@ impl BlockIndex {
                         }
                         // Past the cap: the least recently stored block was pushed out.
                         Some((evicted_key, evicted)) => {
-                            self.added(parent);
+                            self.added(key, parent);
                             self.left(evicted_key, &evicted);
                             if self.by_engine.get(&evicted.engine) == Some(&evicted_key) {
                                 self.by_engine.remove(&evicted.engine);
                             }
                         }
-                        None => self.added(parent),
+                        None => self.added(key, parent),
                     }
                     self.removed_at.pop(&key);
                     applied.stored += 1;
@@ -528,5 +573,43 @@ mod tests {
             idx.apply(&removed(&[i])).unwrap();
         }
         assert_eq!(idx.removed_at.len(), 3);
+    }
+
+    #[test]
+    fn a_reporting_index_keeps_the_fleets_first_block_map_true() {
+        use super::super::first_blocks::{FirstBlockSink, FirstBlocks};
+        use std::sync::Arc;
+        let map = Arc::new(FirstBlocks::default());
+        let mut idx = BlockIndex::reporting(
+            NonZeroUsize::new(3).unwrap(),
+            FirstBlockSink::new(map.clone()),
+        );
+        let id = idx.first_block_id().unwrap();
+        let first = |tokens: &[u32]| prompt_keys(tokens, 2)[0];
+        let holds = |tokens: &[u32]| map.holders(&first(tokens)).contains(&id);
+        // Only a block without a parent is a prompt's first.
+        idx.apply(&stored(&[1, 2], None, &[1, 2, 3, 4], 2)).unwrap();
+        assert!(holds(&[1, 2]));
+        assert_eq!(map.len(), 1);
+        // Removed by its event, then stored again.
+        idx.apply(&removed(&[1])).unwrap();
+        assert!(!holds(&[1, 2]));
+        idx.apply(&stored(&[5], None, &[1, 2], 2)).unwrap();
+        assert!(holds(&[1, 2]));
+        // Pushed out past the cap (3 blocks: 2 and 5 are older than 6, 7, 8).
+        idx.apply(&stored(&[6, 7, 8], None, &[7, 7, 8, 8, 9, 9], 2))
+            .unwrap();
+        assert!(
+            !holds(&[1, 2]),
+            "the least recently stored first block was evicted"
+        );
+        assert!(holds(&[7, 7]));
+        // A clear takes them all; so does the index going (its worker left).
+        idx.apply(&KvCacheEvent::AllBlocksCleared).unwrap();
+        assert!(map.is_empty());
+        idx.apply(&stored(&[9], None, &[3, 3], 2)).unwrap();
+        assert!(holds(&[3, 3]));
+        drop(idx);
+        assert!(map.is_empty());
     }
 }

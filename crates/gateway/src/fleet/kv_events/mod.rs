@@ -13,12 +13,14 @@
 //! replicas that route on them agree without sharing anything.
 //!
 //! - [`index`]: a worker's blocks under the gateway's own chained keys.
+//! - [`first_blocks`]: which workers hold each prompt's first block, fleet-wide.
 //! - [`subscriber`]: a worker's stream: the SUB socket, sequence checks, replays and
 //!   rebuilds.
 //! - [`collector`]: the bound socket and the topic convention.
 
 mod args;
 pub mod collector;
+pub mod first_blocks;
 pub mod index;
 mod metrics;
 pub mod subscriber;
@@ -32,6 +34,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 pub use args::{check_endpoint, KvEventsArgs, KvEventsConfig};
+pub use first_blocks::FirstBlocks;
 pub use index::{prompt_keys, BlockIndex, BlockKey, PromptKeys};
 pub use metrics::KvEventMetrics;
 pub use subscriber::EventEndpoints;
@@ -54,8 +57,19 @@ pub struct WorkerEvents {
 impl WorkerEvents {
     /// An empty index of at most `capacity` blocks.
     pub fn new(capacity: NonZeroUsize) -> Self {
+        Self::of_index(BlockIndex::new(capacity))
+    }
+
+    /// An empty index of at most `capacity` blocks that reports its first blocks to
+    /// `first_blocks`.
+    fn reporting(capacity: NonZeroUsize, first_blocks: &Arc<FirstBlocks>) -> Self {
+        let sink = first_blocks::FirstBlockSink::new(first_blocks.clone());
+        Self::of_index(BlockIndex::reporting(capacity, sink))
+    }
+
+    fn of_index(index: BlockIndex) -> Self {
         Self {
-            index: Mutex::new(BlockIndex::new(capacity)),
+            index: Mutex::new(index),
             last_heard: Mutex::new(None),
             owed_since: Mutex::new(None),
             stale: AtomicBool::new(false),
@@ -128,6 +142,8 @@ pub struct KvEventsHub {
     /// By worker URL (foldhash: every routing decision looks up every candidate).
     workers: RwLock<HashMap<String, Arc<WorkerEvents>, foldhash::fast::FixedState>>,
     subscriptions: Mutex<HashMap<String, (EventEndpoints, JoinHandle<()>)>>,
+    /// Which of the indexes hold each prompt's first block.
+    first_blocks: Arc<FirstBlocks>,
 }
 
 impl Drop for KvEventsHub {
@@ -150,7 +166,13 @@ impl KvEventsHub {
             metrics,
             workers: RwLock::default(),
             subscriptions: Mutex::default(),
+            first_blocks: Arc::default(),
         }
+    }
+
+    /// Which of this hub's indexes hold each prompt's first block.
+    pub fn first_blocks(&self) -> &FirstBlocks {
+        &self.first_blocks
     }
 
     /// The events of the worker at `url` (its registry key), if it publishes any.
@@ -210,7 +232,12 @@ impl KvEventsHub {
         Some(
             workers
                 .entry(url.to_string())
-                .or_insert_with(|| Arc::new(WorkerEvents::new(self.config.max_indexed_blocks)))
+                .or_insert_with(|| {
+                    Arc::new(WorkerEvents::reporting(
+                        self.config.max_indexed_blocks,
+                        &self.first_blocks,
+                    ))
+                })
                 .clone(),
         )
     }
@@ -254,7 +281,10 @@ impl KvEventsHub {
             if subscriptions.contains_key(&url) {
                 continue;
             }
-            let events = Arc::new(WorkerEvents::new(self.config.max_indexed_blocks));
+            let events = Arc::new(WorkerEvents::reporting(
+                self.config.max_indexed_blocks,
+                &self.first_blocks,
+            ));
             workers.insert(url.clone(), events.clone());
             let task = tokio::spawn(subscriber::follow(
                 url.clone(),
