@@ -359,6 +359,32 @@ async fn warmed_prompts_go_to_the_warm_worker(layout: Layout) {
             "{layout:?}: a warmed prompt went elsewhere"
         );
     }
+    // A new prompt the worker refused (another model's name: 404) is not cached there:
+    // sent the right way next, the worker it goes to holds none of it.
+    let refused = prompt(100, 900);
+    let complete_as = |model: Option<&str>| {
+        let mut body = json!({"prompt": refused, "max_tokens": 2, "temperature": 0});
+        if let Some(model) = model {
+            body["model"] = json!(model);
+        }
+        http.post(format!("{gateway}/v1/completions"))
+            .json(&body)
+            .send()
+    };
+    assert_eq!(
+        complete_as(Some("no-such-model")).await.unwrap().status(),
+        404
+    );
+    let response = complete_as(None).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let cache = response.headers()["x-pdserve-worker-cache"]
+        .to_str()
+        .unwrap();
+    assert!(
+        cache.contains("matched=0;"),
+        "{layout:?}: a refused prompt counted as cached: {cache}"
+    );
+
     if let Layout::Collector = layout {
         assert_eq!(
             metric(

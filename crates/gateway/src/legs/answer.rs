@@ -140,7 +140,10 @@ async fn attempt(
     worker: Arc<Worker>,
 ) -> Result<Response, LegError> {
     let mut in_flight = Some(state.start_request(worker.clone()));
-    let mut result = send_leg(state, ctx, leg, worker, &mut in_flight).await;
+    let mut result = send_leg(state, ctx, leg, worker.clone(), &mut in_flight).await;
+    if let Err(e) = &result {
+        state.forget_unsent(&worker, ctx.prompt_tokens.as_deref(), e);
+    }
     if let (Err(e), Some(in_flight)) = (&result, in_flight.as_mut()) {
         if e.blames_worker() {
             in_flight.set_outcome(RequestOutcome::Failure);

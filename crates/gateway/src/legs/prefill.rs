@@ -228,8 +228,9 @@ async fn prefill_once(
         })
     })
     .await;
-    if result.is_ok() {
-        ctx.journey.prefill_took(worker, sent.elapsed());
+    match &result {
+        Ok(_) => ctx.journey.prefill_took(worker, sent.elapsed()),
+        Err(e) => state.forget_unsent(worker, ctx.prompt_tokens.as_deref(), e),
     }
     crate::observe::trace::leg_done(span, &result);
     result

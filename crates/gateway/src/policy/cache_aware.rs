@@ -519,6 +519,14 @@ impl Policy for CacheAware {
         }
     }
 
+    /// Only what was noted for the events' sake: the approximate tree keeps what was
+    /// routed, as SGLang's does.
+    fn forget_sent(&self, worker: &Worker, tokens: &[u32]) {
+        if let Some(events) = &self.events {
+            events.unsent(worker, &mut PromptKeys::new(tokens));
+        }
+    }
+
     fn retain_workers(&self, live: &[&str]) {
         for role in &self.roles {
             let mut map = role.write().unwrap_or_else(PoisonError::into_inner);

@@ -196,6 +196,15 @@ impl EventMatcher {
         );
     }
 
+    /// Forgets that the prompt `keys` are of went to `worker`: it refused the request or
+    /// never got it, so it computes none of it and no events will say otherwise.
+    pub fn unsent(&self, worker: &Worker, keys: &mut PromptKeys<'_>) {
+        let block_size = self.block_size(&worker.base);
+        let keys = keys.get(block_size);
+        let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
+        sent.forget(Recipient::of(&worker.base), keys);
+    }
+
     /// Drops what was sent to workers whose base URL is not in `live`.
     pub fn retain_workers(&self, live: &[&str]) {
         let live: Vec<Recipient> = live.iter().map(|base| Recipient::of(base)).collect();
@@ -262,5 +271,25 @@ mod tests {
             .apply(&KvCacheEvent::AllBlocksCleared)
             .unwrap();
         assert_eq!(held(), 0);
+    }
+
+    #[test]
+    fn a_prompt_the_worker_refused_is_not_held_there() {
+        let metrics = Arc::new(KvEventMetrics::register(&mut Registry::default()));
+        let hub = Arc::new(KvEventsHub::new(KvEventsConfig::default(), metrics));
+        let matcher = EventMatcher::new(hub.clone());
+        let pool = workers(WorkerRole::Decode, &[1, 2]);
+        let prompt: Vec<u32> = (0..2000).collect();
+        for worker in &pool {
+            let events = hub.collected(&worker.base).unwrap();
+            events.lock().apply(&stored(&[99], None, &[7; 16])).unwrap();
+        }
+        let held = |w: usize| matcher.held(&pool[w], &mut PromptKeys::new(&prompt)).tokens;
+        matcher.sent(&pool[0], &mut PromptKeys::new(&prompt), 0);
+        matcher.sent(&pool[1], &mut PromptKeys::new(&prompt), 0);
+        assert_eq!((held(0), held(1)), (2000, 2000));
+        // The first answered 404 (say, another model's name): it computed nothing.
+        matcher.unsent(&pool[0], &mut PromptKeys::new(&prompt));
+        assert_eq!((held(0), held(1)), (0, 2000));
     }
 }

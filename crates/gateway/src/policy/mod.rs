@@ -270,6 +270,12 @@ pub trait Policy: fmt::Debug + Send + Sync {
         let _ = (worker, outcome);
     }
 
+    /// The request with prompt `tokens` that this policy sent `worker` did not reach it or
+    /// was refused there (a 4xx): what the policy noted as sent there is not there.
+    fn forget_sent(&self, worker: &Worker, tokens: &[u32]) {
+        let _ = (worker, tokens);
+    }
+
     /// The candidate with the longest cached prefix of the request's prompt, as the
     /// policy believes it, without recording the request (conditional disaggregation
     /// asks this before routing). `None`: the policy keeps no prefix state, the request

@@ -247,6 +247,11 @@ impl Policy for PrecisePrefix {
         self.fallback.stats()
     }
 
+    fn forget_sent(&self, worker: &Worker, tokens: &[u32]) {
+        self.fallback.forget_sent(worker, tokens);
+        self.matcher.unsent(worker, &mut PromptKeys::new(tokens));
+    }
+
     fn retain_workers(&self, live: &[&str]) {
         self.fallback.retain_workers(live);
         self.matcher.retain_workers(live);

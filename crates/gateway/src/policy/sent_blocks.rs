@@ -105,6 +105,25 @@ impl SentBlocks {
         }
     }
 
+    /// Forgets that the prompt of `keys` went to `to`: the worker refused it or never
+    /// got it. A send of the same blocks to `to` by another request goes too (the map
+    /// keeps one send per worker); that worker's events restore it within a step or two.
+    pub(crate) fn forget(&mut self, to: Recipient, keys: &[BlockKey]) {
+        for (position, key) in keys.iter().enumerate() {
+            if !remembered(position, keys.len()) {
+                continue;
+            }
+            for generation in [&mut self.current, &mut self.previous] {
+                if let Some(sends) = generation.get_mut(key) {
+                    sends.retain(|(r, _)| *r != to);
+                    if sends.is_empty() {
+                        generation.remove(key);
+                    }
+                }
+            }
+        }
+    }
+
     /// The newest send of `key` to `to`.
     #[cfg(test)]
     fn sent_at(&self, key: &BlockKey, to: Recipient) -> Option<Instant> {
@@ -277,5 +296,12 @@ mod tests {
         assert_eq!(later.len(), 2);
         assert_eq!(later.prompt(&prompt).prefix(b, 12, no_index, now), 8);
         assert_eq!(later.prompt(&prompt).prefix(b, 0, no_index, now), 0);
+        // Refused by b: forgotten there, still sent to a.
+        sent.record(b, &prompt, 0, t0);
+        sent.forget(b, &prompt);
+        assert_eq!(sent.prompt(&prompt).prefix(b, 0, no_index, now), 0);
+        assert_eq!(sent.prompt(&prompt).prefix(a, 0, no_index, now), 20);
+        sent.forget(a, &prompt);
+        assert_eq!(sent.len(), 0, "a block goes with its last send");
     }
 }

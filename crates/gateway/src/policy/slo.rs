@@ -270,6 +270,10 @@ impl Policy for SloPolicy {
         self.precise.stats()
     }
 
+    fn forget_sent(&self, worker: &Worker, tokens: &[u32]) {
+        self.precise.forget_sent(worker, tokens);
+    }
+
     fn retain_workers(&self, live: &[&str]) {
         self.precise.retain_workers(live);
         self.predictor.retain_workers(live);

@@ -182,6 +182,17 @@ impl Serving {
         InFlight::start(worker, policy)
     }
 
+    /// A leg with prompt `tokens` that `worker` refused (a 4xx) or never got (no
+    /// connection) left nothing in its cache: the policy that chose it forgets the
+    /// prompt as sent there, or for `PENDING_FOR` it would count as cached on a worker
+    /// that never computed it.
+    pub fn forget_unsent(&self, worker: &Worker, tokens: Option<&[u32]>, error: &LegError) {
+        let never_computed = matches!(error.kind, LegFault::Rejected | LegFault::Unreachable);
+        if let (true, Some(tokens)) = (never_computed, tokens) {
+            self.policy(worker.role()).forget_sent(worker, tokens);
+        }
+    }
+
     /// Passive health: a request that could not connect to `worker` evicts it at once;
     /// other transport failures count as one failed probe.
     pub fn report(&self, worker: &Arc<Worker>, error: &LegError) {
