@@ -79,9 +79,9 @@ impl EventMatcher {
     }
 
     fn held_of(&self, candidates: &[&Worker], keys: &mut PromptKeys<'_>) -> Vec<Held> {
-        let urls = candidates.iter().map(|w| w.base.as_str());
-        self.hub
-            .with_workers(urls, |events| self.held_with(candidates, events, keys))
+        self.hub.with_workers(candidates.iter().copied(), |events| {
+            self.held_with(candidates, events, keys)
+        })
     }
 
     fn held_with(
@@ -162,7 +162,7 @@ impl EventMatcher {
                 // What the index holds, continued by what was sent since: the blocks the
                 // worker is computing now, or computed and has not reported yet.
                 let more = prompts[at].1.prefix(
-                    Recipient::of(&worker.base),
+                    Recipient::worker(worker),
                     r.cached,
                     || r.events.map(WorkerEvents::lock),
                     now,
@@ -189,7 +189,7 @@ impl EventMatcher {
         // The blocks it held are not sent work: the index has them, or they are here
         // from an earlier send.
         sent.record(
-            Recipient::of(&worker.base),
+            Recipient::worker(worker),
             keys,
             held / block_size,
             Instant::now(),
@@ -202,7 +202,7 @@ impl EventMatcher {
         let block_size = self.block_size(&worker.base);
         let keys = keys.get(block_size);
         let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
-        sent.forget(Recipient::of(&worker.base), keys);
+        sent.forget(Recipient::worker(worker), keys);
     }
 
     /// Drops what was sent to workers whose base URL is not in `live`.

@@ -54,6 +54,11 @@ pub struct KvIndexBenchArgs {
     /// half for new ones.
     #[arg(long, env = "PDSERVE_BENCH_DECISIONS", default_value_t = 4000, value_parser = clap::value_parser!(u32).range(2..=10_000_000))]
     pub decisions: u32,
+    /// Read 64 MiB between timed decisions, so each finds the CPU caches as a live
+    /// gateway does after handling a request (parsing, HTTP, other tasks): the workers'
+    /// state is no longer cached, and each candidate read costs its memory misses.
+    #[arg(long, env = "PDSERVE_BENCH_COLD_CACHE")]
+    pub cold_cache: bool,
     /// Also write the report as JSON to this file.
     #[arg(long, env = "PDSERVE_BENCH_RESULT_JSON")]
     pub result_json: Option<PathBuf>,
@@ -111,6 +116,8 @@ pub struct KvIndexReport {
     pub prompt_tokens: u32,
     /// Whether block hashes were digests.
     pub digest_hashes: bool,
+    /// Whether the CPU caches were emptied before each timed decision (`--cold-cache`).
+    pub cold_cache: bool,
     /// New prompts routed untimed before the first timed decision (see `warm_up`).
     pub warm_up_decisions: u64,
     /// Ingestion while the indexes filled.
@@ -269,6 +276,18 @@ fn warm_up(policy: &PrecisePrefix, fleet: &[Arc<Worker>], args: &KvIndexBenchArg
     prompts as u64
 }
 
+/// What `--cold-cache` reads between decisions: twice a large server's last-level cache.
+const COLD_CACHE_BYTES: usize = 64 << 20;
+
+/// Writes a byte of every cache line of `buffer`, pushing everything else out of the
+/// CPU caches.
+fn evict_caches(buffer: &mut [u8]) {
+    for line in buffer.chunks_mut(64) {
+        line[0] = line[0].wrapping_add(1);
+    }
+    std::hint::black_box(buffer);
+}
+
 /// Times `decisions` choices among `fleet`: even ones for a prompt of `held` (each held
 /// by the worker at its index modulo the fleet), odd ones for a new prompt.
 fn time_decisions(
@@ -281,7 +300,11 @@ fn time_decisions(
     let headers = http::HeaderMap::new();
     let len = args.prompt_tokens as usize;
     let (mut hits, mut misses, mut home) = (Vec::new(), Vec::new(), 0usize);
+    let mut evictor = args.cold_cache.then(|| vec![1u8; COLD_CACHE_BYTES]);
     for d in 0..u64::from(args.decisions) {
+        if let Some(evictor) = evictor.as_mut() {
+            evict_caches(evictor);
+        }
         let is_hit = d % 2 == 0 && held > 0;
         let n = if is_hit {
             mix(round * 7 + d) % held
@@ -415,6 +438,7 @@ pub fn run(args: &KvIndexBenchArgs) -> Result<KvIndexReport, KvIndexBenchError> 
         block_size: args.block_size,
         prompt_tokens: args.prompt_tokens,
         digest_hashes: args.digest_hashes,
+        cold_cache: args.cold_cache,
         warm_up_decisions,
         ingestion,
         bytes_per_block,
@@ -448,8 +472,10 @@ impl std::fmt::Display for KvIndexReport {
         )?;
         writeln!(
             f,
-            "precise_prefix decision over all {} workers, µs (after {} new prompts routed untimed):",
-            self.workers, self.warm_up_decisions
+            "precise_prefix decision over all {} workers, µs (after {} new prompts routed untimed{}):",
+            self.workers,
+            self.warm_up_decisions,
+            if self.cold_cache { "; caches emptied before each" } else { "" }
         )?;
         writeln!(
             f,
@@ -489,6 +515,7 @@ mod tests {
             events_per_batch: 2,
             digest_hashes: true,
             decisions: 40,
+            cold_cache: true,
             result_json: None,
         };
         let report = run(&args).unwrap();

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use pdserve_protocol::session::{rendezvous_key, rendezvous_score};
+use pdserve_protocol::session::{rendezvous_key, rendezvous_score_of_id};
 use pdserve_protocol::WorkerRole;
 
 use super::{
@@ -73,12 +73,13 @@ impl PrecisePrefix {
         let prompt_len = keys.tokens().len() as f64;
         let held = self.matcher.held_by_each(candidates, keys);
         let any_index = held.iter().any(|h| h.indexed);
+        let now = std::time::Instant::now();
         let standings = candidates
             .iter()
             .zip(held)
             .enumerate()
             .map(|(index, (w, held))| {
-                let load = w.load();
+                let load = w.load_at(now);
                 let score = held.tokens as f64 - self.load_cost * load as f64 * prompt_len;
                 Standing {
                     index,
@@ -113,9 +114,9 @@ impl PrecisePrefix {
 
 /// For a prompt whose `new` part (after what every candidate holds) no candidate holds:
 /// among the candidates within `NEW_PREFIX_LOAD_SLACK` of the least load, the one whose
-/// URL hashes highest with the first `AFFINITY_TOKENS` tokens of `new`. Every replica
-/// computes the same hashes (the protocol's fixed rendezvous hash), so they agree while
-/// their views of load roughly do.
+/// URL's id hashes highest with the first `AFFINITY_TOKENS` tokens of `new`. Every replica
+/// computes the same hashes (the protocol's fixed rendezvous hash over fixed-seed URL
+/// ids), so they agree while their views of load roughly do.
 fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[u32]) -> Standing {
     let least = standings.iter().map(|s| s.load).min().unwrap_or(0);
     let start = &new[..new.len().min(AFFINITY_TOKENS)];
@@ -125,7 +126,7 @@ fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[
     *standings
         .iter()
         .filter(|s| s.load <= least.saturating_add(NEW_PREFIX_LOAD_SLACK))
-        .max_by_key(|s| rendezvous_score(key, &candidates[s.index].base))
+        .max_by_key(|s| rendezvous_score_of_id(key, candidates[s.index].id))
         .expect("the least loaded candidate is within the slack")
 }
 

@@ -10,10 +10,10 @@
 //! replace the estimate within a scheduler step or two.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
 use crate::fleet::kv_events::{BlockIndex, BlockKey};
+use crate::fleet::registry::{url_id, Worker};
 
 /// How long a prompt sent to a worker counts as cached there before its events say so.
 pub(crate) const PENDING_FOR: Duration = Duration::from_secs(10);
@@ -35,18 +35,21 @@ fn remembered(position: usize, blocks: usize) -> bool {
     (position + 1).is_multiple_of(SENT_STRIDE) || position + 1 == blocks
 }
 
-/// A worker as the map names it: its base URL hashed (64 bits; equal URLs, equal names).
+/// A worker as the map names it: its URL's id (see [`url_id`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Recipient(u64);
 
 impl Recipient {
     /// The name of the worker at `base`.
     pub(crate) fn of(base: &str) -> Self {
-        Self(foldhash::fast::FixedState::with_seed(RECIPIENT_SEED).hash_one(base))
+        Self(url_id(base))
+    }
+
+    /// The name of `worker`.
+    pub(crate) fn worker(worker: &Worker) -> Self {
+        Self(worker.id)
     }
 }
-
-const RECIPIENT_SEED: u64 = 0x7365_6e74_746f_2121;
 
 /// Who one block went to, and when (each worker once, at its newest send). Inline for
 /// one: dropping a generation then frees no more than its table.

@@ -39,7 +39,47 @@ pub use index::{prompt_keys, BlockIndex, BlockKey, PromptKeys};
 pub use metrics::KvEventMetrics;
 pub use subscriber::EventEndpoints;
 
-use crate::fleet::registry::{Registry, WorkerSpec};
+use crate::fleet::registry::{url_id, Registry, Worker, WorkerSpec};
+
+/// The workers' indexes by URL, and by the URL's id ([`url_id`]) for routing.
+#[derive(Debug, Default)]
+struct Indexes {
+    by_url: HashMap<String, Arc<WorkerEvents>, foldhash::fast::FixedState>,
+    by_id: HashMap<u64, Arc<WorkerEvents>, foldhash::fast::FixedState>,
+}
+
+impl Indexes {
+    /// The index of `url`, made by `new` if it has none.
+    fn get_or_insert(
+        &mut self,
+        url: &str,
+        new: impl FnOnce() -> Arc<WorkerEvents>,
+    ) -> Arc<WorkerEvents> {
+        if let Some(events) = self.by_url.get(url) {
+            return events.clone();
+        }
+        let events = new();
+        self.insert(url.to_string(), events.clone());
+        events
+    }
+
+    fn insert(&mut self, url: String, events: Arc<WorkerEvents>) {
+        self.by_id.insert(url_id(&url), events.clone());
+        self.by_url.insert(url, events);
+    }
+
+    fn remove(&mut self, url: &str) {
+        self.by_id.remove(&url_id(url));
+        self.by_url.remove(url);
+    }
+
+    /// Keeps the indexes of the URLs `keep` says yes to.
+    fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.by_url.retain(|url, _| keep(url));
+        let ids: std::collections::HashSet<u64> = self.by_url.keys().map(|u| url_id(u)).collect();
+        self.by_id.retain(|id, _| ids.contains(id));
+    }
+}
 
 /// One worker's index and when its stream last said something.
 #[derive(Debug)]
@@ -139,8 +179,8 @@ impl WorkerEvents {
 pub struct KvEventsHub {
     config: KvEventsConfig,
     metrics: Arc<KvEventMetrics>,
-    /// By worker URL (foldhash: every routing decision looks up every candidate).
-    workers: RwLock<HashMap<String, Arc<WorkerEvents>, foldhash::fast::FixedState>>,
+    /// By worker URL, and by its id for routing decisions.
+    workers: RwLock<Indexes>,
     subscriptions: Mutex<HashMap<String, (EventEndpoints, JoinHandle<()>)>>,
     /// Which of the indexes hold each prompt's first block.
     first_blocks: Arc<FirstBlocks>,
@@ -180,21 +220,23 @@ impl KvEventsHub {
         self.workers
             .read()
             .unwrap_or_else(|e| e.into_inner())
+            .by_url
             .get(url)
             .cloned()
     }
 
-    /// Calls `f` with the events of each worker at `urls`, in their order, under one
-    /// read of the roster (no reference counts touched: a routing decision reads a
-    /// whole fleet's).
-    pub fn with_workers<'u, R>(
+    /// Calls `f` with the events of each of `workers`, in their order, under one read of
+    /// the roster, found by their ids (no URL hashed or compared, no reference counts
+    /// touched: a routing decision reads a whole fleet's).
+    pub fn with_workers<'w, R>(
         &self,
-        urls: impl Iterator<Item = &'u str>,
+        workers: impl Iterator<Item = &'w Worker>,
         f: impl FnOnce(&[Option<&WorkerEvents>]) -> R,
     ) -> R {
-        let workers = self.workers.read().unwrap_or_else(|e| e.into_inner());
-        let events: Vec<Option<&WorkerEvents>> =
-            urls.map(|url| workers.get(url).map(|e| &**e)).collect();
+        let indexes = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        let events: Vec<Option<&WorkerEvents>> = workers
+            .map(|w| indexes.by_id.get(&w.id).map(|e| &**e))
+            .collect();
         f(&events)
     }
 
@@ -229,17 +271,12 @@ impl KvEventsHub {
             return Some(events);
         }
         let mut workers = self.workers.write().unwrap_or_else(|e| e.into_inner());
-        Some(
-            workers
-                .entry(url.to_string())
-                .or_insert_with(|| {
-                    Arc::new(WorkerEvents::reporting(
-                        self.config.max_indexed_blocks,
-                        &self.first_blocks,
-                    ))
-                })
-                .clone(),
-        )
+        Some(workers.get_or_insert(url, || {
+            Arc::new(WorkerEvents::reporting(
+                self.config.max_indexed_blocks,
+                &self.first_blocks,
+            ))
+        }))
     }
 
     /// Subscribes to every roster worker that publishes events and drops what left:
@@ -270,8 +307,8 @@ impl KvEventsHub {
             keep
         });
         // Collected indexes (no subscription) of workers that left the roster.
-        workers.retain(|url, _| {
-            let keep = subscriptions.contains_key(url) || members.contains(url.as_str());
+        workers.retain(|url| {
+            let keep = subscriptions.contains_key(url) || members.contains(url);
             if !keep {
                 self.metrics.forget(url);
             }

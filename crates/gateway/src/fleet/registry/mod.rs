@@ -24,7 +24,7 @@ pub use metrics::FleetMetrics;
 pub use refusal::RefusedReason;
 pub use source::{SyncReport, WorkerSource};
 pub use worker::{
-    check_dp_size, parse_worker_url, worker_key, Health, Worker, WorkerSpec, WorkerState,
+    check_dp_size, parse_worker_url, url_id, worker_key, Health, Worker, WorkerSpec, WorkerState,
     MAX_DP_SIZE,
 };
 

@@ -82,6 +82,15 @@ impl WorkerSpec {
     }
 }
 
+/// A worker's base URL (its registry key) hashed to 64 bits: equal URLs, equal ids, in
+/// every gateway process of this build.
+pub fn url_id(base: &str) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(URL_ID_SEED).hash_one(base)
+}
+
+const URL_ID_SEED: u64 = 0x7365_6e74_746f_2121;
+
 /// The registry key of a base URL: its text without a trailing `/`.
 pub fn worker_key(url: &Url) -> String {
     url.as_str().trim_end_matches('/').to_string()
@@ -132,6 +141,9 @@ pub struct Worker {
     pub spec: WorkerSpec,
     /// Its base URL as text without a trailing `/` (logs, metrics labels, registry key).
     pub base: String,
+    /// `base` hashed ([`url_id`]): what per-worker state is looked up by on the routing
+    /// path, where hashing and comparing each candidate's URL cost memory misses.
+    pub id: u64,
     chat_url: Url,
     completions_url: Url,
     responses_url: Url,
@@ -205,6 +217,7 @@ impl Worker {
             health_url: join("/health"),
             metrics_url: join("/metrics"),
             in_flight,
+            id: url_id(&root),
             base: root,
             spec,
             failures: AtomicU32::new(0),
@@ -256,8 +269,14 @@ impl Worker {
     /// those this gateway opened on it since the report; this gateway's in-flight count
     /// when there is no fresh report.
     pub fn load(&self) -> i64 {
+        self.load_at(Instant::now())
+    }
+
+    /// [`Self::load`] as of `now` (a routing decision reads the clock once for a fleet).
+    pub fn load_at(&self, now: Instant) -> i64 {
         let in_flight = self.in_flight();
-        match self.reported_load() {
+        let reported = *self.reported.lock().unwrap_or_else(|e| e.into_inner());
+        match reported.filter(|r| now.saturating_duration_since(r.at) <= r.valid_for) {
             Some(r) => {
                 (r.waiting + r.running).round() as i64 + (in_flight - r.in_flight_then).max(0)
             }
