@@ -54,7 +54,7 @@ pub struct KvIndexBenchArgs {
     /// half for new ones.
     #[arg(long, env = "PDSERVE_BENCH_DECISIONS", default_value_t = 4000, value_parser = clap::value_parser!(u32).range(2..=10_000_000))]
     pub decisions: u32,
-    /// Read 64 MiB between timed decisions, so each finds the CPU caches as a live
+    /// Write 64 MiB between timed decisions, so each finds the CPU caches as a live
     /// gateway does after handling a request (parsing, HTTP, other tasks): the workers'
     /// state is no longer cached, and each candidate read costs its memory misses.
     #[arg(long, env = "PDSERVE_BENCH_COLD_CACHE")]
