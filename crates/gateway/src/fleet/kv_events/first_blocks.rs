@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
 
-use super::index::BlockKey;
+use super::keys::BlockKey;
 
 /// A worker index's number in [`FirstBlocks`] (one per index, never reused).
 pub type IndexId = u32;

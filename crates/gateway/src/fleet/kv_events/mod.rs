@@ -12,7 +12,7 @@
 //! leaves the roster. Events are the same for every gateway replica that hears them, so
 //! replicas that route on them agree without sharing anything.
 //!
-//! - [`index`]: a worker's blocks under the gateway's own chained keys.
+//! - [`index`]: a worker's blocks under the gateway's own chained keys ([`keys`]).
 //! - [`first_blocks`]: which workers hold each prompt's first block, fleet-wide.
 //! - [`subscriber`]: a worker's stream: the SUB socket, sequence checks, replays and
 //!   rebuilds.
@@ -22,6 +22,7 @@ mod args;
 pub mod collector;
 pub mod first_blocks;
 pub mod index;
+pub mod keys;
 mod metrics;
 pub mod subscriber;
 
@@ -35,7 +36,8 @@ use tokio::task::JoinHandle;
 
 pub use args::{check_endpoint, KvEventsArgs, KvEventsConfig};
 pub use first_blocks::FirstBlocks;
-pub use index::{prompt_keys, BlockIndex, BlockKey, PromptKeys};
+pub use index::BlockIndex;
+pub use keys::{prompt_keys, BlockKey, PromptKeys};
 pub use metrics::KvEventMetrics;
 pub use subscriber::EventEndpoints;
 
