@@ -14,7 +14,7 @@ use smallvec::SmallVec;
 
 use super::sent_blocks::{Recipient, SentBlocks};
 use crate::fleet::kv_events::first_blocks::IndexId;
-use crate::fleet::kv_events::{KvEventsHub, PromptKeys, WorkerEvents};
+use crate::fleet::kv_events::{BlockKey, FirstBlocks, KvEventsHub, PromptKeys, WorkerEvents};
 use crate::fleet::registry::Worker;
 
 /// The block size pending prompts are cut into before a worker's events have said its
@@ -38,6 +38,27 @@ struct Indexed<'e> {
     /// Blocks its index holds.
     cached: usize,
     indexed: bool,
+}
+
+/// Who holds a prompt's first block: only their indexes can hold any of it. Read from
+/// the fleet's map once per block size (in practice one per decision).
+struct FirstHolders<'m> {
+    map: &'m FirstBlocks,
+    by_size: Vec<(usize, SmallVec<[IndexId; 4]>)>,
+}
+
+impl FirstHolders<'_> {
+    /// Whether index `id` holds `first`, the prompt's first block at `block_size`.
+    fn include(&mut self, block_size: usize, first: &BlockKey, id: IndexId) -> bool {
+        let at = match self.by_size.iter().position(|(s, _)| *s == block_size) {
+            Some(at) => at,
+            None => {
+                self.by_size.push((block_size, self.map.holders(first)));
+                self.by_size.len() - 1
+            }
+        };
+        self.by_size[at].1.binary_search(&id).is_ok()
+    }
 }
 
 /// The workers' event indexes, plus the prompts recently sent to each.
@@ -90,10 +111,10 @@ impl EventMatcher {
         events: &[Option<&WorkerEvents>],
         keys: &mut PromptKeys<'_>,
     ) -> Vec<Held> {
-        // Who holds the prompt's first block, per block size (in practice one): only
-        // their indexes can hold any of it.
-        let mut first_holders: Vec<(usize, SmallVec<[IndexId; 4]>)> = Vec::new();
-        let first_blocks = self.hub.first_blocks();
+        let mut first_holders = FirstHolders {
+            map: self.hub.first_blocks(),
+            by_size: Vec::new(),
+        };
         let read: Vec<Indexed> = events
             .iter()
             .map(|&events| {
@@ -105,20 +126,7 @@ impl EventMatcher {
                     Some(index) if indexed && events_block_size.is_some() => {
                         let keys = keys.get(block_size);
                         let holds_first = match (index.first_block_id(), keys.first()) {
-                            (Some(id), Some(first)) => {
-                                let at = match first_holders
-                                    .iter()
-                                    .position(|(s, _)| *s == block_size)
-                                {
-                                    Some(at) => at,
-                                    None => {
-                                        first_holders
-                                            .push((block_size, first_blocks.holders(first)));
-                                        first_holders.len() - 1
-                                    }
-                                };
-                                first_holders[at].1.binary_search(&id).is_ok()
-                            }
+                            (Some(id), Some(first)) => first_holders.include(block_size, first, id),
                             // An index outside a hub (tests) is probed.
                             (None, _) => true,
                             (_, None) => false,
