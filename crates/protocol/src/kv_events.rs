@@ -16,6 +16,8 @@ use std::fmt;
 use rmpv::Value;
 use serde::Serialize;
 
+mod reader;
+
 /// The 8-byte sequence number a replay answer ends with.
 pub const END_OF_REPLAY: i64 = -1;
 
@@ -109,6 +111,18 @@ pub fn encode(batch: &KvEventBatch) -> Vec<u8> {
 /// Reads a payload in either of vLLM's shapes. A batch whose envelope is wrong is an
 /// error; an event inside it that cannot be read is skipped and reported.
 pub fn decode(payload: &[u8]) -> Result<DecodedBatch, DecodeError> {
+    match reader::read_batch(payload) {
+        Some(batch) => Ok(DecodedBatch {
+            batch,
+            skipped: Vec::new(),
+        }),
+        None => decode_values(payload),
+    }
+}
+
+/// [`decode`] by way of generic msgpack values: slower, but it reads every shape and
+/// says what is wrong with an event it skips.
+fn decode_values(payload: &[u8]) -> Result<DecodedBatch, DecodeError> {
     let mut reader = payload;
     let value = rmpv::decode::read_value(&mut reader)
         .map_err(|e| DecodeError(format!("invalid msgpack: {e}")))?;

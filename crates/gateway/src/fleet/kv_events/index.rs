@@ -46,11 +46,15 @@ pub struct Applied {
     pub partial: usize,
 }
 
-/// An indexed block: the engine's hash for it, and the key of the block before it.
+/// An indexed block: the engine's hash for it, the key of the block before it, and how
+/// many indexed blocks follow it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Indexed {
     engine: EngineBlockHash,
     parent: Option<BlockKey>,
+    /// Kept here rather than in a map of its own: a block's parent was nearly always
+    /// stored just before it, so counting it there touches memory already in cache.
+    children: u32,
 }
 
 /// A bounded index of one worker's cached blocks, least recently stored evicted first.
@@ -58,7 +62,9 @@ struct Indexed {
 pub struct BlockIndex {
     block_size: Option<u32>,
     blocks: LruCache<BlockKey, Indexed>,
-    by_engine: HashMap<EngineBlockHash, BlockKey>,
+    /// foldhash (seeded per process), not SipHash: every stored block is looked up here
+    /// once or twice.
+    by_engine: HashMap<EngineBlockHash, BlockKey, foldhash::fast::RandomState>,
     /// When blocks not stored again since were removed: a prompt the gateway sent the
     /// worker before that no longer counts as held there (see [`Self::removed_since`]).
     /// Grows as removals come (at most `capacity`), not allocated up front.
@@ -66,9 +72,8 @@ pub struct BlockIndex {
     capacity: NonZeroUsize,
     /// When the worker last said it cleared everything.
     cleared_at: Option<Instant>,
-    /// Indexed blocks stored after each key (also after a key that has left).
-    children: HashMap<BlockKey, u32, foldhash::fast::FixedState>,
-    /// A block left while blocks stored after it stayed, so a prompt's held blocks may
+    /// A block left while blocks stored after it stayed (or one was stored after a block
+    /// not held), so a prompt's held blocks may
     /// have gaps and [`Self::cached_prefix`] must look at each one. Engines evict a
     /// sequence's last blocks first (vLLM frees them in reverse order, SGLang evicts
     /// radix leaves), and a block is indexed only under a held parent, so this stays
@@ -90,11 +95,10 @@ impl BlockIndex {
         Self {
             block_size: None,
             blocks: LruCache::new(capacity),
-            by_engine: HashMap::new(),
+            by_engine: HashMap::default(),
             removed_at: LruCache::unbounded(),
             capacity,
             cleared_at: None,
-            children: HashMap::default(),
             gaps: false,
             first_blocks: None,
         }
@@ -144,14 +148,18 @@ impl BlockIndex {
         self.removed_at.clear();
         self.cleared_at = None;
         self.block_size = None;
-        self.children.clear();
         self.gaps = false;
     }
 
     /// Counts block `key`, stored after `parent`.
     fn added(&mut self, key: BlockKey, parent: Option<BlockKey>) {
         match parent {
-            Some(parent) => *self.children.entry(parent).or_default() += 1,
+            Some(parent) => match self.blocks.peek_mut(&parent) {
+                Some(held) => held.children += 1,
+                // Its parent left while it was stored (an engine that reused its
+                // parent's hash for it): a gap from the start.
+                None => self.gaps = true,
+            },
             None => {
                 if let Some(sink) = &self.first_blocks {
                     sink.add(key);
@@ -162,16 +170,15 @@ impl BlockIndex {
 
     /// Accounts for block `key` leaving the index.
     fn left(&mut self, key: BlockKey, block: &Indexed) {
-        if self.children.get(&key).is_some_and(|n| *n > 0) {
+        if block.children > 0 {
             self.gaps = true;
         }
         match block.parent {
             Some(parent) => {
-                if let Some(n) = self.children.get_mut(&parent) {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.children.remove(&parent);
-                    }
+                // A parent that left first already set `gaps`, which only a clear
+                // resets: its count no longer matters.
+                if let Some(held) = self.blocks.peek_mut(&parent) {
+                    held.children = held.children.saturating_sub(1);
                 }
             }
             None => {
@@ -254,32 +261,36 @@ impl BlockIndex {
                             self.note_removed(old, Instant::now());
                         }
                     }
-                    let block = Indexed {
-                        engine: engine.clone(),
-                        parent,
-                    };
-                    match self.blocks.push(key, block) {
-                        // The same block again (keys chain over their parent, so the
-                        // parent is the same), perhaps under another engine hash, which
-                        // no longer resolves.
-                        Some((same, before)) if same == key => {
-                            if before.engine != *engine
-                                && self.by_engine.get(&before.engine) == Some(&same)
-                            {
-                                self.by_engine.remove(&before.engine);
+                    // The same block again (keys chain over their parent, so the parent
+                    // is the same): now the most recently stored, perhaps under another
+                    // engine hash, which no longer resolves.
+                    if let Some(held) = self.blocks.get_mut(&key) {
+                        if held.engine != *engine {
+                            let before = std::mem::replace(&mut held.engine, engine.clone());
+                            if self.by_engine.get(&before) == Some(&key) {
+                                self.by_engine.remove(&before);
                             }
                         }
+                    } else {
+                        let block = Indexed {
+                            engine: engine.clone(),
+                            parent,
+                            children: 0,
+                        };
+                        let evicted = self.blocks.push(key, block);
+                        self.added(key, parent);
                         // Past the cap: the least recently stored block was pushed out.
-                        Some((evicted_key, evicted)) => {
-                            self.added(key, parent);
+                        if let Some((evicted_key, evicted)) = evicted {
                             self.left(evicted_key, &evicted);
                             if self.by_engine.get(&evicted.engine) == Some(&evicted_key) {
                                 self.by_engine.remove(&evicted.engine);
                             }
                         }
-                        None => self.added(key, parent),
                     }
-                    self.removed_at.pop(&key);
+                    // Most indexes have seen no removal: no lookup for them.
+                    if !self.removed_at.is_empty() {
+                        self.removed_at.pop(&key);
+                    }
                     applied.stored += 1;
                     parent = Some(key);
                 }
@@ -457,13 +468,14 @@ mod tests {
         assert_eq!(idx.cached_prefix(&keys), 1);
         // Everything gone: no counts left behind; a clear starts without gaps.
         idx.apply(&removed(&[1, 3, 4])).unwrap();
-        assert!(idx.children.is_empty(), "{:?}", idx.children);
+        assert!(idx.is_empty());
         idx.apply(&KvCacheEvent::AllBlocksCleared).unwrap();
         assert!(!idx.gaps);
         // Stored again: the same block under a new engine hash moves, and counts once.
         idx.apply(&stored(&[7, 8], None, &prompt[..4], 2)).unwrap();
         idx.apply(&stored(&[9], Some(7), &prompt[2..4], 2)).unwrap();
-        assert_eq!(idx.children.values().sum::<u32>(), 1);
+        let children: u32 = idx.blocks.iter().map(|(_, b)| b.children).sum();
+        assert_eq!(children, 1);
         assert_eq!(idx.cached_prefix(&keys), 2);
     }
 
