@@ -82,7 +82,7 @@ impl EventMatcher {
     fn block_size(&self, worker: &str) -> usize {
         self.hub
             .worker(worker)
-            .and_then(|e| e.lock().block_size())
+            .and_then(|e| e.block_size())
             .map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize)
     }
 
@@ -115,31 +115,36 @@ impl EventMatcher {
             map: self.hub.first_blocks(),
             by_size: Vec::new(),
         };
+        // Only the indexes that hold the prompt's first block are locked: the others are
+        // read by their atomics, so one candidate's cache misses need not wait for the
+        // last one's lock.
         let read: Vec<Indexed> = events
             .iter()
             .map(|&events| {
-                let index = events.map(WorkerEvents::lock);
-                let events_block_size = index.as_ref().and_then(|i| i.block_size());
+                let events_block_size = events.and_then(WorkerEvents::block_size);
                 let block_size = events_block_size.map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize);
                 let indexed = events.is_some_and(|e| !e.is_stale());
-                let cached = match index.as_deref() {
-                    Some(index) if indexed && events_block_size.is_some() => {
+                let cached = match events {
+                    Some(events) if indexed && events_block_size.is_some() => {
                         let keys = keys.get(block_size);
-                        let holds_first = match (index.first_block_id(), keys.first()) {
+                        let holds_first = match (events.first_block_id(), keys.first()) {
                             (Some(id), Some(first)) => first_holders.include(block_size, first, id),
                             // An index outside a hub (tests) is probed.
                             (None, _) => true,
                             (_, None) => false,
                         };
-                        if holds_first {
-                            index.cached_prefix(keys)
-                        } else {
-                            0
+                        let index = holds_first.then(|| events.lock());
+                        // Its block size cannot have changed unseen: a change clears the
+                        // index, and is read again here under the lock.
+                        match index {
+                            Some(index) if index.block_size() == events_block_size => {
+                                index.cached_prefix(keys)
+                            }
+                            _ => 0,
                         }
                     }
                     _ => 0,
                 };
-                drop(index);
                 Indexed {
                     events,
                     block_size,

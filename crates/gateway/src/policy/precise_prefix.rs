@@ -126,7 +126,7 @@ fn new_prefix_choice(standings: &[Standing], candidates: &[Arc<Worker>], new: &[
     *standings
         .iter()
         .filter(|s| s.load <= least.saturating_add(NEW_PREFIX_LOAD_SLACK))
-        .max_by_key(|s| rendezvous_score_of_id(key, candidates[s.index].id))
+        .max_by_key(|s| rendezvous_score_of_id(key, candidates[s.index].id()))
         .expect("the least loaded candidate is within the slack")
 }
 

@@ -47,7 +47,7 @@ impl Recipient {
 
     /// The name of `worker`.
     pub(crate) fn worker(worker: &Worker) -> Self {
-        Self(worker.id)
+        Self(worker.id())
     }
 }
 
@@ -190,11 +190,11 @@ impl SentPrompt<'_> {
     /// cached them, then evicted them, so they are gone however recently sent. Keys
     /// chain over their prefix, so a sent block past the ones an index holds continues
     /// that same prefix.
-    pub(crate) fn prefix<'i>(
+    pub(crate) fn prefix<I: std::ops::Deref<Target = BlockIndex>>(
         &mut self,
         to: Recipient,
         first: usize,
-        mut index: impl FnMut() -> Option<std::sync::MutexGuard<'i, BlockIndex>>,
+        mut index: impl FnMut() -> Option<I>,
         now: Instant,
     ) -> usize {
         let blocks = self.keys.len();
@@ -280,7 +280,7 @@ mod tests {
         sent.record(a, &prompt, 0, t0);
         assert_eq!(sent.len(), remembered_of(20));
         let now = t0 + Duration::from_millis(1);
-        let no_index = || None;
+        let no_index = || None::<&BlockIndex>;
         let mut same = sent.prompt(&prompt);
         // The same prompt, all of it; nothing went to b.
         assert_eq!(same.prefix(a, 0, no_index, now), 20);

@@ -28,7 +28,7 @@ pub mod subscriber;
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -84,16 +84,26 @@ impl Indexes {
 }
 
 /// One worker's index and when its stream last said something.
+///
+/// `repr(C)`, the fields a routing decision reads of every candidate first: they share
+/// the line the allocation starts with instead of lying past the index.
 #[derive(Debug)]
+#[repr(C)]
 pub struct WorkerEvents {
+    /// The index's block size (0: not said yet), written as each lock is released, so
+    /// a routing decision reads it, and whether the index can hold a prompt at all (see
+    /// `first_block_id`), without taking every candidate's lock.
+    block_size: AtomicU32,
+    /// Events were owed for longer than `--kv-events-stale-secs`: the index is not
+    /// trusted until the stream speaks again.
+    stale: AtomicBool,
+    /// The index's number in the fleet's first-block map (fixed for its life).
+    first_block_id: Option<first_blocks::IndexId>,
     index: Mutex<BlockIndex>,
     last_heard: Mutex<Option<Instant>>,
     /// When the gateway first sent the worker a prompt it must compute new blocks for
     /// after the last batch arrived: events are owed since then.
     owed_since: Mutex<Option<Instant>>,
-    /// Events were owed for longer than `--kv-events-stale-secs`: the index is not
-    /// trusted until the stream speaks again.
-    stale: AtomicBool,
 }
 
 impl WorkerEvents {
@@ -111,6 +121,8 @@ impl WorkerEvents {
 
     fn of_index(index: BlockIndex) -> Self {
         Self {
+            block_size: AtomicU32::new(index.block_size().unwrap_or(0)),
+            first_block_id: index.first_block_id(),
             index: Mutex::new(index),
             last_heard: Mutex::new(None),
             owed_since: Mutex::new(None),
@@ -119,9 +131,22 @@ impl WorkerEvents {
     }
 
     /// The index, locked.
-    pub fn lock(&self) -> MutexGuard<'_, BlockIndex> {
-        // The index is rebuilt from events anyway: a panic elsewhere cannot tear it.
-        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    pub fn lock(&self) -> IndexGuard<'_> {
+        IndexGuard {
+            // The index is rebuilt from events anyway: a panic elsewhere cannot tear it.
+            index: self.index.lock().unwrap_or_else(|e| e.into_inner()),
+            block_size: &self.block_size,
+        }
+    }
+
+    /// The index's block size as of its last unlock, read without locking it.
+    pub fn block_size(&self) -> Option<u32> {
+        Some(self.block_size.load(Ordering::Relaxed)).filter(|b| *b > 0)
+    }
+
+    /// The index's number in the fleet's first-block map, when it reports there.
+    pub fn first_block_id(&self) -> Option<first_blocks::IndexId> {
+        self.first_block_id
     }
 
     /// Empties the index (it fills again from new events).
@@ -173,6 +198,34 @@ impl WorkerEvents {
         let block_size = index.block_size()? as usize;
         let keys = prompt_keys(tokens, block_size);
         Some(index.cached_prefix(&keys) * block_size)
+    }
+}
+
+/// A locked index; unlocking publishes its block size to [`WorkerEvents::block_size`].
+#[derive(Debug)]
+pub struct IndexGuard<'a> {
+    index: MutexGuard<'a, BlockIndex>,
+    block_size: &'a AtomicU32,
+}
+
+impl std::ops::Deref for IndexGuard<'_> {
+    type Target = BlockIndex;
+
+    fn deref(&self) -> &BlockIndex {
+        &self.index
+    }
+}
+
+impl std::ops::DerefMut for IndexGuard<'_> {
+    fn deref_mut(&mut self) -> &mut BlockIndex {
+        &mut self.index
+    }
+}
+
+impl Drop for IndexGuard<'_> {
+    fn drop(&mut self) {
+        let size = self.index.block_size().unwrap_or(0);
+        self.block_size.store(size, Ordering::Relaxed);
     }
 }
 
@@ -237,7 +290,7 @@ impl KvEventsHub {
     ) -> R {
         let indexes = self.workers.read().unwrap_or_else(|e| e.into_inner());
         let events: Vec<Option<&WorkerEvents>> = workers
-            .map(|w| indexes.by_id.get(&w.id).map(|e| &**e))
+            .map(|w| indexes.by_id.get(&w.id()).map(|e| &**e))
             .collect();
         f(&events)
     }

@@ -8,6 +8,7 @@ pub mod circuit;
 mod metrics;
 pub mod probe;
 mod refusal;
+mod routing_line;
 mod source;
 mod worker;
 

@@ -10,6 +10,7 @@ use reqwest::Url;
 use serde::Serialize;
 
 use super::circuit::{BreakerSettings, CircuitBreaker, CircuitState};
+use super::routing_line::RoutingLine;
 use crate::endpoint::Endpoint;
 use crate::error::GatewayError;
 
@@ -141,17 +142,14 @@ pub struct Worker {
     pub spec: WorkerSpec,
     /// Its base URL as text without a trailing `/` (logs, metrics labels, registry key).
     pub base: String,
-    /// `base` hashed ([`url_id`]): what per-worker state is looked up by on the routing
-    /// path, where hashing and comparing each candidate's URL cost memory misses.
-    pub id: u64,
+    /// Its id, open requests and reported load, on one line for routing decisions.
+    routing: RoutingLine,
     chat_url: Url,
     completions_url: Url,
     responses_url: Url,
     models_url: Url,
     health_url: Url,
     metrics_url: Url,
-    /// Open requests, exported as a metric and read for `/instances` and load balancing.
-    in_flight: Gauge,
     /// Consecutive failed probes (or failed connections) since the last success.
     failures: AtomicU32,
     /// Whether routing may send requests here after recent failures.
@@ -216,8 +214,7 @@ impl Worker {
             models_url: join("/v1/models"),
             health_url: join("/health"),
             metrics_url: join("/metrics"),
-            in_flight,
-            id: url_id(&root),
+            routing: RoutingLine::new(url_id(&root), in_flight),
             base: root,
             spec,
             failures: AtomicU32::new(0),
@@ -260,9 +257,16 @@ impl Worker {
         &self.metrics_url
     }
 
-    /// Requests this gateway has open on the worker.
+    /// `base` hashed ([`url_id`]): what per-worker state is looked up by on the routing
+    /// path, where hashing and comparing each candidate's URL cost memory misses.
+    pub fn id(&self) -> u64 {
+        self.routing.id
+    }
+
+    /// Requests this gateway has open on the worker (exported as a metric, read for
+    /// `/instances` and load balancing).
     pub fn in_flight(&self) -> i64 {
-        self.in_flight.get()
+        self.routing.in_flight.get()
     }
 
     /// The worker's load for routing: the requests it reported waiting and running, plus
@@ -274,14 +278,7 @@ impl Worker {
 
     /// [`Self::load`] as of `now` (a routing decision reads the clock once for a fleet).
     pub fn load_at(&self, now: Instant) -> i64 {
-        let in_flight = self.in_flight();
-        let reported = *self.reported.lock().unwrap_or_else(|e| e.into_inner());
-        match reported.filter(|r| now.saturating_duration_since(r.at) <= r.valid_for) {
-            Some(r) => {
-                (r.waiting + r.running).round() as i64 + (in_flight - r.in_flight_then).max(0)
-            }
-            None => in_flight,
-        }
+        self.routing.load_at(now)
     }
 
     /// The worker's last report, while it is fresh.
@@ -299,7 +296,7 @@ impl Worker {
         prefix_cache_hit_ratio: Option<f64>,
         valid_for: Duration,
     ) {
-        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = Some(ReportedLoad {
+        let report = ReportedLoad {
             waiting,
             running,
             kv_usage,
@@ -307,12 +304,28 @@ impl Worker {
             in_flight_then: self.in_flight(),
             at: Instant::now(),
             valid_for,
-        });
+        };
+        self.set_reported(Some(report));
+    }
+
+    /// Keeps `report` for [`Self::reported_load`] and routing's [`Self::load_at`].
+    fn set_reported(&self, report: Option<ReportedLoad>) {
+        let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
+        *reported = report;
+        match report {
+            Some(r) => self.routing.report(
+                (r.waiting + r.running).round() as i64,
+                r.in_flight_then,
+                r.at,
+                r.valid_for,
+            ),
+            None => self.routing.clear(),
+        }
     }
 
     /// Forgets the worker's report (its metrics stopped answering).
     pub fn clear_reported_load(&self) {
-        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.set_reported(None);
     }
 
     /// Prompt tokens sent here to compute and not computed yet (this gateway's).
@@ -344,12 +357,12 @@ impl Worker {
 
     /// Counts a request opened on the worker (see [`crate::policy::InFlight`]).
     pub fn request_opened(&self) {
-        self.in_flight.inc();
+        self.routing.in_flight.inc();
     }
 
     /// Counts a request on the worker ended.
     pub fn request_closed(&self) {
-        self.in_flight.dec();
+        self.routing.in_flight.dec();
     }
 
     /// Consecutive failures since the last success.
@@ -410,8 +423,8 @@ impl Worker {
             previous.dp_cursor.load(Ordering::Relaxed),
             Ordering::Relaxed,
         );
-        *self.reported.lock().unwrap_or_else(|e| e.into_inner()) =
-            *previous.reported.lock().unwrap_or_else(|e| e.into_inner());
+        let report = *previous.reported.lock().unwrap_or_else(|e| e.into_inner());
+        self.set_reported(report);
     }
 
     /// The circuit breaker's state.
