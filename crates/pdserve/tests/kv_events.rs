@@ -10,12 +10,15 @@
 //!   tcp://127.0.0.1:PORT`) that the workers' concrete endpoints connect to, with topics
 //!   `kv@127.0.0.1:PORT@MODEL`; either way it counts the workers' events and sends
 //!   prompts warmed on one worker to that worker, on what its events say.
+//! - SGLang's handoff under `precise_prefix`: a prompt both workers refused is not
+//!   counted as sent to them.
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
 use pdserve_engine::Worker;
+use pdserve_gateway::config::Protocol;
 use pdserve_gateway::fleet::kv_events::subscriber::{follow, EventEndpoints};
 use pdserve_gateway::fleet::kv_events::{KvEventMetrics, WorkerEvents};
 use pdserve_gateway::GatewayConfig;
@@ -423,4 +426,102 @@ async fn collected_events_steer_precise_prefix() {
     )
     .await
     .expect("test exceeded its time limit");
+}
+
+/// In SGLang's handoff too, a prompt the workers refused (another model's name: 404) is
+/// not counted as sent to them: sent the right way next, neither worker it goes to holds
+/// any of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_refused_in_sglangs_handoff_is_not_counted_as_sent() {
+    let model = pdserve_model::ensure_default_model(&pdserve_model::home_dir()).unwrap();
+    let sockets = SocketDir::new("kvev-sglang");
+    let bootstrap_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let events = |name: &str| {
+        json!({"enable_kv_cache_events": true, "endpoint": sockets.ipc(name)}).to_string()
+    };
+    let (prefill_worker, prefill) = start_worker(
+        "prefill",
+        &model,
+        &[
+            "--bootstrap-port",
+            &bootstrap_port,
+            "--kv-events-config",
+            &events("p.sock"),
+        ],
+    )
+    .await;
+    let (decode_worker, decode) =
+        start_worker("decode", &model, &["--kv-events-config", &events("d.sock")]).await;
+    let mut config = GatewayConfig::new(
+        vec![prefill.parse().unwrap()],
+        vec![decode.parse().unwrap()],
+        Vec::new(),
+    );
+    config.protocol = Protocol::Sglang;
+    config.prefill_bootstrap_ports = vec![Some(bootstrap_port.parse().unwrap())];
+    config.policy = "precise_prefix".into();
+    config.expose_routing = true;
+    for (url, worker) in [(&prefill, &prefill_worker), (&decode, &decode_worker)] {
+        let (endpoint, _) = worker.kv_events_endpoints().unwrap();
+        config
+            .kv_events
+            .publishers
+            .insert(url.clone(), endpoint.to_string());
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gateway = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let events_of = |url: &str| format!(r#"pdserve_gateway_kv_events_total{{worker="{url}""#);
+
+    // Until the gateway hears both workers (so each has a trusted index).
+    let mut heard = false;
+    for salt in 7000..7100 {
+        complete(&http, &gateway, &prompt(40, salt)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        heard = metric(&http, &gateway, &events_of(&prefill)).await > 0.0
+            && metric(&http, &gateway, &events_of(&decode)).await > 0.0;
+        if heard {
+            break;
+        }
+    }
+    assert!(heard, "the gateway never heard both workers' events");
+
+    let refused = prompt(900, 100);
+    let complete_as = |model: Option<&str>| {
+        let mut body = json!({"prompt": refused, "max_tokens": 2, "temperature": 0});
+        if let Some(model) = model {
+            body["model"] = json!(model);
+        }
+        http.post(format!("{gateway}/v1/completions"))
+            .json(&body)
+            .send()
+    };
+    assert_eq!(
+        complete_as(Some("no-such-model")).await.unwrap().status(),
+        404
+    );
+    let response = complete_as(None).await.unwrap();
+    assert_eq!(response.status(), 200);
+    for header in ["x-pdserve-prefill-cache", "x-pdserve-decode-cache"] {
+        let cache = response.headers()[header].to_str().unwrap();
+        assert!(
+            cache.contains("matched=0;"),
+            "{header}: a refused prompt counted as sent: {cache}"
+        );
+    }
+
+    let _ = stop.send(());
+    served.await.unwrap().unwrap();
+    for worker in [prefill_worker, decode_worker] {
+        worker.shutdown().await.unwrap();
+    }
 }

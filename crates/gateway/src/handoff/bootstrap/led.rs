@@ -84,6 +84,9 @@ impl Led {
                         d_in_flight.set_outcome(RequestOutcome::Failure);
                     }
                     state.report(&decode, &e);
+                    // P computed the prompt (its first token led): only D's send is
+                    // undone.
+                    state.forget_unsent(&decode, ctx.prompt_tokens.as_deref(), &e);
                     return Err(e.failure);
                 }
             };

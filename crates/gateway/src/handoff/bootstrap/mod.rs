@@ -271,13 +271,22 @@ async fn attempt(
         }
         Err(e) => {
             // D's failure may only echo P's (no KV ever came): report the cause.
+            let tokens = ctx.prompt_tokens.as_deref();
             if let Some(Some(p_error)) = p_leg.failure().now_or_never() {
+                // No KV ever came: D computed nothing either.
+                state.forget_unsent(&decode, tokens, &p_error);
                 return Err(p_error);
             }
             if e.is_worker_fault() {
                 d_in_flight.set_outcome(RequestOutcome::Failure);
             }
             state.report(&decode, &e);
+            state.forget_unsent(&decode, tokens, &e);
+            if p_leg.is_pending() {
+                // P's leg ends with this attempt (aborted below), its prompt not computed
+                // for this request either.
+                state.forget_unsent(&prefill, tokens, &e);
+            }
             failed_decode
                 .lock()
                 .expect("not poisoned")

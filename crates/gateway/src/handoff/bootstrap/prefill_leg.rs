@@ -69,6 +69,7 @@ impl PrefillLeg {
             crate::observe::trace::leg_done(span, &result);
             if let Err(e) = &result {
                 state.report(&worker, e);
+                state.forget_unsent(&worker, ctx.prompt_tokens.as_deref(), e);
             }
             result.map_err(reported)
         });
