@@ -100,9 +100,13 @@ impl EventMatcher {
     }
 
     fn held_of(&self, candidates: &[&Worker], keys: &mut PromptKeys<'_>) -> Vec<Held> {
-        self.hub.with_workers(candidates.iter().copied(), |events| {
-            self.held_with(candidates, events, keys)
-        })
+        // Each pass over the candidates is a loop of its own whose loads do not depend on
+        // one another (the ids, then the hub's table, then each index's atomics), so the
+        // processor overlaps a pass's memory misses instead of waiting out one chain of
+        // them per candidate.
+        let ids: Vec<u64> = candidates.iter().map(|w| w.id()).collect();
+        self.hub
+            .with_ids(&ids, |events| self.held_with(candidates, events, keys))
     }
 
     fn held_with(
@@ -118,12 +122,20 @@ impl EventMatcher {
         // Only the indexes that hold the prompt's first block are locked: the others are
         // read by their atomics, so one candidate's cache misses need not wait for the
         // last one's lock.
+        let said: Vec<(Option<u32>, bool)> = events
+            .iter()
+            .map(|e| {
+                (
+                    e.and_then(WorkerEvents::block_size),
+                    e.is_some_and(|e| !e.is_stale()),
+                )
+            })
+            .collect();
         let read: Vec<Indexed> = events
             .iter()
-            .map(|&events| {
-                let events_block_size = events.and_then(WorkerEvents::block_size);
+            .zip(said)
+            .map(|(&events, (events_block_size, indexed))| {
                 let block_size = events_block_size.map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize);
-                let indexed = events.is_some_and(|e| !e.is_stale());
                 let cached = match events {
                     Some(events) if indexed && events_block_size.is_some() => {
                         let keys = keys.get(block_size);

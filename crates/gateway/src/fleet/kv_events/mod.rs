@@ -41,7 +41,7 @@ pub use keys::{prompt_keys, BlockKey, PromptKeys};
 pub use metrics::KvEventMetrics;
 pub use subscriber::EventEndpoints;
 
-use crate::fleet::registry::{url_id, Registry, Worker, WorkerSpec};
+use crate::fleet::registry::{url_id, Registry, WorkerSpec};
 
 /// The workers' indexes by URL, and by the URL's id ([`url_id`]) for routing.
 #[derive(Debug, Default)]
@@ -280,17 +280,14 @@ impl KvEventsHub {
             .cloned()
     }
 
-    /// Calls `f` with the events of each of `workers`, in their order, under one read of
-    /// the roster, found by their ids (no URL hashed or compared, no reference counts
-    /// touched: a routing decision reads a whole fleet's).
-    pub fn with_workers<'w, R>(
-        &self,
-        workers: impl Iterator<Item = &'w Worker>,
-        f: impl FnOnce(&[Option<&WorkerEvents>]) -> R,
-    ) -> R {
+    /// Calls `f` with the events of the workers of each of `ids` ([`crate::fleet::registry::Worker::id`]), in
+    /// their order, under one read of the roster (no URL hashed or compared, no reference
+    /// counts touched: a routing decision reads a whole fleet's).
+    pub fn with_ids<R>(&self, ids: &[u64], f: impl FnOnce(&[Option<&WorkerEvents>]) -> R) -> R {
         let indexes = self.workers.read().unwrap_or_else(|e| e.into_inner());
-        let events: Vec<Option<&WorkerEvents>> = workers
-            .map(|w| indexes.by_id.get(&w.id()).map(|e| &**e))
+        let events: Vec<Option<&WorkerEvents>> = ids
+            .iter()
+            .map(|id| indexes.by_id.get(id).map(|e| &**e))
             .collect();
         f(&events)
     }
