@@ -96,6 +96,28 @@ async fn metric(http: &reqwest::Client, gateway: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// Sends `tokens` through `gateway` under another model's name (the workers answer 404),
+/// then as they are; returns the second answer, a 200.
+async fn refused_then_sent(
+    http: &reqwest::Client,
+    gateway: &str,
+    tokens: &[u32],
+) -> reqwest::Response {
+    let send = |model: Option<&str>| {
+        let mut body = json!({"prompt": tokens, "max_tokens": 2, "temperature": 0});
+        if let Some(model) = model {
+            body["model"] = json!(model);
+        }
+        http.post(format!("{gateway}/v1/completions"))
+            .json(&body)
+            .send()
+    };
+    assert_eq!(send(Some("no-such-model")).await.unwrap().status(), 404);
+    let response = send(None).await.unwrap();
+    assert_eq!(response.status(), 200);
+    response
+}
+
 async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     for _ in 0..300 {
         if check() {
@@ -364,22 +386,7 @@ async fn warmed_prompts_go_to_the_warm_worker(layout: Layout) {
     }
     // A new prompt the worker refused (another model's name: 404) is not cached there:
     // sent the right way next, the worker it goes to holds none of it.
-    let refused = prompt(100, 900);
-    let complete_as = |model: Option<&str>| {
-        let mut body = json!({"prompt": refused, "max_tokens": 2, "temperature": 0});
-        if let Some(model) = model {
-            body["model"] = json!(model);
-        }
-        http.post(format!("{gateway}/v1/completions"))
-            .json(&body)
-            .send()
-    };
-    assert_eq!(
-        complete_as(Some("no-such-model")).await.unwrap().status(),
-        404
-    );
-    let response = complete_as(None).await.unwrap();
-    assert_eq!(response.status(), 200);
+    let response = refused_then_sent(&http, &gateway, &prompt(100, 900)).await;
     let cache = response.headers()["x-pdserve-worker-cache"]
         .to_str()
         .unwrap();
@@ -495,22 +502,7 @@ async fn a_prompt_refused_in_sglangs_handoff_is_not_counted_as_sent() {
     }
     assert!(heard, "the gateway never heard both workers' events");
 
-    let refused = prompt(900, 100);
-    let complete_as = |model: Option<&str>| {
-        let mut body = json!({"prompt": refused, "max_tokens": 2, "temperature": 0});
-        if let Some(model) = model {
-            body["model"] = json!(model);
-        }
-        http.post(format!("{gateway}/v1/completions"))
-            .json(&body)
-            .send()
-    };
-    assert_eq!(
-        complete_as(Some("no-such-model")).await.unwrap().status(),
-        404
-    );
-    let response = complete_as(None).await.unwrap();
-    assert_eq!(response.status(), 200);
+    let response = refused_then_sent(&http, &gateway, &prompt(900, 100)).await;
     for header in ["x-pdserve-prefill-cache", "x-pdserve-decode-cache"] {
         let cache = response.headers()[header].to_str().unwrap();
         assert!(

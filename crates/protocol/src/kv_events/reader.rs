@@ -193,32 +193,27 @@ fn hash(rd: &mut Bytes<'_>) -> Option<EngineBlockHash> {
     Some(EngineBlockHash::Bytes(bytes.to_vec()))
 }
 
-fn hashes(rd: &mut Bytes<'_>) -> Option<Vec<EngineBlockHash>> {
+/// An array whose items `item` reads.
+fn array<T>(rd: &mut Bytes<'_>, item: impl Fn(&mut Bytes<'_>) -> Option<T>) -> Option<Vec<T>> {
     let len = next_array_len(rd)? as usize;
     // A length is only trusted as far as the bytes could hold it.
-    let mut hashes = Vec::with_capacity(len.min(rd.len()));
+    let mut items = Vec::with_capacity(len.min(rd.len()));
     for _ in 0..len {
-        hashes.push(hash(rd)?);
+        items.push(item(rd)?);
     }
-    Some(hashes)
+    Some(items)
+}
+
+fn hashes(rd: &mut Bytes<'_>) -> Option<Vec<EngineBlockHash>> {
+    array(rd, hash)
 }
 
 fn tokens(rd: &mut Bytes<'_>) -> Option<Vec<u32>> {
-    let len = next_array_len(rd)? as usize;
-    let mut tokens = Vec::with_capacity(len.min(rd.len()));
-    for _ in 0..len {
-        tokens.push(small_unsigned(rd)?);
-    }
-    Some(tokens)
+    array(rd, small_unsigned)
 }
 
 fn events(rd: &mut Bytes<'_>) -> Option<Vec<KvCacheEvent>> {
-    let len = next_array_len(rd)? as usize;
-    let mut events = Vec::with_capacity(len.min(rd.len()));
-    for _ in 0..len {
-        events.push(event(rd)?);
-    }
-    Some(events)
+    array(rd, event)
 }
 
 /// An event's fields, as they were found.
