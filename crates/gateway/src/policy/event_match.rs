@@ -146,8 +146,8 @@ impl EventMatcher {
                             (_, None) => false,
                         };
                         let index = holds_first.then(|| events.lock());
-                        // Its block size cannot have changed unseen: a change clears the
-                        // index, and is read again here under the lock.
+                        // The size is read again under the lock: an index rebuilt for
+                        // another size since holds nothing of these keys.
                         match index {
                             Some(index) if index.block_size() == events_block_size => {
                                 index.cached_prefix(keys)

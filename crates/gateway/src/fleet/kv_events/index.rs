@@ -73,8 +73,8 @@ pub struct BlockIndex {
     /// When the worker last said it cleared everything.
     cleared_at: Option<Instant>,
     /// A block left while blocks stored after it stayed (or one was stored after a block
-    /// not held), so a prompt's held blocks may
-    /// have gaps and [`Self::cached_prefix`] must look at each one. Engines evict a
+    /// not held), so a prompt's held blocks may have gaps and [`Self::cached_prefix`]
+    /// must look at each one. Engines evict a
     /// sequence's last blocks first (vLLM frees them in reverse order, SGLang evicts
     /// radix leaves), and a block is indexed only under a held parent, so this stays
     /// false in practice until the index is cleared.
