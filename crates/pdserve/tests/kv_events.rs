@@ -96,6 +96,31 @@ async fn metric(http: &reqwest::Client, gateway: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// A gateway serving on a free loopback port until [`ServedGateway::stop`].
+struct ServedGateway {
+    url: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<Result<(), pdserve_gateway::GatewayError>>,
+}
+
+impl ServedGateway {
+    async fn start(config: GatewayConfig) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
+            let _ = stopped.await;
+        }));
+        Self { url, stop, served }
+    }
+
+    /// Stops the gateway and waits for it to finish serving.
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.served.await.unwrap().unwrap();
+    }
+}
+
 /// Sends `tokens` through `gateway` under another model's name (the workers answer 404),
 /// then as they are; returns the second answer, a 200.
 async fn refused_then_sent(
@@ -320,12 +345,8 @@ async fn warmed_prompts_go_to_the_warm_worker(layout: Layout) {
         }
         Layout::Collector => config.kv_events.bind = Some(collector.clone()),
     }
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gateway = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
-        let _ = stopped.await;
-    }));
+    let served = ServedGateway::start(config).await;
+    let gateway = served.url.clone();
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let events_of = |url: &str| format!(r#"pdserve_gateway_kv_events_total{{worker="{url}""#);
     let blocks_of = |url: &str| format!(r#"pdserve_gateway_kv_index_blocks{{worker="{url}"}}"#);
@@ -408,8 +429,7 @@ async fn warmed_prompts_go_to_the_warm_worker(layout: Layout) {
         );
     }
 
-    let _ = stop.send(());
-    let _ = served.await;
+    served.stop().await;
     for worker in workers {
         let _ = worker.shutdown().await;
     }
@@ -480,12 +500,8 @@ async fn a_prompt_refused_in_sglangs_handoff_is_not_counted_as_sent() {
             .publishers
             .insert(url.clone(), endpoint.to_string());
     }
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gateway = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(pdserve_gateway::serve(listener, config, async {
-        let _ = stopped.await;
-    }));
+    let served = ServedGateway::start(config).await;
+    let gateway = served.url.clone();
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let events_of = |url: &str| format!(r#"pdserve_gateway_kv_events_total{{worker="{url}""#);
 
@@ -511,8 +527,7 @@ async fn a_prompt_refused_in_sglangs_handoff_is_not_counted_as_sent() {
         );
     }
 
-    let _ = stop.send(());
-    served.await.unwrap().unwrap();
+    served.stop().await;
     for worker in [prefill_worker, decode_worker] {
         worker.shutdown().await.unwrap();
     }
