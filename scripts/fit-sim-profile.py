@@ -19,8 +19,9 @@ gets its own `role_step` fitted on its traces, where a role's steps do not exerc
     scripts/fit-sim-profile.py --trace prefill=P.json --trace decode=D.json \
         --template crates/engine/sim-profiles/cpu-smollm2.yaml --out new.yaml
 
-Everything but the `step` and `role_step` sections, and the header comment, is kept from
-the template. Pure Python 3, no packages.
+Everything but the `step` and `role_step` sections, and the header's fit lines, is kept
+from the template (its leading comment lines up to "# Fitted" describe the engine).
+Pure Python 3, no packages.
 """
 
 import argparse
@@ -83,6 +84,12 @@ def solve(a, b):
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+# Least squares of each step's error relative to its time (--relative) rather than in
+# microseconds: for a designed sweep of a few steps from 70 ms to 5 s, where absolute errors
+# would let the longest prefills set every term.
+RELATIVE = False
+
+
 def nonneg_lsq(steps, free, fixed):
     """Least squares over the terms in `free` (indices), the others fixed at `fixed`."""
     free = list(free)
@@ -90,7 +97,8 @@ def nonneg_lsq(steps, free, fixed):
         rows = []
         for x, y in steps:
             rest = sum(fixed[j] * x[j] for j in range(len(TERMS)) if j not in free)
-            rows.append(([x[j] for j in free], y - rest))
+            w = 1.0 / y if RELATIVE and y > 0 else 1.0
+            rows.append(([x[j] * w for j in free], (y - rest) * w))
         k = len(free)
         ata = [[sum(r[0][i] * r[0][j] for r in rows) for j in range(k)] for i in range(k)]
         atb = [sum(r[0][i] * r[1] for r in rows) for i in range(k)]
@@ -157,7 +165,15 @@ def main():
     p.add_argument("--template", required=True, help="the profile whose other sections are kept")
     p.add_argument("--out", required=True, help="the profile to write")
     p.add_argument("--note", default="", help="a line for the header: how the traces were made")
+    p.add_argument("--source", default="the real workers' profiler traces\n"
+                   "# (scripts/fit-cpu-smollm2.sh makes them and refits on your machine).",
+                   help="what the traces are, for the header")
+    p.add_argument("--relative", action="store_true",
+                   help="minimise each step's error relative to its time (for a few measured "
+                   "steps of very different lengths) instead of in microseconds")
     args = p.parse_args()
+    global RELATIVE
+    RELATIVE = args.relative
 
     by_role = {}
     for spec in args.trace:
@@ -188,14 +204,15 @@ def main():
     # Drop the template's own step and role_step sections.
     body = re.sub(r"^(step|role_step):\n(?:(?:  .*|\s*#.*)?\n)*", "", body, flags=re.M)
     today = datetime.date.today().isoformat()
-    header = [
-        "# pdserve's own CPU engine serving SmolLM2-135M-Instruct (Q4_1) as `pdserve up` runs",
-        "# it (P/D: the prefill worker on both cores with 2 threads, nice 10 on the decode core;",
-        "# the decode worker on one core, one thread).",
-        "#",
+    # The template's own description: its leading comment lines, up to the last fit's.
+    header = []
+    for line in template.splitlines():
+        if not line.startswith("#") or line.startswith("# Fitted "):
+            break
+        header.append(line)
+    header += [
         f"# Fitted {today} on {cpu_model()} ({platform.machine()}) by",
-        "# scripts/fit-sim-profile.py from the real workers' profiler traces",
-        "# (scripts/fit-cpu-smollm2.sh makes them and refits on your machine).",
+        f"# scripts/fit-sim-profile.py from {args.source}",
     ]
     if args.note:
         header.append(f"# {args.note}")

@@ -24,6 +24,10 @@ const BUILT_IN: &[(&str, &str)] = &[
         "h100x4-llama-3.1-70b",
         include_str!("../../sim-profiles/h100x4-llama-3.1-70b.yaml"),
     ),
+    (
+        "vllm-cpu-smollm2",
+        include_str!("../../sim-profiles/vllm-cpu-smollm2.yaml"),
+    ),
 ];
 
 /// Why a profile cannot be used.
