@@ -203,12 +203,16 @@ impl EventMatcher {
     /// Remembers that the prompt `keys` are of went to `worker`, which held `held` of
     /// its tokens: when it must compute a new block, its stream owes the events.
     pub fn sent(&self, worker: &Worker, keys: &mut PromptKeys<'_>, held: usize) {
-        let block_size = self.block_size(&worker.base);
-        if keys.tokens().len().saturating_sub(held) >= block_size {
-            if let Some(events) = self.hub.worker(&worker.base) {
+        // By the worker's id: no URL hashed, no reference count touched.
+        let new_tokens = keys.tokens().len().saturating_sub(held);
+        let block_size = self.hub.with_id(worker.id(), |events| {
+            let said = events.and_then(WorkerEvents::block_size);
+            let block_size = said.map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize);
+            if let Some(events) = events.filter(|_| new_tokens >= block_size) {
                 events.expect_events();
             }
-        }
+            block_size
+        });
         let keys = keys.get(block_size);
         let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
         // The blocks it held are not sent work: the index has them, or they are here

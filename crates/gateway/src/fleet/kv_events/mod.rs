@@ -292,6 +292,13 @@ impl KvEventsHub {
         f(&events)
     }
 
+    /// Calls `f` with the events of the worker of `id`, as [`Self::with_ids`] does for
+    /// one.
+    pub fn with_id<R>(&self, id: u64, f: impl FnOnce(Option<&WorkerEvents>) -> R) -> R {
+        let indexes = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        f(indexes.by_id.get(&id).map(|e| &**e))
+    }
+
     /// Where `spec`'s events come from: `--kv-events` for its URL, else what it was
     /// registered with.
     pub fn endpoints(&self, spec: &WorkerSpec) -> Option<EventEndpoints> {
