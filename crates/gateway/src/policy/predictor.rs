@@ -5,9 +5,9 @@
 //! it the worker holds).
 //!
 //! One model per role and target, trained online from every finished request: recursive
-//! least squares with forgetting (so it follows a fleet whose speed drifts) over a few
-//! features, bounded in memory (a 9 × 9 matrix each), starting from a prior that is
-//! sensible before the first sample. Each worker also keeps a correction factor of its
+//! least squares of relative errors with forgetting (so it follows a fleet whose speed
+//! drifts) over a few features, bounded in memory (a 9 × 9 matrix each), starting from a
+//! prior that is sensible before the first sample. Each worker also keeps a correction factor of its
 //! own (a slower machine in a pool), dropped when the worker leaves. The mean absolute
 //! percentage error over a recent window is published as
 //! `pdserve_gateway_predictor_error_ratio{role,target}`.
@@ -186,6 +186,8 @@ const MAX_MS: f64 = 3_600_000.0;
 const TYPICAL_RATE: f64 = 0.05;
 /// How fast a worker's own correction follows its errors.
 const BIAS_RATE: f64 = 0.05;
+/// The shortest outcome a sample is weighted by (shorter ones would weigh without bound).
+const RELATIVE_FLOOR_MS: f64 = 1.0;
 
 /// Recursive least squares over [`Features::vector`].
 #[derive(Debug, Clone)]
@@ -218,7 +220,15 @@ impl Model {
         y.clamp(MIN_MS, MAX_MS)
     }
 
+    /// Learns from one sample, weighted by its own size: the squared error fitted is
+    /// relative (each sample's inputs and outcome divided by the outcome), as the error
+    /// published is, so the many short waits of a loaded pool count as much as its few
+    /// long ones instead of being rounded off against them.
     fn learn(&mut self, x: &[f64; DIM], actual: f64) {
+        let weight = 1.0 / actual.max(RELATIVE_FLOOR_MS);
+        let x: [f64; DIM] = std::array::from_fn(|i| x[i] * weight);
+        let actual = actual * weight;
+        let x = &x;
         let px: Vec<f64> = (0..DIM)
             .map(|i| (0..DIM).map(|j| self.p[i][j] * x[j]).sum())
             .collect();
