@@ -55,7 +55,8 @@ fn it_learns_a_worker_to_within_ten_percent() {
 /// Mostly short waits and a few long ones whose growth the model cannot follow (the wait
 /// grows with the square of the queue, the model is linear in it): fitted in squared
 /// milliseconds, the long ones set the line and the short ones are predicted off by far
-/// more than they last (an error near 0.7); fitted relatively, the short ones are right.
+/// more than they last (an error of 1.65 here); fitted relatively, the short ones are
+/// right.
 #[test]
 fn short_waits_are_predicted_at_their_own_scale_beside_long_ones() {
     let p = LatencyPredictor::new();
