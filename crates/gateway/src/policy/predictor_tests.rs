@@ -76,7 +76,13 @@ fn short_waits_are_predicted_at_their_own_scale_beside_long_ones() {
         };
         let f = features(200.0, load);
         let noise = 1.0 + (next() - 0.5) * 0.1;
-        p.observe(role, Target::Ttft, "w", f, 20.0 * (1.0 + load).powi(2) * noise);
+        p.observe(
+            role,
+            Target::Ttft,
+            "w",
+            f,
+            20.0 * (1.0 + load).powi(2) * noise,
+        );
     }
     let error = p.error_ratio(role, Target::Ttft).unwrap();
     assert!(error < 0.3, "recent error {error}");
