@@ -84,20 +84,17 @@ def solve(a, b):
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-# Least squares of each step's error relative to its time (--relative) rather than in
-# microseconds: for a designed sweep of a few steps from 70 ms to 5 s, where absolute errors
-# would let the longest prefills set every term.
-RELATIVE = False
-
-
-def nonneg_lsq(steps, free, fixed):
-    """Least squares over the terms in `free` (indices), the others fixed at `fixed`."""
+def nonneg_lsq(steps, free, fixed, relative):
+    """Least squares over the terms in `free` (indices), the others fixed at `fixed`; with
+    `relative`, of each step's error relative to its time rather than in microseconds (for
+    a designed sweep of a few steps from 70 ms to 5 s, where absolute errors would let the
+    longest prefills set every term)."""
     free = list(free)
     while True:
         rows = []
         for x, y in steps:
             rest = sum(fixed[j] * x[j] for j in range(len(TERMS)) if j not in free)
-            w = 1.0 / y if RELATIVE and y > 0 else 1.0
+            w = 1.0 / y if relative and y > 0 else 1.0
             rows.append(([x[j] * w for j in free], (y - rest) * w))
         k = len(free)
         ata = [[sum(r[0][i] * r[0][j] for r in rows) for j in range(k)] for i in range(k)]
@@ -129,14 +126,14 @@ def quality(steps, coef):
     return 1 - ss_res / ss_tot, mape, total_err
 
 
-def fit_role(steps, common):
+def fit_role(steps, common, relative):
     """A role's fit: terms its steps exercise are fitted, the rest taken from `common`."""
     used = {0}
     for j in range(1, len(TERMS)):
         if sum(1 for x, _ in steps if x[j] > 0) >= MIN_STEPS:
             used.add(j)
     fixed = {j: common[j] for j in range(len(TERMS)) if j not in used}
-    return nonneg_lsq(steps, sorted(used), fixed), used
+    return nonneg_lsq(steps, sorted(used), fixed, relative), used
 
 
 def yaml_cost(coef, indent):
@@ -172,8 +169,6 @@ def main():
                    help="minimise each step's error relative to its time (for a few measured "
                    "steps of very different lengths) instead of in microseconds")
     args = p.parse_args()
-    global RELATIVE
-    RELATIVE = args.relative
 
     by_role = {}
     for spec in args.trace:
@@ -183,13 +178,13 @@ def main():
         by_role.setdefault(role, []).extend(read_steps(path))
 
     everything = [s for steps in by_role.values() for s in steps]
-    common = nonneg_lsq(everything, range(len(TERMS)), {})
+    common = nonneg_lsq(everything, range(len(TERMS)), {}, args.relative)
     report = []
     r2, mape, total = quality(everything, common)
     report.append(f"#   step (all {len(everything)} steps): R^2 {r2:.3f}, mean abs error {mape:.1%}, total time {total:+.1%}")
     roles = {}
     for role, steps in sorted(by_role.items()):
-        coef, used = fit_role(steps, common)
+        coef, used = fit_role(steps, common, args.relative)
         roles[role] = coef
         r2, mape, total = quality(steps, coef)
         fitted = ", ".join(TERMS[j] for j in sorted(used))

@@ -21,6 +21,13 @@ use crate::fleet::registry::Worker;
 /// own (vLLM's and pdserve's default).
 const PROVISIONAL_BLOCK_SIZE: usize = 16;
 
+/// A worker's block size as its events say, else the provisional one.
+fn block_size_of(events: Option<&WorkerEvents>) -> usize {
+    events
+        .and_then(WorkerEvents::block_size)
+        .map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize)
+}
+
 /// What a worker holds of a prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
@@ -76,14 +83,6 @@ impl EventMatcher {
             hub,
             sent: Mutex::default(),
         }
-    }
-
-    /// `worker`'s block size as its events say, else the provisional one.
-    fn block_size(&self, worker: &str) -> usize {
-        self.hub
-            .worker(worker)
-            .and_then(|e| e.block_size())
-            .map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize)
     }
 
     /// What `worker` holds of the prompt `keys` are of.
@@ -206,8 +205,7 @@ impl EventMatcher {
         // By the worker's id: no URL hashed, no reference count touched.
         let new_tokens = keys.tokens().len().saturating_sub(held);
         let block_size = self.hub.with_id(worker.id(), |events| {
-            let said = events.and_then(WorkerEvents::block_size);
-            let block_size = said.map_or(PROVISIONAL_BLOCK_SIZE, |b| b as usize);
+            let block_size = block_size_of(events);
             if let Some(events) = events.filter(|_| new_tokens >= block_size) {
                 events.expect_events();
             }
@@ -228,7 +226,7 @@ impl EventMatcher {
     /// Forgets that the prompt `keys` are of went to `worker`: it refused the request or
     /// never got it, so it computes none of it and no events will say otherwise.
     pub fn unsent(&self, worker: &Worker, keys: &mut PromptKeys<'_>) {
-        let block_size = self.block_size(&worker.base);
+        let block_size = self.hub.with_id(worker.id(), block_size_of);
         let keys = keys.get(block_size);
         let mut sent = self.sent.lock().unwrap_or_else(|e| e.into_inner());
         sent.forget(Recipient::worker(worker), keys);

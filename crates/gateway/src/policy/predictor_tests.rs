@@ -20,6 +20,16 @@ fn truth(f: &Features) -> f64 {
     (30.0 + 0.1 * f.uncached_tokens) * (1.0 + f.in_flight)
 }
 
+/// Numbers in [0, 1) from `seed`, the same every run (a linear congruential generator).
+fn uniform(mut seed: u64) -> impl FnMut() -> f64 {
+    move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as f64 / (1u64 << 31) as f64
+    }
+}
+
 #[test]
 fn it_learns_a_worker_to_within_ten_percent() {
     let p = LatencyPredictor::new();
@@ -28,13 +38,7 @@ fn it_learns_a_worker_to_within_ten_percent() {
         .predict(role, Target::Ttft, "w", features(500.0, 0.0))
         .is_some());
     assert!(!p.trained(role, Target::Ttft));
-    let mut seed = 7u64;
-    let mut next = || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (seed >> 33) as f64 / (1u64 << 31) as f64
-    };
+    let mut next = uniform(7);
     for _ in 0..2000 {
         let f = features((next() * 2000.0).round(), (next() * 6.0).floor());
         let noise = 1.0 + (next() - 0.5) * 0.1;
@@ -61,13 +65,7 @@ fn it_learns_a_worker_to_within_ten_percent() {
 fn short_waits_are_predicted_at_their_own_scale_beside_long_ones() {
     let p = LatencyPredictor::new();
     let role = WorkerRole::Prefill;
-    let mut seed = 11u64;
-    let mut next = || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (seed >> 33) as f64 / (1u64 << 31) as f64
-    };
+    let mut next = uniform(11);
     for _ in 0..3000 {
         let load = if next() < 0.9 {
             (next() * 3.0).floor()
