@@ -7,7 +7,9 @@
 //!   decision). A decode worker prefilling locally counts too: that work is the prefill
 //!   pool's whenever it is short.
 //! - Capacity: the prefill predictor's TTFT for a typical prompt on an idle worker gives
-//!   its tokens per second; the pool is run at most at the utilization at which an M/D/1
+//!   its tokens per second; until the predictor has trained, the rate measured on the
+//!   requests that found their prefill worker idle does (so a burst at start is sized
+//!   within seconds). The pool is run at most at the utilization at which an M/D/1
 //!   queue's wait (its p90 taken as 2.5× the mean) keeps that prompt within the TTFT
 //!   target.
 
@@ -126,7 +128,8 @@ pub struct DemandView {
     pub tokens_per_s: Option<f64>,
     /// The highest such rate over the planner's window.
     pub peak_tokens_per_s: Option<f64>,
-    /// What one idle prefill worker computes per second, as predicted.
+    /// What one idle prefill worker computes per second, as predicted (measured on idle
+    /// workers before the predictor has trained).
     pub worker_tokens_per_s: Option<f64>,
     /// The utilization the pool is sized for.
     pub utilization: Option<f64>,
@@ -164,7 +167,8 @@ pub struct Capacity {
 }
 
 /// One idle prefill worker's capacity for the typical prompt, with the utilization at
-/// which it keeps `ttft_target_ms`; `None` until the prefill predictor is trained.
+/// which it keeps `ttft_target_ms`: from the trained predictor, else from the rate
+/// measured on idle workers; `None` before either.
 pub fn prefill_capacity(
     predictor: &LatencyPredictor,
     workers: &[Arc<Worker>],
@@ -188,10 +192,11 @@ pub fn prefill_capacity(
         .filter(|p| p.trained && p.ms > 0.0)
         .map(|p| p.ms)
         .collect();
-    if times.is_empty() {
-        return None;
-    }
-    let service_ms = times.iter().sum::<f64>() / times.len() as f64;
+    let service_ms = if times.is_empty() {
+        typical.uncached_tokens / predictor.idle_tokens_per_ms(WorkerRole::Prefill)?
+    } else {
+        times.iter().sum::<f64>() / times.len() as f64
+    };
     Some(Capacity {
         tokens_per_s: typical.uncached_tokens / (service_ms / 1000.0),
         utilization: utilization_for(service_ms, ttft_target_ms),
@@ -264,5 +269,48 @@ mod tests {
         let view = DemandView::new(Some(12_000.0), Some(4_000.0), Some(capacity));
         assert_eq!((view.needed_now, view.needed_peak), (Some(3), Some(1)));
         assert_eq!(DemandView::new(Some(1.0), None, None).needed_now, None);
+    }
+
+    #[test]
+    fn before_the_predictor_trains_capacity_is_measured_on_idle_workers() {
+        let fleet = workers(WorkerRole::Prefill, &[9001, 9002]);
+        let predictor = LatencyPredictor::new();
+        let base = &fleet[0].base;
+        let prompt = |in_flight: f64, queued_tokens: f64| Features {
+            uncached_tokens: 2000.0,
+            prompt_tokens: 2000.0,
+            in_flight,
+            queued_tokens,
+            ..Features::default()
+        };
+        assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
+        // Busy workers' requests say nothing of one worker's rate: still unknown.
+        for _ in 0..5 {
+            predictor.observe(
+                WorkerRole::Prefill,
+                Target::Ttft,
+                base,
+                prompt(2.0, 4000.0),
+                300.0,
+            );
+        }
+        assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
+        // Three that found their worker idle: 2,000 tokens in 50 ms each.
+        for _ in 0..3 {
+            predictor.observe(
+                WorkerRole::Prefill,
+                Target::Ttft,
+                base,
+                prompt(0.0, 0.0),
+                50.0,
+            );
+        }
+        assert!(!predictor.trained(WorkerRole::Prefill, Target::Ttft));
+        let capacity = prefill_capacity(&predictor, &fleet, 300.0).expect("measured");
+        assert!(
+            (capacity.tokens_per_s - 40_000.0).abs() < 1e-6,
+            "{capacity:?}"
+        );
+        assert!((capacity.utilization - utilization_for(50.0, 300.0)).abs() < 1e-9);
     }
 }

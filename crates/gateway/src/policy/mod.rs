@@ -14,6 +14,7 @@
 mod cache_aware;
 mod event_match;
 pub mod fleet_bench;
+mod idle_service;
 mod in_flight;
 mod power_of_two;
 mod precise_prefix;

@@ -22,6 +22,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::idle_service::IdleService;
 use crate::fleet::registry::Worker;
 
 /// What is predicted.
@@ -110,6 +111,12 @@ impl Features {
             kv_usage: self.kv_usage.clamp(0.0, 1.0),
             ..self
         })
+    }
+
+    /// Whether the worker had nothing in its way: none of this gateway's requests on it,
+    /// no prompt tokens queued, none waiting by its last report.
+    fn is_idle(&self) -> bool {
+        self.in_flight == 0.0 && self.queued_tokens == 0.0 && self.waiting == 0.0
     }
 
     /// The model's input: a constant, the work (uncached thousands of tokens, and its
@@ -322,6 +329,7 @@ impl SeenFeatures {
     /// Notes that `worker` (its base URL) was chosen looking like `features` (a retried
     /// leg's worker replaces nothing: each worker keeps its own entry).
     pub fn note(&self, worker: &str, features: Features) {
+        tracing::debug!(worker, ?features, "predictor features noted");
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         seen.retain(|(base, _)| base != worker);
         seen.push((worker.to_string(), features));
@@ -377,6 +385,8 @@ pub struct LatencyPredictor {
     bias: Mutex<HashMap<(String, Target), f64>>,
     /// Per role index: a running average of the TTFT features learned from.
     typical: Mutex<[Option<Features>; 4]>,
+    /// Per role index: the TTFTs of requests that found their worker idle.
+    idle: Mutex<[IdleService; 4]>,
     errors: Family<ErrorLabels, Gauge<f64, AtomicU64>>,
 }
 
@@ -401,6 +411,7 @@ impl LatencyPredictor {
             models: Mutex::new(models),
             bias: Mutex::new(HashMap::new()),
             typical: Mutex::new([None; 4]),
+            idle: Mutex::default(),
             errors: Family::default(),
         }
     }
@@ -460,7 +471,27 @@ impl LatencyPredictor {
         let predicted = self.predict(role, target, worker, features).map(|p| p.ms);
         if target == Target::Ttft {
             self.note_typical(role, features);
+            if features.is_idle() {
+                self.idle.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
+                    .note(features.uncached_tokens, actual_ms);
+            }
         }
+        // One line per lesson, to study the predictor's misses offline.
+        tracing::debug!(
+            role = role.as_str(),
+            target = target.name(),
+            worker,
+            uncached_tokens = features.uncached_tokens,
+            prompt_tokens = features.prompt_tokens,
+            waiting = features.waiting,
+            running = features.running,
+            in_flight = features.in_flight,
+            kv_usage = features.kv_usage,
+            queued_tokens = features.queued_tokens,
+            predicted_ms = predicted,
+            actual_ms,
+            "predictor lesson"
+        );
         let x = features.vector();
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let model = &mut models[super::role_index(role)][target.index()];
@@ -507,6 +538,12 @@ impl LatencyPredictor {
                 queued_tokens: mix(t.queued_tokens, f.queued_tokens),
             },
         });
+    }
+
+    /// Uncached prompt tokens per millisecond that `role`'s workers computed when they
+    /// were idle, from the recent requests that found them so (`None` before a few).
+    pub fn idle_tokens_per_ms(&self, role: WorkerRole) -> Option<f64> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)].tokens_per_ms()
     }
 
     /// The recent mean absolute percentage error of `role`'s `target` predictions.
