@@ -97,6 +97,10 @@ impl Journey {
     /// Notes that the prefill leg on `worker` answered after `took`.
     pub fn prefill_took(&self, worker: &Worker, took: Duration) {
         self.seen.computed(&worker.base);
+        if let (Some(predictor), Some(features)) = (self.learning.get(), self.seen.of(&worker.base))
+        {
+            predictor.prefill_leg_ended(worker.role(), features, took);
+        }
         *self.prefill_leg.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((worker.base.clone(), took));
     }

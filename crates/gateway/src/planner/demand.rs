@@ -295,14 +295,29 @@ mod tests {
             );
         }
         assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
-        // Three that found their worker idle: 2,000 tokens in 50 ms each.
-        for _ in 0..3 {
+        // Legs that found their worker busy (one request of this gateway's on it) say
+        // nothing either, nor do whole requests: only prefill legs are samples.
+        for _ in 0..5 {
+            predictor.prefill_leg_ended(
+                WorkerRole::Prefill,
+                prompt(1.0, 0.0),
+                Duration::from_millis(40),
+            );
             predictor.observe(
                 WorkerRole::Prefill,
                 Target::Ttft,
                 base,
                 prompt(0.0, 0.0),
-                50.0,
+                9.0,
+            );
+        }
+        assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
+        // Three prefill legs that found their worker idle: 2,000 tokens in 50 ms each.
+        for _ in 0..3 {
+            predictor.prefill_leg_ended(
+                WorkerRole::Prefill,
+                prompt(0.0, 0.0),
+                Duration::from_millis(50),
             );
         }
         assert!(!predictor.trained(WorkerRole::Prefill, Target::Ttft));

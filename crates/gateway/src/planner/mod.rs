@@ -8,7 +8,7 @@
 //!   pool's; TPOT misses the decode pool's), or when it is predicted to miss its target
 //!   at its current load;
 //! - the prefill pool also grows, ahead of any miss and towards the count they need (at
-//!   most doubling at once), when the prompt tokens arriving lately need more workers
+//!   most doubling it or adding 4, as Kubernetes' HPA by default), when the prompt tokens arriving lately need more workers
 //!   than it has at the utilization that keeps the TTFT target ([`demand`]);
 //! - while the prefill pool is short, the decode pool does not grow: decode workers then
 //!   prefill locally (SLO-aware disaggregation), and their TPOT misses are the prefill
@@ -44,6 +44,9 @@ pub const ATTAINMENT_GOAL: f64 = 0.9;
 /// A pool shrinks only while predicted within this share of its target with one worker
 /// fewer.
 pub const SHRINK_MARGIN: f64 = 0.5;
+/// Workers a pool may grow by at once even where that is more than doubling it (HPA's
+/// default `Pods` scale-up policy).
+const MAX_ADDED_AT_ONCE: usize = 4;
 /// Requests with an objective a window needs before its attainment decides anything.
 const MIN_REQUESTS: u32 = 10;
 /// The targets when the gateway sets no objectives (Dynamo's planner defaults).
@@ -192,9 +195,12 @@ pub fn decide(
                     .predicted_one_fewer_ms
                     .is_some_and(|ms| ms <= SHRINK_MARGIN * target);
             if let Some((to, why)) = grow {
-                // At most twice the pool at once (Kubernetes' HPA scales up as fast): a young
-                // predictor's capacity may be far off.
-                let to = to.clamp(pool.workers + 1, (pool.workers * 2).max(pool.workers + 1));
+                // At most twice the pool or 4 more at once, whichever is larger (the default
+                // scale-up policies of Kubernetes' HPA): a capacity measured on the first
+                // requests may be far off, but a small pool hit by a burst must not take
+                // several cooldowns to reach what it needs.
+                let most = (pool.workers * 2).max(pool.workers + MAX_ADDED_AT_ONCE);
+                let to = to.clamp(pool.workers + 1, most);
                 (to, format!("{name} +{}: {why}", to - pool.workers))
             } else if pool.workers > 1 && !struggling && shrink_fits {
                 (

@@ -134,18 +134,21 @@ fn arriving_prompt_tokens_grow_prefill_before_any_miss() {
     let plan = decide(&met, &p, &d, &demand(12_000.0, 12_000.0), targets());
     assert_eq!((plan.prefill, plan.decode), (3, 1), "{}", plan.reason);
     assert!(plan.reason.contains("tokens/s"), "{}", plan.reason);
-    // Towards the count needed at once, at most doubling: 26k tokens/s need 6 of 2.
+    // Towards the count needed at once: 26k tokens/s need 6 of 2, 4 more at once.
     let plan = decide(&met, &p, &d, &demand(26_000.0, 26_000.0), targets());
-    assert_eq!(plan.prefill, 4, "{}", plan.reason);
-    assert!(plan.reason.starts_with("prefill +2"), "{}", plan.reason);
+    assert_eq!(plan.prefill, 6, "{}", plan.reason);
+    assert!(plan.reason.starts_with("prefill +4"), "{}", plan.reason);
+    // At most 4 more or twice the pool, whichever is larger: 60k need 12.
+    let plan = decide(&met, &p, &d, &demand(60_000.0, 0.0), targets());
+    assert_eq!(plan.prefill, 6, "{}", plan.reason);
     let plan = decide(
         &met,
-        &pool(4, 100.0, 150.0),
+        &pool(5, 100.0, 150.0),
         &d,
-        &demand(26_000.0, 0.0),
+        &demand(60_000.0, 0.0),
         targets(),
     );
-    assert_eq!(plan.prefill, 6, "{}", plan.reason);
+    assert_eq!(plan.prefill, 10, "{}", plan.reason);
     // Enough workers for the rate: hold; the window's peak keeps them from shrinking
     // though one fewer is predicted well within the target.
     let (p, quiet) = (pool(3, 50.0, 60.0), demand(2_000.0, 12_000.0));

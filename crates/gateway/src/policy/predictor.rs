@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use pdserve_protocol::WorkerRole;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -471,10 +472,6 @@ impl LatencyPredictor {
         let predicted = self.predict(role, target, worker, features).map(|p| p.ms);
         if target == Target::Ttft {
             self.note_typical(role, features);
-            if features.is_idle() {
-                self.idle.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
-                    .note(features.uncached_tokens, actual_ms);
-            }
         }
         // One line per lesson, to study the predictor's misses offline.
         tracing::debug!(
@@ -538,6 +535,18 @@ impl LatencyPredictor {
                 queued_tokens: mix(t.queued_tokens, f.queued_tokens),
             },
         });
+    }
+
+    /// Notes a prefill that took `took` on a worker of `role` that looked like `features`
+    /// when chosen: if it found the worker idle, a sample of the worker's own rate (taken
+    /// when the leg ends, not when the request does, so the first seconds of a burst
+    /// already give a rate).
+    pub fn prefill_leg_ended(&self, role: WorkerRole, features: Features, took: Duration) {
+        let Some(features) = features.checked().filter(Features::is_idle) else {
+            return;
+        };
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
+            .note(features.uncached_tokens, took.as_secs_f64() * 1000.0);
     }
 
     /// Uncached prompt tokens per millisecond that `role`'s workers computed when they
