@@ -99,7 +99,9 @@ impl Journey {
         self.seen.computed(&worker.base);
         if let (Some(predictor), Some(features)) = (self.learning.get(), self.seen.of(&worker.base))
         {
-            predictor.prefill_leg_ended(worker.role(), features, took);
+            let ended = Instant::now();
+            let started = ended.checked_sub(took).unwrap_or(ended);
+            predictor.prefill_leg_ended(worker.role(), &worker.base, features, started, ended);
         }
         *self.prefill_leg.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((worker.base.clone(), took));

@@ -8,8 +8,8 @@
 //!   pool's whenever it is short.
 //! - Capacity: the prefill predictor's TTFT for a typical prompt on an idle worker gives
 //!   its tokens per second; until the predictor has trained, the rate measured on the
-//!   requests that found their prefill worker idle does (so a burst at start is sized
-//!   within seconds). The pool is run at most at the utilization at which an M/D/1
+//!   prefill legs as they end does (`policy/prefill_rate.rs`: tokens per second of
+//!   busy time, so a burst at start is sized within seconds). The pool is run at most at the utilization at which an M/D/1
 //!   queue's wait (its p90 taken as 2.5× the mean) keeps that prompt within the TTFT
 //!   target.
 
@@ -128,8 +128,8 @@ pub struct DemandView {
     pub tokens_per_s: Option<f64>,
     /// The highest such rate over the planner's window.
     pub peak_tokens_per_s: Option<f64>,
-    /// What one idle prefill worker computes per second, as predicted (measured on idle
-    /// workers before the predictor has trained).
+    /// What one idle prefill worker computes per second, as predicted (measured on the
+    /// prefill legs before the predictor has trained).
     pub worker_tokens_per_s: Option<f64>,
     /// The utilization the pool is sized for.
     pub utilization: Option<f64>,
@@ -168,7 +168,7 @@ pub struct Capacity {
 
 /// One idle prefill worker's capacity for the typical prompt, with the utilization at
 /// which it keeps `ttft_target_ms`: from the trained predictor, else from the rate
-/// measured on idle workers; `None` before either.
+/// measured on prefill legs; `None` before either.
 pub fn prefill_capacity(
     predictor: &LatencyPredictor,
     workers: &[Arc<Worker>],
@@ -193,7 +193,7 @@ pub fn prefill_capacity(
         .map(|p| p.ms)
         .collect();
     let service_ms = if times.is_empty() {
-        typical.uncached_tokens / predictor.idle_tokens_per_ms(WorkerRole::Prefill)?
+        typical.uncached_tokens / predictor.prefill_tokens_per_ms(WorkerRole::Prefill)?
     } else {
         times.iter().sum::<f64>() / times.len() as f64
     };
@@ -272,55 +272,34 @@ mod tests {
     }
 
     #[test]
-    fn before_the_predictor_trains_capacity_is_measured_on_idle_workers() {
+    fn before_the_predictor_trains_capacity_is_measured_on_prefill_legs() {
         let fleet = workers(WorkerRole::Prefill, &[9001, 9002]);
         let predictor = LatencyPredictor::new();
         let base = &fleet[0].base;
-        let prompt = |in_flight: f64, queued_tokens: f64| Features {
+        let prompt = Features {
             uncached_tokens: 2000.0,
             prompt_tokens: 2000.0,
-            in_flight,
-            queued_tokens,
             ..Features::default()
         };
-        assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
-        // Busy workers' requests say nothing of one worker's rate: still unknown.
-        for _ in 0..5 {
-            predictor.observe(
-                WorkerRole::Prefill,
-                Target::Ttft,
-                base,
-                prompt(2.0, 4000.0),
-                300.0,
-            );
-        }
-        assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
-        // Legs that found their worker busy (one request of this gateway's on it) say
-        // nothing either, nor do whole requests: only prefill legs are samples.
-        for _ in 0..5 {
+        let leg = |from: u64, to: u64| {
+            let t0 = Instant::now();
             predictor.prefill_leg_ended(
                 WorkerRole::Prefill,
-                prompt(1.0, 0.0),
-                Duration::from_millis(40),
-            );
-            predictor.observe(
-                WorkerRole::Prefill,
-                Target::Ttft,
                 base,
-                prompt(0.0, 0.0),
-                9.0,
+                prompt,
+                t0 + Duration::from_millis(from),
+                t0 + Duration::from_millis(to),
             );
+        };
+        assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
+        // Legs alone give no typical prompt: finished requests do.
+        for i in 0..3 {
+            leg(100 * i, 100 * i + 50);
         }
         assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
-        // Three prefill legs that found their worker idle: 2,000 tokens in 50 ms each.
-        for _ in 0..3 {
-            predictor.prefill_leg_ended(
-                WorkerRole::Prefill,
-                prompt(0.0, 0.0),
-                Duration::from_millis(50),
-            );
-        }
+        predictor.observe(WorkerRole::Prefill, Target::Ttft, base, prompt, 50.0);
         assert!(!predictor.trained(WorkerRole::Prefill, Target::Ttft));
+        // 2,000 tokens in 50 ms of busy time each: 40,000 tokens/s.
         let capacity = prefill_capacity(&predictor, &fleet, 300.0).expect("measured");
         assert!(
             (capacity.tokens_per_s - 40_000.0).abs() < 1e-6,

@@ -14,11 +14,11 @@
 mod cache_aware;
 mod event_match;
 pub mod fleet_bench;
-mod idle_service;
 mod in_flight;
 mod power_of_two;
 mod precise_prefix;
 pub mod predictor;
+mod prefill_rate;
 pub mod prefix_tree;
 mod random;
 mod round_robin;

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::Instant;
 
 use pdserve_protocol::WorkerRole;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -23,7 +23,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::idle_service::IdleService;
+use super::prefill_rate::PrefillRate;
 use crate::fleet::registry::Worker;
 
 /// What is predicted.
@@ -112,12 +112,6 @@ impl Features {
             kv_usage: self.kv_usage.clamp(0.0, 1.0),
             ..self
         })
-    }
-
-    /// Whether the worker had nothing in its way: none of this gateway's requests on it,
-    /// no prompt tokens queued, none waiting by its last report.
-    fn is_idle(&self) -> bool {
-        self.in_flight == 0.0 && self.queued_tokens == 0.0 && self.waiting == 0.0
     }
 
     /// The model's input: a constant, the work (uncached thousands of tokens, and its
@@ -386,8 +380,8 @@ pub struct LatencyPredictor {
     bias: Mutex<HashMap<(String, Target), f64>>,
     /// Per role index: a running average of the TTFT features learned from.
     typical: Mutex<[Option<Features>; 4]>,
-    /// Per role index: the TTFTs of requests that found their worker idle.
-    idle: Mutex<[IdleService; 4]>,
+    /// Per role index: the prompt tokens its prefill legs computed per ms of busy time.
+    prefill_rate: Mutex<[PrefillRate; 4]>,
     errors: Family<ErrorLabels, Gauge<f64, AtomicU64>>,
 }
 
@@ -412,7 +406,7 @@ impl LatencyPredictor {
             models: Mutex::new(models),
             bias: Mutex::new(HashMap::new()),
             typical: Mutex::new([None; 4]),
-            idle: Mutex::default(),
+            prefill_rate: Mutex::default(),
             errors: Family::default(),
         }
     }
@@ -537,22 +531,34 @@ impl LatencyPredictor {
         });
     }
 
-    /// Notes a prefill that took `took` on a worker of `role` that looked like `features`
-    /// when chosen: if it found the worker idle, a sample of the worker's own rate (taken
-    /// when the leg ends, not when the request does, so the first seconds of a burst
-    /// already give a rate).
-    pub fn prefill_leg_ended(&self, role: WorkerRole, features: Features, took: Duration) {
-        let Some(features) = features.checked().filter(Features::is_idle) else {
+    /// Notes a prefill leg on `worker` (its base URL), of `role`, that looked like
+    /// `features` when chosen and ran from `started` to `ended`: a sample of how fast the
+    /// role's workers compute prompts, taken when the leg ends rather than when its
+    /// request does, so the first seconds of a burst already give a rate.
+    pub fn prefill_leg_ended(
+        &self,
+        role: WorkerRole,
+        worker: &str,
+        features: Features,
+        started: Instant,
+        ended: Instant,
+    ) {
+        let Some(features) = features.checked() else {
             return;
         };
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
-            .note(features.uncached_tokens, took.as_secs_f64() * 1000.0);
+        self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)].note(
+            worker,
+            features.uncached_tokens,
+            started,
+            ended,
+        );
     }
 
-    /// Uncached prompt tokens per millisecond that `role`'s workers computed when they
-    /// were idle, from the recent requests that found them so (`None` before a few).
-    pub fn idle_tokens_per_ms(&self, role: WorkerRole) -> Option<f64> {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)].tokens_per_ms()
+    /// Uncached prompt tokens per millisecond of busy time that `role`'s workers computed
+    /// over their recent prefill legs (`None` before a few).
+    pub fn prefill_tokens_per_ms(&self, role: WorkerRole) -> Option<f64> {
+        self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
+            .tokens_per_ms()
     }
 
     /// The recent mean absolute percentage error of `role`'s `target` predictions.
@@ -574,6 +580,14 @@ impl LatencyPredictor {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|(worker, _), _| live.contains(&worker.as_str()));
+        for rate in self
+            .prefill_rate
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+        {
+            rate.retain_workers(live);
+        }
     }
 }
 
