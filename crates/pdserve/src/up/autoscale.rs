@@ -3,7 +3,11 @@
 //! counts and moves each pool towards them, within `--max-workers` and never below one
 //! per pool: up to the desired count at once, down by one worker; a pool just resized is
 //! left alone for `--autoscale-cooldown-secs`, so the planner's window sees the new size
-//! first.
+//! first. Growth the prompt work arriving asks for (the desired count within the
+//! planner's `demand.needed_now`) does not wait out the cooldown: that rate is measured
+//! over the last seconds of arrivals, not over a window of misses from before the resize,
+//! and a burst must not take several cooldowns to be served (Kubernetes' HPA has no
+//! scale-up stabilization by default either).
 //!
 //! The gateways know the workers from a listing file the stack rewrites (their
 //! `--discover-file`). A worker is added once it answers `/health`; one is removed by
@@ -105,18 +109,19 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
             .context("the gateway's /planner is not JSON")?;
         let reason = plan["reason"].as_str().unwrap_or_default().to_string();
         let cooldown = Duration::from_secs_f64(self.stack.args.autoscale_cooldown_secs.max(0.0));
+        let needed_by_arrivals = plan["demand"]["needed_now"].as_u64();
         for role in POOLS {
             let Some(desired) = plan[role.as_str()].as_u64() else {
                 bail!("/planner has no `{role}` count: {plan}");
             };
             let pool = pool_index(role);
-            if self.per_pool[pool]
+            let current = self.count(role) as u64;
+            let cooling = self.per_pool[pool]
                 .1
-                .is_some_and(|at| at.elapsed() < cooldown)
-            {
+                .is_some_and(|at| at.elapsed() < cooldown);
+            if cooling && !arrivals_ask(role, desired, current, needed_by_arrivals) {
                 continue;
             }
-            let current = self.count(role) as u64;
             // The planner counted a pool other than this one (a worker just listed or
             // removed that the gateway has not read yet): its count is for that pool.
             if plan["current"][role.as_str()].as_u64() != Some(current) {
@@ -245,6 +250,13 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
     }
 }
 
+/// Whether growing `role`'s pool from `current` to `desired` is what the prompt work
+/// arriving needs (`needed`, the planner's `demand.needed_now`): such growth does not wait
+/// out a cooldown.
+fn arrivals_ask(role: WorkerRole, desired: u64, current: u64, needed: Option<u64>) -> bool {
+    role == WorkerRole::Prefill && desired > current && needed.is_some_and(|n| desired <= n)
+}
+
 fn pool_index(role: WorkerRole) -> usize {
     usize::from(role == WorkerRole::Decode)
 }
@@ -259,7 +271,29 @@ fn gauge(text: &str, name: &str) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::gauge;
+    use super::{arrivals_ask, gauge};
+    use pdserve_protocol::WorkerRole;
+
+    #[test]
+    fn only_prefill_growth_within_what_arrivals_need_skips_the_cooldown() {
+        let prefill = WorkerRole::Prefill;
+        assert!(arrivals_ask(prefill, 3, 1, Some(3)));
+        assert!(
+            arrivals_ask(prefill, 2, 1, Some(3)),
+            "towards it, within it"
+        );
+        assert!(
+            !arrivals_ask(prefill, 4, 3, Some(3)),
+            "past it: the misses' growth"
+        );
+        assert!(!arrivals_ask(prefill, 2, 1, None), "no rate known");
+        assert!(!arrivals_ask(prefill, 1, 2, Some(3)), "shrinking waits");
+        assert!(!arrivals_ask(prefill, 2, 2, Some(3)));
+        assert!(
+            !arrivals_ask(WorkerRole::Decode, 2, 1, Some(3)),
+            "decode's is misses"
+        );
+    }
 
     #[test]
     fn a_gauge_is_summed_over_its_series_and_not_confused_with_a_longer_name() {

@@ -195,7 +195,8 @@ pub struct UpArgs {
     )]
     autoscale_interval_secs: f64,
     /// With --autoscale: seconds a pool is left as it is after it was resized, so the
-    /// planner's window sees the new size before the next step.
+    /// planner's window sees the new size before the next step (growth of the prefill
+    /// pool that the arriving prompt work asks for does not wait).
     #[arg(
         long,
         env = "PDSERVE_AUTOSCALE_COOLDOWN_SECS",
