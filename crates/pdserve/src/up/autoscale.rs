@@ -129,11 +129,9 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
             }
             if desired > current && self.workers.len() < self.stack.args.max_workers {
                 // Up at once: load that needs several more workers misses until they run.
-                let mut count = current;
-                while count < desired && self.workers.len() < self.stack.args.max_workers {
-                    self.grow(role, members, &reason).await?;
-                    count += 1;
-                }
+                let room = self.stack.args.max_workers - self.workers.len();
+                let more = usize::try_from(desired - current).map_or(room, |n| n.min(room));
+                self.grow(role, more, members, &reason).await?;
                 self.per_pool[pool].1 = Some(Instant::now());
             } else if desired < current && current > 1 {
                 self.shrink(role, members, &reason).await?;
@@ -160,36 +158,47 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
         write_listing(listing, &listed)
     }
 
-    /// Starts a worker of `role`, and lists it once it is ready.
+    /// Starts `more` workers of `role` together, and lists each once it is ready (they
+    /// start side by side: a pool short of several workers waits for one start, not for
+    /// several in a row).
     async fn grow(
         &mut self,
         role: WorkerRole,
+        more: usize,
         members: &mut Vec<Member>,
         reason: &str,
     ) -> anyhow::Result<()> {
         let pool = pool_index(role);
-        let name = format!("{role}-{}", self.per_pool[pool].0);
-        self.per_pool[pool].0 += 1;
-        let index = self.started;
-        self.started += 1;
-        let (member, listed, line) =
-            self.stack
-                .launch(role, index, &name, &Placement::anywhere())?;
-        members.push(member);
-        let limit = Duration::from_secs(self.stack.args.ready_timeout_secs);
-        if let Err(e) = wait_ready(members, &listed.url, limit).await {
-            // A worker that did not come up is stopped and forgotten; the stack goes on
-            // with the workers it had.
-            if let Some(at) = members.iter().position(|m| m.name() == name) {
-                let mut member = members.remove(at);
-                stop_one(&mut member, STOP_MARGIN).await;
-            }
-            return Err(e.context(format!("{name} did not come up; not added")));
+        let mut launched = Vec::with_capacity(more);
+        for _ in 0..more {
+            let name = format!("{role}-{}", self.per_pool[pool].0);
+            self.per_pool[pool].0 += 1;
+            let index = self.started;
+            self.started += 1;
+            let (member, listed, line) =
+                self.stack
+                    .launch(role, index, &name, &Placement::anywhere())?;
+            members.push(member);
+            launched.push((name, listed, line));
         }
-        self.workers.push(Scaled { listed, name });
-        self.write()?;
-        println!("autoscale: started {line} (planner: {reason})");
-        Ok(())
+        let limit = Duration::from_secs(self.stack.args.ready_timeout_secs);
+        let mut failed = None;
+        for (name, listed, line) in launched {
+            if let Err(e) = wait_ready(members, &listed.url, limit).await {
+                // A worker that did not come up is stopped and forgotten; the stack goes
+                // on with the workers it had.
+                if let Some(at) = members.iter().position(|m| m.name() == name) {
+                    let mut member = members.remove(at);
+                    stop_one(&mut member, STOP_MARGIN).await;
+                }
+                failed = Some(e.context(format!("{name} did not come up; not added")));
+                continue;
+            }
+            self.workers.push(Scaled { listed, name });
+            self.write()?;
+            println!("autoscale: started {line} (planner: {reason})");
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Drains the newest worker of `role` and stops it.
