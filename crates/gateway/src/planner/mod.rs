@@ -8,8 +8,9 @@
 //!   pool's; TPOT misses the decode pool's), or when it is predicted to miss its target
 //!   at its current load;
 //! - the prefill pool also grows, ahead of any miss and towards the count they need (at
-//!   most doubling it or adding 4, as Kubernetes' HPA by default), when the prompt tokens arriving lately need more workers
-//!   than it has at the utilization that keeps the TTFT target ([`demand`]);
+//!   most doubling it or adding 4, as Kubernetes' HPA by default), when the prompt
+//!   tokens arriving lately need more workers than it has at the utilization that keeps
+//!   the TTFT target ([`demand`]);
 //! - while the prefill pool is short, the decode pool does not grow: decode workers then
 //!   prefill locally (SLO-aware disaggregation), and their TPOT misses are the prefill
 //!   pool's shortage, not theirs;
