@@ -170,19 +170,29 @@ impl<'s, 'a> Autoscaler<'s, 'a> {
     ) -> anyhow::Result<()> {
         let pool = pool_index(role);
         let mut launched = Vec::with_capacity(more);
+        let mut failed = None;
         for _ in 0..more {
             let name = format!("{role}-{}", self.per_pool[pool].0);
             self.per_pool[pool].0 += 1;
             let index = self.started;
             self.started += 1;
-            let (member, listed, line) =
-                self.stack
-                    .launch(role, index, &name, &Placement::anywhere())?;
-            members.push(member);
-            launched.push((name, listed, line));
+            match self
+                .stack
+                .launch(role, index, &name, &Placement::anywhere())
+            {
+                Ok((member, listed, line)) => {
+                    members.push(member);
+                    launched.push((name, listed, line));
+                }
+                // Those already launched are still waited for and listed: none is left
+                // running unlisted.
+                Err(e) => {
+                    failed = Some(e.context(format!("{name} could not be started")));
+                    break;
+                }
+            }
         }
         let limit = Duration::from_secs(self.stack.args.ready_timeout_secs);
-        let mut failed = None;
         for (name, listed, line) in launched {
             if let Err(e) = wait_ready(members, &listed.url, limit).await {
                 // A worker that did not come up is stopped and forgotten; the stack goes
