@@ -8,7 +8,7 @@
 //!   pool's whenever it is short.
 //! - Capacity: the prefill predictor's TTFT for a typical prompt on an idle worker gives
 //!   its tokens per second; until the predictor has trained, the rate measured on the
-//!   prefill legs as they end does (`policy/prefill_rate.rs`: tokens per second of
+//!   prefill legs as they end does (`policy/predictor/prefill_rate.rs`: tokens per second of
 //!   busy time, so a burst at start is sized within seconds). The pool is run at most
 //!   at the utilization at which an M/D/1 queue's wait (its p90 taken as 2.5× the mean)
 //!   keeps that prompt within the TTFT target.

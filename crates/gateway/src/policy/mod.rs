@@ -18,7 +18,7 @@ mod in_flight;
 mod power_of_two;
 mod precise_prefix;
 pub mod predictor;
-mod prefill_rate;
+
 pub mod prefix_tree;
 mod random;
 mod round_robin;

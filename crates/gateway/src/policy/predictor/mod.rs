@@ -23,8 +23,18 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use super::prefill_rate::PrefillRate;
 use crate::fleet::registry::Worker;
+use prefill_rate::PrefillRate;
+pub use rls::TRAINED_AFTER;
+use rls::{prior_weights, Model, MAX_MS, MIN_MS};
+
+mod prefill_rate;
+mod rls;
+
+/// How fast the typical request follows the requests learned from (about the last 20).
+const TYPICAL_RATE: f64 = 0.05;
+/// How fast a worker's own correction follows its errors.
+const BIAS_RATE: f64 = 0.05;
 
 /// What is predicted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -172,135 +182,6 @@ impl Forecast {
     }
 }
 
-/// Samples after which a model counts as trained.
-pub const TRAINED_AFTER: u64 = 50;
-/// Recent absolute percentage errors kept per model.
-const ERROR_WINDOW: usize = 256;
-/// How much of the past each sample keeps (recursive least squares' forgetting factor):
-/// the model's memory is about 1 / (1 − λ) = 500 samples.
-const FORGETTING: f64 = 0.998;
-/// The prior's confidence: the initial covariance's diagonal (large: data wins fast).
-const PRIOR_COVARIANCE: f64 = 1.0e4;
-/// The shortest and longest predictions made, in milliseconds.
-const MIN_MS: f64 = 0.05;
-const MAX_MS: f64 = 3_600_000.0;
-/// How fast the typical request follows the requests learned from (about the last 20).
-const TYPICAL_RATE: f64 = 0.05;
-/// How fast a worker's own correction follows its errors.
-const BIAS_RATE: f64 = 0.05;
-/// The shortest outcome a sample is weighted by (shorter ones would weigh without bound).
-const RELATIVE_FLOOR_MS: f64 = 1.0;
-
-/// Recursive least squares over [`Features::vector`].
-#[derive(Debug, Clone)]
-struct Model {
-    theta: [f64; DIM],
-    p: [[f64; DIM]; DIM],
-    samples: u64,
-    errors: Vec<f64>,
-    next_error: usize,
-}
-
-impl Model {
-    /// A model starting from `prior` weights.
-    fn new(prior: [f64; DIM]) -> Self {
-        let mut p = [[0.0; DIM]; DIM];
-        for (i, row) in p.iter_mut().enumerate() {
-            row[i] = PRIOR_COVARIANCE;
-        }
-        Self {
-            theta: prior,
-            p,
-            samples: 0,
-            errors: Vec::with_capacity(ERROR_WINDOW),
-            next_error: 0,
-        }
-    }
-
-    fn predict(&self, x: &[f64; DIM]) -> f64 {
-        let y: f64 = self.theta.iter().zip(x).map(|(t, v)| t * v).sum();
-        y.clamp(MIN_MS, MAX_MS)
-    }
-
-    /// Learns from one sample, weighted by its own size: the squared error fitted is
-    /// relative (each sample's inputs and outcome divided by the outcome), as the error
-    /// published is, so the many short waits of a loaded pool count as much as its few
-    /// long ones instead of being rounded off against them.
-    fn learn(&mut self, x: &[f64; DIM], actual: f64) {
-        let weight = 1.0 / actual.max(RELATIVE_FLOOR_MS);
-        let x: [f64; DIM] = std::array::from_fn(|i| x[i] * weight);
-        let actual = actual * weight;
-        let x = &x;
-        let px: Vec<f64> = (0..DIM)
-            .map(|i| (0..DIM).map(|j| self.p[i][j] * x[j]).sum())
-            .collect();
-        let denom = FORGETTING + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
-        if !denom.is_finite() || denom <= 0.0 {
-            return;
-        }
-        let gain: Vec<f64> = px.iter().map(|v| v / denom).collect();
-        let raw: f64 = self.theta.iter().zip(x).map(|(t, v)| t * v).sum();
-        let residual = actual - raw;
-        for (t, g) in self.theta.iter_mut().zip(&gain) {
-            *t += g * residual;
-        }
-        // P = (P − g xᵀP) / λ, with xᵀP = (P x)ᵀ since P stays symmetric.
-        for (row, g) in self.p.iter_mut().zip(&gain) {
-            for (v, x) in row.iter_mut().zip(&px) {
-                *v = (*v - g * x) / FORGETTING;
-            }
-        }
-        // Forgetting without fresh excitation lets P grow without bound: cap it.
-        let trace: f64 = (0..DIM).map(|i| self.p[i][i]).sum();
-        if !trace.is_finite() || trace > PRIOR_COVARIANCE * DIM as f64 {
-            let scale = if trace.is_finite() {
-                PRIOR_COVARIANCE * DIM as f64 / trace
-            } else {
-                0.0
-            };
-            for row in &mut self.p {
-                for v in row.iter_mut() {
-                    *v *= scale;
-                }
-            }
-            if scale == 0.0 {
-                *self = Self {
-                    samples: self.samples,
-                    ..Self::new(self.theta)
-                };
-            }
-        }
-        if self.theta.iter().any(|t| !t.is_finite()) {
-            *self = Self::new(prior_weights(Target::Ttft));
-        }
-        self.samples += 1;
-    }
-
-    fn record_error(&mut self, ape: f64) {
-        if self.errors.len() < ERROR_WINDOW {
-            self.errors.push(ape);
-        } else {
-            self.errors[self.next_error] = ape;
-        }
-        self.next_error = (self.next_error + 1) % ERROR_WINDOW;
-    }
-
-    fn error_ratio(&self) -> Option<f64> {
-        (!self.errors.is_empty())
-            .then(|| self.errors.iter().sum::<f64>() / self.errors.len() as f64)
-    }
-}
-
-/// Weights before any sample: a small constant, a few tens of milliseconds per thousand
-/// uncached tokens, and every request ahead costing about as much as this one.
-fn prior_weights(target: Target) -> [f64; DIM] {
-    match target {
-        //          1     work  work²  load  load·work  waiting  context  kv  queued
-        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 30.0, 20.0, 0.0, 0.0, 30.0],
-        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0, 0.0],
-    }
-}
-
 /// The features of the workers one request was routed to, noted when each was chosen:
 /// what the predictor learns from once the request's latencies are known. It also holds
 /// the prompt tokens the request gave each worker to compute ([`Worker::claim_prompt_tokens`]),
@@ -374,7 +255,7 @@ struct ErrorLabels {
 /// The predictors of every role (see the module documentation).
 #[derive(Debug)]
 pub struct LatencyPredictor {
-    /// Per role index ([`super::role_index`]) and target.
+    /// Per role index ([`crate::policy::role_index`]) and target.
     models: Mutex<Vec<[Model; 2]>>,
     /// Per (worker, target): the log of its typical actual / predicted.
     bias: Mutex<HashMap<(String, Target), f64>>,
@@ -432,7 +313,7 @@ impl LatencyPredictor {
     ) -> Option<Prediction> {
         let features = features.checked()?;
         let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let model = &models[super::role_index(role)][target.index()];
+        let model = &models[crate::policy::role_index(role)][target.index()];
         let bias = self
             .bias
             .lock()
@@ -485,7 +366,7 @@ impl LatencyPredictor {
         );
         let x = features.vector();
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let model = &mut models[super::role_index(role)][target.index()];
+        let model = &mut models[crate::policy::role_index(role)][target.index()];
         if let Some(predicted) = predicted {
             model.record_error((predicted - actual_ms).abs() / actual_ms);
         }
@@ -510,12 +391,12 @@ impl LatencyPredictor {
     /// A typical recent request of `role` as its workers looked when chosen: a running
     /// average of the features its TTFT model learned from (`None` before the first).
     pub fn typical(&self, role: WorkerRole) -> Option<Features> {
-        self.typical.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
+        self.typical.lock().unwrap_or_else(|e| e.into_inner())[crate::policy::role_index(role)]
     }
 
     fn note_typical(&self, role: WorkerRole, f: Features) {
         let mut typical = self.typical.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = &mut typical[super::role_index(role)];
+        let slot = &mut typical[crate::policy::role_index(role)];
         let mix = |old: f64, new: f64| old + TYPICAL_RATE * (new - old);
         *slot = Some(match *slot {
             None => f,
@@ -546,31 +427,28 @@ impl LatencyPredictor {
         let Some(features) = features.checked() else {
             return;
         };
-        self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)].note(
-            worker,
-            features.uncached_tokens,
-            started,
-            ended,
-        );
+        self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())
+            [crate::policy::role_index(role)]
+        .note(worker, features.uncached_tokens, started, ended);
     }
 
     /// Uncached prompt tokens per millisecond of busy time that `role`'s workers computed
     /// over their recent prefill legs (`None` before a few).
     pub fn prefill_tokens_per_ms(&self, role: WorkerRole) -> Option<f64> {
-        self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())[super::role_index(role)]
+        self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())[crate::policy::role_index(role)]
             .tokens_per_ms()
     }
 
     /// The recent mean absolute percentage error of `role`'s `target` predictions.
     pub fn error_ratio(&self, role: WorkerRole, target: Target) -> Option<f64> {
         let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        models[super::role_index(role)][target.index()].error_ratio()
+        models[crate::policy::role_index(role)][target.index()].error_ratio()
     }
 
     /// Whether `role`'s `target` model has learned enough to be trusted.
     pub fn trained(&self, role: WorkerRole, target: Target) -> bool {
         let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        models[super::role_index(role)][target.index()].samples >= TRAINED_AFTER
+        models[crate::policy::role_index(role)][target.index()].samples >= TRAINED_AFTER
     }
 
     /// Forgets the workers whose base URL is not in `live` (their corrections leave with
@@ -592,5 +470,4 @@ impl LatencyPredictor {
 }
 
 #[cfg(test)]
-#[path = "predictor_tests.rs"]
 mod tests;

@@ -1,0 +1,130 @@
+//! The regression behind each prediction: recursive least squares over a few features,
+//! with forgetting, from a prior that is sensible before the first sample, and the
+//! window of its recent errors.
+
+use super::{Target, DIM};
+
+/// Samples after which a model counts as trained.
+pub const TRAINED_AFTER: u64 = 50;
+/// Recent absolute percentage errors kept per model.
+const ERROR_WINDOW: usize = 256;
+/// How much of the past each sample keeps (recursive least squares' forgetting factor):
+/// the model's memory is about 1 / (1 − λ) = 500 samples.
+const FORGETTING: f64 = 0.998;
+/// The prior's confidence: the initial covariance's diagonal (large: data wins fast).
+const PRIOR_COVARIANCE: f64 = 1.0e4;
+/// The shortest and longest predictions made, in milliseconds.
+pub(super) const MIN_MS: f64 = 0.05;
+pub(super) const MAX_MS: f64 = 3_600_000.0;
+/// The shortest outcome a sample is weighted by (shorter ones would weigh without bound).
+const RELATIVE_FLOOR_MS: f64 = 1.0;
+
+/// Recursive least squares over [`Features::vector`].
+#[derive(Debug, Clone)]
+pub(super) struct Model {
+    theta: [f64; DIM],
+    p: [[f64; DIM]; DIM],
+    pub(super) samples: u64,
+    errors: Vec<f64>,
+    next_error: usize,
+}
+
+impl Model {
+    /// A model starting from `prior` weights.
+    pub(super) fn new(prior: [f64; DIM]) -> Self {
+        let mut p = [[0.0; DIM]; DIM];
+        for (i, row) in p.iter_mut().enumerate() {
+            row[i] = PRIOR_COVARIANCE;
+        }
+        Self {
+            theta: prior,
+            p,
+            samples: 0,
+            errors: Vec::with_capacity(ERROR_WINDOW),
+            next_error: 0,
+        }
+    }
+
+    pub(super) fn predict(&self, x: &[f64; DIM]) -> f64 {
+        let y: f64 = self.theta.iter().zip(x).map(|(t, v)| t * v).sum();
+        y.clamp(MIN_MS, MAX_MS)
+    }
+
+    /// Learns from one sample, weighted by its own size: the squared error fitted is
+    /// relative (each sample's inputs and outcome divided by the outcome), as the error
+    /// published is, so the many short waits of a loaded pool count as much as its few
+    /// long ones instead of being rounded off against them.
+    pub(super) fn learn(&mut self, x: &[f64; DIM], actual: f64) {
+        let weight = 1.0 / actual.max(RELATIVE_FLOOR_MS);
+        let x: [f64; DIM] = std::array::from_fn(|i| x[i] * weight);
+        let actual = actual * weight;
+        let x = &x;
+        let px: Vec<f64> = (0..DIM)
+            .map(|i| (0..DIM).map(|j| self.p[i][j] * x[j]).sum())
+            .collect();
+        let denom = FORGETTING + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
+        if !denom.is_finite() || denom <= 0.0 {
+            return;
+        }
+        let gain: Vec<f64> = px.iter().map(|v| v / denom).collect();
+        let raw: f64 = self.theta.iter().zip(x).map(|(t, v)| t * v).sum();
+        let residual = actual - raw;
+        for (t, g) in self.theta.iter_mut().zip(&gain) {
+            *t += g * residual;
+        }
+        // P = (P − g xᵀP) / λ, with xᵀP = (P x)ᵀ since P stays symmetric.
+        for (row, g) in self.p.iter_mut().zip(&gain) {
+            for (v, x) in row.iter_mut().zip(&px) {
+                *v = (*v - g * x) / FORGETTING;
+            }
+        }
+        // Forgetting without fresh excitation lets P grow without bound: cap it.
+        let trace: f64 = (0..DIM).map(|i| self.p[i][i]).sum();
+        if !trace.is_finite() || trace > PRIOR_COVARIANCE * DIM as f64 {
+            let scale = if trace.is_finite() {
+                PRIOR_COVARIANCE * DIM as f64 / trace
+            } else {
+                0.0
+            };
+            for row in &mut self.p {
+                for v in row.iter_mut() {
+                    *v *= scale;
+                }
+            }
+            if scale == 0.0 {
+                *self = Self {
+                    samples: self.samples,
+                    ..Self::new(self.theta)
+                };
+            }
+        }
+        if self.theta.iter().any(|t| !t.is_finite()) {
+            *self = Self::new(prior_weights(Target::Ttft));
+        }
+        self.samples += 1;
+    }
+
+    pub(super) fn record_error(&mut self, ape: f64) {
+        if self.errors.len() < ERROR_WINDOW {
+            self.errors.push(ape);
+        } else {
+            self.errors[self.next_error] = ape;
+        }
+        self.next_error = (self.next_error + 1) % ERROR_WINDOW;
+    }
+
+    pub(super) fn error_ratio(&self) -> Option<f64> {
+        (!self.errors.is_empty())
+            .then(|| self.errors.iter().sum::<f64>() / self.errors.len() as f64)
+    }
+}
+
+/// Weights before any sample: a small constant, a few tens of milliseconds per thousand
+/// uncached tokens, and every request ahead costing about as much as this one.
+pub(super) fn prior_weights(target: Target) -> [f64; DIM] {
+    match target {
+        //          1     work  work²  load  load·work  waiting  context  kv  queued
+        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 30.0, 20.0, 0.0, 0.0, 30.0],
+        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0, 0.0],
+    }
+}
