@@ -298,7 +298,7 @@ mod tests {
         }
         assert_eq!(prefill_capacity(&predictor, &fleet, 300.0), None);
         predictor.observe(WorkerRole::Prefill, Target::Ttft, base, prompt, 50.0);
-        assert!(!predictor.trained(WorkerRole::Prefill, Target::Ttft));
+        // The regression has learned from one request; the rate alone is trusted.
         // 2,000 tokens in 50 ms of busy time each: 40,000 tokens/s.
         let capacity = prefill_capacity(&predictor, &fleet, 300.0).expect("measured");
         assert!(

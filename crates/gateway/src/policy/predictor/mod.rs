@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use crate::fleet::registry::Worker;
 use prefill_rate::PrefillRate;
 pub use rls::TRAINED_AFTER;
-use rls::{prior_weights, Model, MAX_MS, MIN_MS};
+use rls::{Track, MAX_MS, MIN_MS};
 
 mod prefill_rate;
 mod rls;
@@ -245,6 +245,29 @@ impl SeenFeatures {
     }
 }
 
+/// One prediction's candidates: the regression's and the queue estimate's.
+#[derive(Debug, Clone, Copy)]
+struct Estimates {
+    model_ms: f64,
+    model_trained: bool,
+    queue_ms: Option<f64>,
+    prefers_queue: bool,
+}
+
+impl Estimates {
+    /// The prediction made: the queue estimate where there is one and it is preferred,
+    /// else the regression's.
+    fn made(&self) -> Prediction {
+        match self.queue_ms.filter(|_| self.prefers_queue) {
+            Some(ms) => Prediction { ms, trained: true },
+            None => Prediction {
+                ms: self.model_ms,
+                trained: self.model_trained,
+            },
+        }
+    }
+}
+
 /// Labels of the error gauge.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ErrorLabels {
@@ -256,7 +279,7 @@ struct ErrorLabels {
 #[derive(Debug)]
 pub struct LatencyPredictor {
     /// Per role index ([`crate::policy::role_index`]) and target.
-    models: Mutex<Vec<[Model; 2]>>,
+    models: Mutex<Vec<[Track; 2]>>,
     /// Per (worker, target): the log of its typical actual / predicted.
     bias: Mutex<HashMap<(String, Target), f64>>,
     /// Per role index: a running average of the TTFT features learned from.
@@ -276,12 +299,7 @@ impl LatencyPredictor {
     /// Untrained predictors, at their priors.
     pub fn new() -> Self {
         let models = (0..4)
-            .map(|_| {
-                [
-                    Model::new(prior_weights(Target::Ttft)),
-                    Model::new(prior_weights(Target::Tpot)),
-                ]
-            })
+            .map(|_| [Track::new(Target::Ttft), Track::new(Target::Tpot)])
             .collect();
         Self {
             models: Mutex::new(models),
@@ -312,8 +330,20 @@ impl LatencyPredictor {
         features: Features,
     ) -> Option<Prediction> {
         let features = features.checked()?;
-        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let model = &models[crate::policy::role_index(role)][target.index()];
+        let estimates = self.estimates(role, target, worker, &features);
+        Some(estimates.made())
+    }
+
+    /// The regression's and the queue estimate's predictions for `features` (checked),
+    /// and which of them a prediction follows now.
+    fn estimates(
+        &self,
+        role: WorkerRole,
+        target: Target,
+        worker: &str,
+        features: &Features,
+    ) -> Estimates {
+        let queue_ms = self.queue_estimate(role, target, features);
         let bias = self
             .bias
             .lock()
@@ -321,10 +351,33 @@ impl LatencyPredictor {
             .get(&(worker.to_string(), target))
             .copied()
             .unwrap_or(0.0);
-        Some(Prediction {
-            ms: (model.predict(&features.vector()) * bias.exp()).clamp(MIN_MS, MAX_MS),
-            trained: model.samples >= TRAINED_AFTER,
-        })
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let track = &models[crate::policy::role_index(role)][target.index()];
+        Estimates {
+            model_ms: (track.model.predict(&features.vector()) * bias.exp()).clamp(MIN_MS, MAX_MS),
+            model_trained: track.model.samples >= TRAINED_AFTER,
+            queue_ms,
+            prefers_queue: track.prefers_queue(),
+        }
+    }
+
+    /// The queue estimate of `role`'s TTFT: the prompt tokens queued ahead on the worker
+    /// and its own uncached ones, at the rate its role's prefill legs computed (a pool
+    /// with none yet: another role's, the same model on alike machines; the rate counts
+    /// a leg's whole busy time, its overheads too). What routing follows before the
+    /// regression has learned, so a fleet hit by a burst at start is routed on its
+    /// queues from the first few legs on. `None` for TPOT, for a leg with nothing to
+    /// compute (a decode worker's first token after a transfer), and before any rate.
+    fn queue_estimate(&self, role: WorkerRole, target: Target, f: &Features) -> Option<f64> {
+        if target != Target::Ttft {
+            return None;
+        }
+        let rates = self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner());
+        let rate = rates[crate::policy::role_index(role)]
+            .tokens_per_ms()
+            .or_else(|| rates.iter().find_map(PrefillRate::tokens_per_ms))?;
+        let ms = (f.queued_tokens + f.uncached_tokens) / rate;
+        (ms.is_finite() && ms > 0.0).then(|| ms.clamp(MIN_MS, MAX_MS))
     }
 
     /// Learns that a request routed to `worker` with `features` took `actual_ms`: its
@@ -344,7 +397,8 @@ impl LatencyPredictor {
         if !actual_ms.is_finite() || actual_ms <= 0.0 || actual_ms > MAX_MS {
             return;
         }
-        let predicted = self.predict(role, target, worker, features).map(|p| p.ms);
+        let estimates = self.estimates(role, target, worker, &features);
+        let predicted = estimates.made().ms;
         if target == Target::Ttft {
             self.note_typical(role, features);
         }
@@ -361,18 +415,22 @@ impl LatencyPredictor {
             kv_usage = features.kv_usage,
             queued_tokens = features.queued_tokens,
             predicted_ms = predicted,
+            regression_ms = estimates.model_ms,
+            queue_ms = estimates.queue_ms,
             actual_ms,
             "predictor lesson"
         );
         let x = features.vector();
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let model = &mut models[crate::policy::role_index(role)][target.index()];
-        if let Some(predicted) = predicted {
-            model.record_error((predicted - actual_ms).abs() / actual_ms);
+        let track = &mut models[crate::policy::role_index(role)][target.index()];
+        track.made_errors.record(predicted, actual_ms);
+        track.model_errors.record(estimates.model_ms, actual_ms);
+        if let Some(queue_ms) = estimates.queue_ms {
+            track.queue_errors.record(queue_ms, actual_ms);
         }
-        let pooled = model.predict(&x);
-        model.learn(&x, actual_ms);
-        if let Some(ratio) = model.error_ratio() {
+        let pooled = track.model.predict(&x);
+        track.model.learn(&x, actual_ms);
+        if let Some(ratio) = track.made_errors.ratio() {
             self.errors
                 .get_or_create(&ErrorLabels {
                     role: role.as_str(),
@@ -442,13 +500,26 @@ impl LatencyPredictor {
     /// The recent mean absolute percentage error of `role`'s `target` predictions.
     pub fn error_ratio(&self, role: WorkerRole, target: Target) -> Option<f64> {
         let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        models[crate::policy::role_index(role)][target.index()].error_ratio()
+        models[crate::policy::role_index(role)][target.index()]
+            .made_errors
+            .ratio()
     }
 
-    /// Whether `role`'s `target` model has learned enough to be trusted.
+    /// Whether `role`'s `target` predictions are trusted: its regression has learned
+    /// from enough requests, or (TTFT) a prefill rate has been measured for the queue
+    /// estimate.
     pub fn trained(&self, role: WorkerRole, target: Target) -> bool {
+        let work = Features {
+            uncached_tokens: 1.0,
+            ..Features::default()
+        };
+        let queue = self.queue_estimate(role, target, &work).is_some();
         let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        models[crate::policy::role_index(role)][target.index()].samples >= TRAINED_AFTER
+        queue
+            || models[crate::policy::role_index(role)][target.index()]
+                .model
+                .samples
+                >= TRAINED_AFTER
     }
 
     /// Forgets the workers whose base URL is not in `live` (their corrections leave with

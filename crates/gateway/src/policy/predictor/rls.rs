@@ -1,6 +1,6 @@
 //! The regression behind each prediction: recursive least squares over a few features,
 //! with forgetting, from a prior that is sensible before the first sample, and the
-//! window of its recent errors.
+//! windows of recent errors that say whether it or the queue estimate predicts better.
 
 use super::{Target, DIM};
 
@@ -25,8 +25,6 @@ pub(super) struct Model {
     theta: [f64; DIM],
     p: [[f64; DIM]; DIM],
     pub(super) samples: u64,
-    errors: Vec<f64>,
-    next_error: usize,
 }
 
 impl Model {
@@ -40,8 +38,6 @@ impl Model {
             theta: prior,
             p,
             samples: 0,
-            errors: Vec::with_capacity(ERROR_WINDOW),
-            next_error: 0,
         }
     }
 
@@ -103,28 +99,122 @@ impl Model {
         }
         self.samples += 1;
     }
+}
 
-    pub(super) fn record_error(&mut self, ape: f64) {
+/// Weights before any sample: a small constant, a few tens of milliseconds per thousand
+/// uncached tokens, and every request ahead costing about as much as this one.
+fn prior_weights(target: Target) -> [f64; DIM] {
+    match target {
+        //          1     work  work²  load  load·work  waiting  context  kv  queued
+        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 30.0, 20.0, 0.0, 0.0, 30.0],
+        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0, 0.0],
+    }
+}
+
+/// The absolute percentage errors of the last [`ERROR_WINDOW`] predictions of one kind.
+#[derive(Debug, Clone, Default)]
+pub(super) struct ErrorWindow {
+    errors: Vec<f64>,
+    next: usize,
+}
+
+impl ErrorWindow {
+    /// Records a prediction of `predicted` ms for an outcome of `actual` ms.
+    pub(super) fn record(&mut self, predicted: f64, actual: f64) {
+        let ape = (predicted - actual).abs() / actual;
         if self.errors.len() < ERROR_WINDOW {
             self.errors.push(ape);
         } else {
-            self.errors[self.next_error] = ape;
+            self.errors[self.next] = ape;
         }
-        self.next_error = (self.next_error + 1) % ERROR_WINDOW;
+        self.next = (self.next + 1) % ERROR_WINDOW;
     }
 
-    pub(super) fn error_ratio(&self) -> Option<f64> {
+    /// The mean of the window (`None` while empty).
+    pub(super) fn ratio(&self) -> Option<f64> {
         (!self.errors.is_empty())
             .then(|| self.errors.iter().sum::<f64>() / self.errors.len() as f64)
     }
 }
 
-/// Weights before any sample: a small constant, a few tens of milliseconds per thousand
-/// uncached tokens, and every request ahead costing about as much as this one.
-pub(super) fn prior_weights(target: Target) -> [f64; DIM] {
-    match target {
-        //          1     work  work²  load  load·work  waiting  context  kv  queued
-        Target::Ttft => [20.0, 60.0, 5.0, 10.0, 30.0, 20.0, 0.0, 0.0, 30.0],
-        Target::Tpot => [15.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 5.0, 0.0],
+/// How fast the errors that choose between the regression and the queue estimate follow
+/// the latest (about the last 30 outcomes weigh), so the regression's errors from before
+/// it learned are soon forgotten.
+const CHOICE_RATE: f64 = 1.0 / 32.0;
+
+/// A running mean of absolute percentage errors.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct RecentError(Option<f64>);
+
+impl RecentError {
+    /// Records a prediction of `predicted` ms for an outcome of `actual` ms.
+    pub(super) fn record(&mut self, predicted: f64, actual: f64) {
+        let ape = (predicted - actual).abs() / actual;
+        self.0 = Some(match self.0 {
+            None => ape,
+            Some(mean) => mean + CHOICE_RATE * (ape - mean),
+        });
+    }
+}
+
+/// One role's predictions of one target: the regression, the recent errors of its
+/// predictions and of the queue estimate's (which choose between them), and the window of
+/// the predictions made (the published error), each on the same outcomes.
+#[derive(Debug, Clone)]
+pub(super) struct Track {
+    pub(super) model: Model,
+    pub(super) model_errors: RecentError,
+    pub(super) queue_errors: RecentError,
+    pub(super) made_errors: ErrorWindow,
+}
+
+impl Track {
+    /// A track starting from `target`'s prior.
+    pub(super) fn new(target: Target) -> Self {
+        Self {
+            model: Model::new(prior_weights(target)),
+            model_errors: RecentError::default(),
+            queue_errors: RecentError::default(),
+            made_errors: ErrorWindow::default(),
+        }
+    }
+
+    /// Whether the queue estimate, where there is one, predicts better than the
+    /// regression: while the regression has not learned from [`TRAINED_AFTER`] samples,
+    /// and after while the estimate's recent error is the smaller.
+    pub(super) fn prefers_queue(&self) -> bool {
+        if self.model.samples < TRAINED_AFTER {
+            return true;
+        }
+        match (self.queue_errors.0, self.model_errors.0) {
+            (Some(queue), Some(model)) => queue < model,
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_queue_estimate_is_preferred_untrained_and_then_only_while_it_errs_less() {
+        let mut track = Track::new(Target::Ttft);
+        assert!(track.prefers_queue(), "untrained");
+        track.model.samples = TRAINED_AFTER;
+        assert!(!track.prefers_queue(), "no errors to compare");
+        for _ in 0..10 {
+            track.model_errors.record(150.0, 100.0);
+            track.queue_errors.record(110.0, 100.0);
+        }
+        assert!(track.prefers_queue());
+        for _ in 0..200 {
+            track.model_errors.record(101.0, 100.0);
+        }
+        assert!(
+            !track.prefers_queue(),
+            "the regression's early errors are forgotten"
+        );
+        assert!((track.model_errors.0.unwrap() - 0.01).abs() < 1e-3);
     }
 }

@@ -176,3 +176,88 @@ fn the_error_gauge_is_published_per_role_and_target() {
         "{text}"
     );
 }
+
+#[test]
+fn the_queue_estimate_predicts_from_the_first_few_prefill_legs() {
+    let p = LatencyPredictor::new();
+    let (prefill, decode) = (WorkerRole::Prefill, WorkerRole::Decode);
+    let queued = Features {
+        queued_tokens: 2000.0,
+        ..features(500.0, 1.0)
+    };
+    assert!(!p.trained(prefill, Target::Ttft));
+    assert!(
+        !p.predict(prefill, Target::Ttft, "w", queued)
+            .unwrap()
+            .trained
+    );
+    // Three legs of 1,000 tokens, each 20 ms on an idle worker: 50 tokens per ms.
+    let t0 = Instant::now();
+    for i in 0..3u64 {
+        let started = t0 + std::time::Duration::from_millis(100 * i);
+        let ended = started + std::time::Duration::from_millis(20);
+        p.prefill_leg_ended(prefill, "w", features(1000.0, 0.0), started, ended);
+    }
+    assert!(p.trained(prefill, Target::Ttft));
+    let made = p.predict(prefill, Target::Ttft, "w", queued).unwrap();
+    assert!(made.trained);
+    // The 2,000 tokens ahead and its own 500, at 50 per ms.
+    assert!((made.ms - 50.0).abs() < 1e-9, "{}", made.ms);
+    // A decode pool with no legs of its own is estimated at the prefill pool's rate.
+    let local = p.predict(decode, Target::Ttft, "d", queued).unwrap();
+    assert!((local.ms - made.ms).abs() < 1e-9);
+    assert!(
+        !p.trained(decode, Target::Tpot),
+        "TPOT has no queue estimate"
+    );
+    // Nothing to compute (a first token after a transfer): the regression's prior.
+    let after_transfer = Features {
+        uncached_tokens: 0.0,
+        queued_tokens: 0.0,
+        ..queued
+    };
+    assert!(
+        !p.predict(decode, Target::Ttft, "d", after_transfer)
+            .unwrap()
+            .trained
+    );
+}
+
+#[test]
+fn the_regression_takes_over_once_it_predicts_better_than_the_queue() {
+    let p = LatencyPredictor::new();
+    let role = WorkerRole::Prefill;
+    let t0 = Instant::now();
+    for i in 0..3u64 {
+        let started = t0 + std::time::Duration::from_millis(100 * i);
+        let ended = started + std::time::Duration::from_millis(20);
+        p.prefill_leg_ended(role, "w", features(1000.0, 0.0), started, ended);
+    }
+    // The truth here is far from the queue estimate (each request ahead doubles the
+    // wait), and the regression learns it.
+    let mut next = uniform(5);
+    let mut made_before = Vec::new();
+    for i in 0..2000 {
+        let f = features((next() * 2000.0).round(), (next() * 6.0).floor());
+        if i < TRAINED_AFTER && f.uncached_tokens > 0.0 {
+            let queue = f.uncached_tokens / 50.0;
+            made_before.push((p.predict(role, Target::Ttft, "w", f).unwrap().ms - queue).abs());
+        }
+        p.observe(role, Target::Ttft, "w", f, truth(&f));
+    }
+    assert!(
+        made_before.iter().all(|d| *d < 1e-9),
+        "the queue estimate is followed until the regression has learned"
+    );
+    let error = p.error_ratio(role, Target::Ttft).unwrap();
+    assert!(
+        error < 0.10,
+        "recent error of the predictions made: {error}"
+    );
+    let f = features(1000.0, 2.0);
+    let predicted = p.predict(role, Target::Ttft, "w", f).unwrap().ms;
+    assert!(
+        (predicted - truth(&f)).abs() / truth(&f) < 0.15,
+        "{predicted}"
+    );
+}
