@@ -339,12 +339,13 @@ fn pool_view(predictor: &LatencyPredictor, role: WorkerRole, workers: &[Arc<Work
         _ => Target::Tpot,
     };
     let typical = predictor.typical(role);
+    let rate = predictor.queue_rate(role);
     let mean_at = |scale: f64| -> Option<f64> {
         let typical = typical?;
         let predictions: Vec<f64> = workers
             .iter()
             .filter_map(|w| {
-                let now = features_of(w, typical.prompt_tokens as usize, 0);
+                let now = features_of(w, typical.prompt_tokens as usize, 0, rate);
                 let f = Features {
                     uncached_tokens: typical.uncached_tokens,
                     waiting: now.waiting * scale,

@@ -55,11 +55,12 @@ impl SloPolicy {
         held: &[usize],
         prompt_len: usize,
     ) -> Vec<Forecast> {
+        let rate = self.predictor.queue_rate(role);
         workers
             .iter()
             .zip(held)
             .map(|(worker, &held)| {
-                let features = features_of(worker, prompt_len, held);
+                let features = features_of(worker, prompt_len, held, rate);
                 let predict = |target, f| {
                     self.predictor
                         .predict(role, target, &worker.base, f)

@@ -146,7 +146,7 @@ impl Serving {
         route: &RouteRequest<'_>,
     ) -> Option<Choice> {
         let began = std::time::Instant::now();
-        let choice = choose(policy, role, candidates, route);
+        let choice = choose(policy, role, candidates, route, &self.predictor);
         self.metrics
             .observe_routing_decision(role, policy.name(), began.elapsed());
         choice
@@ -226,6 +226,7 @@ fn choose(
     role: WorkerRole,
     candidates: &[Arc<Worker>],
     route: &RouteRequest<'_>,
+    predictor: &LatencyPredictor,
 ) -> Option<Choice> {
     let bare = |worker: Arc<Worker>| Choice {
         worker,
@@ -253,7 +254,8 @@ fn choose(
     // The predictor learns from choices whose cache match is known in tokens.
     if let (Some(seen), Some(tokens), Some(cache)) = (route.seen, route.tokens, choice.cache) {
         if cache.tokens {
-            let features = features_of(&choice.worker, tokens.len(), cache.matched);
+            let rate = predictor.queue_rate(role);
+            let features = features_of(&choice.worker, tokens.len(), cache.matched, rate);
             seen.note(&choice.worker.base, features);
             // A decode worker after a transfer computes nothing of the prompt.
             if role != WorkerRole::Decode || route.local_prefill {

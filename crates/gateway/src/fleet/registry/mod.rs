@@ -7,6 +7,7 @@
 pub mod circuit;
 mod metrics;
 pub mod probe;
+mod prompt_backlog;
 mod refusal;
 mod routing_line;
 mod source;
@@ -22,6 +23,7 @@ use tokio::sync::watch;
 
 pub use circuit::{BreakerSettings, CircuitBreaker, CircuitState, RequestOutcome};
 pub use metrics::FleetMetrics;
+pub use prompt_backlog::ClaimId;
 pub use refusal::RefusedReason;
 pub use source::{SyncReport, WorkerSource};
 pub use worker::{

@@ -10,6 +10,7 @@ use reqwest::Url;
 use serde::Serialize;
 
 use super::circuit::{BreakerSettings, CircuitBreaker, CircuitState};
+use super::prompt_backlog::{ClaimId, PromptBacklog};
 use super::routing_line::RoutingLine;
 use crate::endpoint::Endpoint;
 use crate::error::GatewayError;
@@ -165,8 +166,9 @@ pub struct Worker {
     /// What the worker's own `/metrics` said last (`--load-scrape-interval`).
     reported: Mutex<Option<ReportedLoad>>,
     /// Prompt tokens this gateway sent it to compute that it has not computed yet (claimed
-    /// when a request is routed here, released when its prefill is done or it ends).
-    pending_prompt_tokens: AtomicU64,
+    /// when a request is routed here, released when its prefill is done or it ends), with
+    /// when each was sent.
+    backlog: PromptBacklog,
     /// Prompt tokens this gateway has given it to compute, ever (the planner's demand).
     claimed_prompt_tokens: AtomicU64,
 }
@@ -223,7 +225,7 @@ impl Worker {
             evicted: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             reported: Mutex::new(None),
-            pending_prompt_tokens: AtomicU64::new(0),
+            backlog: PromptBacklog::default(),
             claimed_prompt_tokens: AtomicU64::new(0),
         }
     }
@@ -330,15 +332,20 @@ impl Worker {
 
     /// Prompt tokens sent here to compute and not computed yet (this gateway's).
     pub fn pending_prompt_tokens(&self) -> u64 {
-        self.pending_prompt_tokens.load(Ordering::Relaxed)
+        self.backlog.pending()
     }
 
-    /// Counts `tokens` more prompt tokens to compute here.
-    pub fn claim_prompt_tokens(&self, tokens: u64) {
-        self.pending_prompt_tokens
-            .fetch_add(tokens, Ordering::Relaxed);
+    /// Of the prompt tokens sent here and not computed yet, those still ahead at `now`
+    /// for a worker computing `tokens_per_ms` (see [`super::prompt_backlog`]).
+    pub fn prompt_tokens_ahead(&self, tokens_per_ms: f64, now: Instant) -> f64 {
+        self.backlog.ahead(tokens_per_ms, now)
+    }
+
+    /// Counts `tokens` more prompt tokens sent here to compute now.
+    pub fn claim_prompt_tokens(&self, tokens: u64) -> ClaimId {
         self.claimed_prompt_tokens
             .fetch_add(tokens, Ordering::Relaxed);
+        self.backlog.claim(tokens, Instant::now())
     }
 
     /// Prompt tokens this gateway has given the worker to compute since it joined.
@@ -346,13 +353,14 @@ impl Worker {
         self.claimed_prompt_tokens.load(Ordering::Relaxed)
     }
 
-    /// Counts `tokens` of them computed (or abandoned).
-    pub fn release_prompt_tokens(&self, tokens: u64) {
-        let _ =
-            self.pending_prompt_tokens
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                    Some(n.saturating_sub(tokens))
-                });
+    /// Counts claim `id`'s tokens computed now.
+    pub fn prompt_tokens_computed(&self, id: ClaimId) {
+        self.backlog.release(id, Some(Instant::now()));
+    }
+
+    /// Counts claim `id`'s tokens abandoned (its request ended before they were).
+    pub fn release_prompt_tokens(&self, id: ClaimId) {
+        self.backlog.release(id, None);
     }
 
     /// Counts a request opened on the worker (see [`crate::policy::InFlight`]).

@@ -23,7 +23,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::fleet::registry::Worker;
+use crate::fleet::registry::{ClaimId, Worker};
 use prefill_rate::PrefillRate;
 pub use rls::TRAINED_AFTER;
 use rls::{Track, MAX_MS, MIN_MS};
@@ -80,15 +80,22 @@ pub struct Features {
     pub in_flight: f64,
     /// The share of its KV cache in use, 0 to 1.
     pub kv_usage: f64,
-    /// Prompt tokens this gateway sent it to compute that it has not computed yet: the
-    /// work queued ahead of this request's.
+    /// Prompt tokens this gateway sent it to compute that are still ahead of this
+    /// request's: those sent and not computed, less what the worker has computed of them
+    /// since at its measured rate ([`Worker::prompt_tokens_ahead`]).
     pub queued_tokens: f64,
 }
 
 /// How `worker` looks for a prompt of `prompt_tokens` of which it holds `matched`: its
 /// last reported queue and KV use (none reported: only this gateway's count is known),
-/// and this gateway's requests on it.
-pub fn features_of(worker: &Worker, prompt_tokens: usize, matched: usize) -> Features {
+/// and this gateway's requests on it and the prompt tokens still ahead there at
+/// `tokens_per_ms` (the role's measured rate; `None`: all not yet computed).
+pub fn features_of(
+    worker: &Worker,
+    prompt_tokens: usize,
+    matched: usize,
+    tokens_per_ms: Option<f64>,
+) -> Features {
     let reported = worker.reported_load();
     Features {
         uncached_tokens: prompt_tokens.saturating_sub(matched) as f64,
@@ -97,7 +104,10 @@ pub fn features_of(worker: &Worker, prompt_tokens: usize, matched: usize) -> Fea
         running: reported.map_or(0.0, |r| r.running),
         in_flight: worker.in_flight().max(0) as f64,
         kv_usage: reported.and_then(|r| r.kv_usage).unwrap_or(0.0),
-        queued_tokens: worker.pending_prompt_tokens() as f64,
+        queued_tokens: match tokens_per_ms {
+            Some(rate) => worker.prompt_tokens_ahead(rate, Instant::now()),
+            None => worker.pending_prompt_tokens() as f64,
+        },
     }
 }
 
@@ -189,14 +199,14 @@ impl Forecast {
 #[derive(Debug, Default)]
 pub struct SeenFeatures {
     seen: Mutex<Vec<(String, Features)>>,
-    claims: Mutex<Vec<(std::sync::Arc<Worker>, u64)>>,
+    claims: Mutex<Vec<(std::sync::Arc<Worker>, ClaimId)>>,
 }
 
 impl Drop for SeenFeatures {
     fn drop(&mut self) {
         let claims = self.claims.get_mut().unwrap_or_else(|e| e.into_inner());
-        for (worker, tokens) in claims.drain(..) {
-            worker.release_prompt_tokens(tokens);
+        for (worker, id) in claims.drain(..) {
+            worker.release_prompt_tokens(id);
         }
     }
 }
@@ -217,20 +227,20 @@ impl SeenFeatures {
         if tokens == 0 {
             return;
         }
-        worker.claim_prompt_tokens(tokens);
+        let id = worker.claim_prompt_tokens(tokens);
         self.claims
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((worker.clone(), tokens));
+            .push((worker.clone(), id));
     }
 
     /// Releases what `worker` (its base URL) was given to compute: its prefill is done.
     pub fn computed(&self, worker: &str) {
         let mut claims = self.claims.lock().unwrap_or_else(|e| e.into_inner());
-        claims.retain(|(w, tokens)| {
+        claims.retain(|(w, id)| {
             let mine = w.base == worker;
             if mine {
-                w.release_prompt_tokens(*tokens);
+                w.prompt_tokens_computed(*id);
             }
             !mine
         });
@@ -372,10 +382,7 @@ impl LatencyPredictor {
         if target != Target::Ttft {
             return None;
         }
-        let rates = self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner());
-        let rate = rates[crate::policy::role_index(role)]
-            .tokens_per_ms()
-            .or_else(|| rates.iter().find_map(PrefillRate::tokens_per_ms))?;
+        let rate = self.queue_rate(role)?;
         let ms = (f.queued_tokens + f.uncached_tokens) / rate;
         (ms.is_finite() && ms > 0.0).then(|| ms.clamp(MIN_MS, MAX_MS))
     }
@@ -495,6 +502,16 @@ impl LatencyPredictor {
     pub fn prefill_tokens_per_ms(&self, role: WorkerRole) -> Option<f64> {
         self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner())[crate::policy::role_index(role)]
             .tokens_per_ms()
+    }
+
+    /// The prompt tokens per ms the queue estimate takes `role`'s workers to compute: its
+    /// own prefill legs' rate, else (a pool with none yet) another role's, the same model
+    /// on alike machines; `None` before any.
+    pub fn queue_rate(&self, role: WorkerRole) -> Option<f64> {
+        let rates = self.prefill_rate.lock().unwrap_or_else(|e| e.into_inner());
+        rates[crate::policy::role_index(role)]
+            .tokens_per_ms()
+            .or_else(|| rates.iter().find_map(PrefillRate::tokens_per_ms))
     }
 
     /// The recent mean absolute percentage error of `role`'s `target` predictions.

@@ -124,7 +124,11 @@ fn prompt_tokens_given_a_worker_are_queued_until_computed_or_the_request_ends() 
     let seen = SeenFeatures::default();
     seen.claim(&pool[0], 700);
     seen.claim(&pool[1], 300);
-    assert_eq!(features_of(&pool[0], 100, 0).queued_tokens, 700.0);
+    assert_eq!(features_of(&pool[0], 100, 0, None).queued_tokens, 700.0);
+    // With a rate, what the worker has computed of them since they were sent is not
+    // ahead any more (a million tokens per ms: all of it, however soon).
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    assert_eq!(features_of(&pool[0], 100, 0, Some(1e6)).queued_tokens, 0.0);
     seen.computed(&pool[0].base);
     assert_eq!(pool[0].pending_prompt_tokens(), 0);
     assert_eq!(pool[1].pending_prompt_tokens(), 300);
