@@ -8,7 +8,8 @@
 //! prefix reuse is given up only when it costs the SLO. One request in a hundred goes to a
 //! random candidate with a prediction, so every worker keeps teaching the predictor.
 //!
-//! Until the role's TTFT model has learned from enough requests, and for prompts without
+//! Until the role's TTFT predictions are trusted (a rate measured for the queue estimate,
+//! or a regression that has learned from enough requests), and for prompts without
 //! token ids or pools without events, `precise_prefix` decides.
 
 use std::sync::Arc;
@@ -97,8 +98,8 @@ impl SloPolicy {
     }
 
     /// The forecasts of `workers` for the request, with what each holds of its prompt;
-    /// `None` while the role's model is untrained or the prompt's tokens or the workers'
-    /// events are unknown.
+    /// `None` while the role's predictions are untrusted or the prompt's tokens or the
+    /// workers' events are unknown.
     fn forecast_all(
         &self,
         role: WorkerRole,

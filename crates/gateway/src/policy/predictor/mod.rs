@@ -431,8 +431,10 @@ impl LatencyPredictor {
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let track = &mut models[crate::policy::role_index(role)][target.index()];
         track.made_errors.record(predicted, actual_ms);
-        track.model_errors.record(estimates.model_ms, actual_ms);
+        // The two are compared on the outcomes both predicted (a decode pool's first
+        // tokens after a transfer, with nothing to compute, have no queue estimate).
         if let Some(queue_ms) = estimates.queue_ms {
+            track.model_errors.record(estimates.model_ms, actual_ms);
             track.queue_errors.record(queue_ms, actual_ms);
         }
         let pooled = track.model.predict(&x);

@@ -159,7 +159,7 @@ impl RecentError {
 
 /// One role's predictions of one target: the regression, the recent errors of its
 /// predictions and of the queue estimate's (which choose between them), and the window of
-/// the predictions made (the published error), each on the same outcomes.
+/// the predictions made (the published error); the first two on the same outcomes.
 #[derive(Debug, Clone)]
 pub(super) struct Track {
     pub(super) model: Model,
