@@ -24,7 +24,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::fleet::registry::{ClaimId, Worker};
-use prefill_rate::PrefillRate;
+use prefill_rate::{FirstTokenTime, PrefillRate};
 pub use rls::TRAINED_AFTER;
 use rls::{Track, MAX_MS, MIN_MS};
 
@@ -296,6 +296,8 @@ pub struct LatencyPredictor {
     typical: Mutex<[Option<Features>; 4]>,
     /// Per role index: the prompt tokens its prefill legs computed per ms of busy time.
     prefill_rate: Mutex<[PrefillRate; 4]>,
+    /// Per role index: its first tokens with nothing to compute and nothing ahead.
+    first_token: Mutex<[FirstTokenTime; 4]>,
     errors: Family<ErrorLabels, Gauge<f64, AtomicU64>>,
 }
 
@@ -316,6 +318,7 @@ impl LatencyPredictor {
             bias: Mutex::new(HashMap::new()),
             typical: Mutex::new([None; 4]),
             prefill_rate: Mutex::default(),
+            first_token: Mutex::default(),
             errors: Family::default(),
         }
     }
@@ -376,14 +379,28 @@ impl LatencyPredictor {
     /// with none yet: another role's, the same model on alike machines; the rate counts
     /// a leg's whole busy time, its overheads too). What routing follows before the
     /// regression has learned, so a fleet hit by a burst at start is routed on its
-    /// queues from the first few legs on. `None` for TPOT, for a leg with nothing to
-    /// compute (a decode worker's first token after a transfer), and before any rate.
+    /// queues from the first few legs on. A leg with nothing to compute (a decode
+    /// worker's first token after a transfer) takes the role's recent such first tokens
+    /// with nothing ahead, plus the tokens ahead at the rate. `None` for TPOT, and before
+    /// the rate or those first tokens are known.
     fn queue_estimate(&self, role: WorkerRole, target: Target, f: &Features) -> Option<f64> {
         if target != Target::Ttft {
             return None;
         }
-        let rate = self.queue_rate(role)?;
-        let ms = (f.queued_tokens + f.uncached_tokens) / rate;
+        let ahead_ms = |tokens: f64| -> Option<f64> {
+            if tokens <= 0.0 {
+                return Some(0.0);
+            }
+            Some(tokens / self.queue_rate(role)?)
+        };
+        let ms = if f.uncached_tokens > 0.0 {
+            ahead_ms(f.queued_tokens + f.uncached_tokens)?
+        } else {
+            let first = self.first_token.lock().unwrap_or_else(|e| e.into_inner())
+                [crate::policy::role_index(role)]
+            .ms()?;
+            first + ahead_ms(f.queued_tokens)?
+        };
         (ms.is_finite() && ms > 0.0).then(|| ms.clamp(MIN_MS, MAX_MS))
     }
 
@@ -408,6 +425,11 @@ impl LatencyPredictor {
         let predicted = estimates.made().ms;
         if target == Target::Ttft {
             self.note_typical(role, features);
+            if features.uncached_tokens <= 0.0 && features.queued_tokens < 1.0 {
+                self.first_token.lock().unwrap_or_else(|e| e.into_inner())
+                    [crate::policy::role_index(role)]
+                .note(actual_ms);
+            }
         }
         // One line per lesson, to study the predictor's misses offline.
         tracing::debug!(

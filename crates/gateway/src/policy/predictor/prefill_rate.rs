@@ -63,6 +63,40 @@ impl PrefillRate {
     }
 }
 
+/// First tokens learned before [`FirstTokenTime::ms`] gives one.
+const MIN_FIRST_TOKENS: u32 = 5;
+/// How fast the first-token time follows the latest (about the last 30).
+const FIRST_TOKEN_RATE: f64 = 1.0 / 32.0;
+
+/// How long a role's first token takes when there is nothing to compute and nothing
+/// ahead (a decode worker's first token after a transfer: the transfer and a step): a
+/// running mean of those outcomes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FirstTokenTime {
+    mean_ms: f64,
+    samples: u32,
+}
+
+impl FirstTokenTime {
+    /// Notes a first token that took `actual_ms`.
+    pub fn note(&mut self, actual_ms: f64) {
+        if !(actual_ms.is_finite() && actual_ms > 0.0) {
+            return;
+        }
+        self.mean_ms = if self.samples == 0 {
+            actual_ms
+        } else {
+            self.mean_ms + FIRST_TOKEN_RATE * (actual_ms - self.mean_ms)
+        };
+        self.samples = self.samples.saturating_add(1);
+    }
+
+    /// The running mean; `None` before [`MIN_FIRST_TOKENS`].
+    pub fn ms(&self) -> Option<f64> {
+        (self.samples >= MIN_FIRST_TOKENS).then_some(self.mean_ms)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -112,5 +146,21 @@ mod tests {
             rate.note("a", 1000.0, t0 + ms(10 * i), t0 + ms(20 * (i + 1)));
         }
         assert!((rate.tokens_per_ms().unwrap() - 50.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_first_token_with_nothing_to_compute_is_a_running_mean() {
+        let mut first = FirstTokenTime::default();
+        for _ in 0..4 {
+            first.note(40.0);
+        }
+        assert_eq!(first.ms(), None, "too few yet");
+        first.note(f64::NAN);
+        first.note(-1.0);
+        assert_eq!(first.ms(), None, "nonsense is not a sample");
+        first.note(40.0);
+        assert_eq!(first.ms(), Some(40.0));
+        first.note(72.0);
+        assert!((first.ms().unwrap() - 41.0).abs() < 1e-9);
     }
 }

@@ -225,6 +225,20 @@ fn the_queue_estimate_predicts_from_the_first_few_prefill_legs() {
             .unwrap()
             .trained
     );
+    // Once a few such first tokens are known: their running mean, plus what is ahead.
+    for _ in 0..5 {
+        p.observe(decode, Target::Ttft, "d", after_transfer, 30.0);
+    }
+    let first = p
+        .predict(decode, Target::Ttft, "d", after_transfer)
+        .unwrap();
+    assert!(first.trained && (first.ms - 30.0).abs() < 1e-9, "{first:?}");
+    let behind = Features {
+        queued_tokens: 500.0,
+        ..after_transfer
+    };
+    let behind = p.predict(decode, Target::Ttft, "d", behind).unwrap().ms;
+    assert!((behind - 40.0).abs() < 1e-9, "{behind}");
 }
 
 #[test]
