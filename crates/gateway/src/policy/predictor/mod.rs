@@ -7,10 +7,15 @@
 //! One model per role and target, trained online from every finished request: recursive
 //! least squares of relative errors with forgetting (so it follows a fleet whose speed
 //! drifts) over a few features, bounded in memory (a 9 × 9 matrix each), starting from a
-//! prior that is sensible before the first sample. Each worker also keeps a correction factor of its
-//! own (a slower machine in a pool), dropped when the worker leaves. The mean absolute
-//! percentage error over a recent window is published as
-//! `pdserve_gateway_predictor_error_ratio{role,target}`.
+//! prior that is sensible before the first sample. Each worker also keeps a correction
+//! factor of its own (a slower machine in a pool), dropped when the worker leaves.
+//!
+//! Beside it, a queue estimate of TTFT: the prompt tokens still ahead on the worker and
+//! the request's own, at the rate measured on prefill legs as they end (known after three
+//! legs, where the regression needs fifty requests). A TTFT prediction follows the queue
+//! estimate until the regression has learned, then whichever of the two errs less lately.
+//! The mean absolute percentage error of the predictions made over a recent window is
+//! published as `pdserve_gateway_predictor_error_ratio{role,target}`.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -161,7 +166,8 @@ impl Features {
 pub struct Prediction {
     /// Predicted milliseconds.
     pub ms: f64,
-    /// Whether the model has learned from enough requests to be trusted over the prior.
+    /// Whether it is trusted over the prior: the queue estimate with a measured rate, or
+    /// a regression that has learned from enough requests.
     pub trained: bool,
 }
 
