@@ -556,11 +556,7 @@ impl LatencyPredictor {
     /// from enough requests, or (TTFT) a prefill rate has been measured for the queue
     /// estimate.
     pub fn trained(&self, role: WorkerRole, target: Target) -> bool {
-        let work = Features {
-            uncached_tokens: 1.0,
-            ..Features::default()
-        };
-        let queue = self.queue_estimate(role, target, &work).is_some();
+        let queue = target == Target::Ttft && self.queue_rate(role).is_some();
         let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         queue
             || models[crate::policy::role_index(role)][target.index()]
