@@ -25,6 +25,8 @@ pub(super) struct Model {
     theta: [f64; DIM],
     p: [[f64; DIM]; DIM],
     pub(super) samples: u64,
+    /// The weights it started from, and starts from again if its own become non-finite.
+    prior: [f64; DIM],
 }
 
 impl Model {
@@ -38,6 +40,7 @@ impl Model {
             theta: prior,
             p,
             samples: 0,
+            prior,
         }
     }
 
@@ -90,12 +93,13 @@ impl Model {
             if scale == 0.0 {
                 *self = Self {
                     samples: self.samples,
+                    prior: self.prior,
                     ..Self::new(self.theta)
                 };
             }
         }
         if self.theta.iter().any(|t| !t.is_finite()) {
-            *self = Self::new(prior_weights(Target::Ttft));
+            *self = Self::new(self.prior);
         }
         self.samples += 1;
     }
@@ -196,6 +200,16 @@ impl Track {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_model_gone_non_finite_starts_again_from_its_own_prior() {
+        let prior = prior_weights(Target::Tpot);
+        let mut model = Model::new(prior);
+        model.theta[0] = f64::NAN;
+        model.learn(&[1.0; DIM], 10.0);
+        assert_eq!(model.theta, prior, "the TPOT prior, not the TTFT one");
+        assert_eq!(model.samples, 1);
+    }
 
     #[test]
     fn the_queue_estimate_is_preferred_untrained_and_then_only_while_it_errs_less() {
